@@ -1,0 +1,152 @@
+"""Typed configuration of a router: which operator, which strategy, which loss, which options.
+
+A :class:`RouterConfig` is plain data. Presets (:mod:`maxscore.routing.presets`) are named
+``RouterConfig`` values; :class:`~maxscore.routing.router.Router` builds itself from one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Literal
+
+DropPolicy = Literal["position", "score"]
+GroupMode = Literal["sequence", "tokens", "batch"]
+AuxLossForm = Literal["gshard", "eq9", "none"]
+EvalRouting = Literal["causal", "train"]
+ScheduleShape = Literal["linear", "cosine", "constant"]
+
+
+@dataclass
+class TemperatureScheduleConfig:
+    """Schedule of the SoftTopk scale ``t`` (Eq. "SoftTopk"), advanced once per optimizer step.
+
+    The default reproduces the authors' public code: for k = 2 the second expert's weight is
+    multiplied by ``1 + t``, with ``t`` going linearly from 3 to 0 over 30,000 steps (their
+    factor 4 -> 1). The paper's text quotes "t0 = 4 decaying to 1"; taken literally in the
+    equation that is factor 5 -> 2, so we follow the code's effective weights.
+    """
+
+    start: float = 3.0
+    end: float = 0.0
+    steps: int = 30_000
+    shape: ScheduleShape = "linear"
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"temperature schedule steps must be >= 0, got {self.steps}")
+        if self.shape not in ("linear", "cosine", "constant"):
+            raise ValueError(
+                f"unknown temperature schedule shape {self.shape!r}; "
+                "use 'linear', 'cosine' or 'constant'"
+            )
+
+
+@dataclass
+class RouterConfig:
+    """Everything that defines a router, apart from the layer sizes.
+
+    Attributes:
+        operator: affinity operator name (``maxscore.routing.operators.AFFINITY_OPERATORS``).
+        strategy: assignment strategy name (``maxscore.routing.strategies.ASSIGNMENT_STRATEGIES``);
+            ``"dense"`` means no router at all (the layer is a dense MLP).
+        capacity_factor: expert capacity ``c = ceil(capacity_factor * k * n / e)`` per routing
+            group; ignored by strategies without capacity (dropless).
+        min_capacity: lower bound on ``c``.
+        drop_policy: which tokens a full expert keeps: ``"position"`` (first come, first
+            served; causal within the group) or ``"score"`` (highest affinity first).
+        group: routing group over which capacity is defined: one ``"sequence"``, a fixed number
+            of ``"tokens"`` (``group_size``), or the whole micro-``"batch"``.
+        group_size: tokens per group when ``group == "tokens"``.
+        aux_loss: ``"gshard"`` (default; ``e * sum_j mean_i A_ij * f_j`` with f the top-1 load
+            fraction, equal to 1 at perfect balance) or ``"eq9"`` (the paper's Eq. 9 as printed,
+            ``(1/e) * sum_j mean_i A_ij * mean_i P_ij``), or ``"none"``.
+        aux_loss_coef: λ, multiplied into the returned aux loss (paper: 1e-2; 1e-3 DeepSeek).
+        z_loss_coef: router z-loss coefficient (0 disables it).
+        temperature: SoftTopk ``t`` schedule (only used by operators that take ``t``).
+        normalize_weights: renormalise combine weights over a token's selected experts
+            (DeepSeek-V3 style); the paper's routers do not.
+        sinkhorn_iterations: iterations of Sinkhorn (SBASE and the two-stage flow solver).
+        flow_method: min-cost-flow solver used by the ``"min-cost-flow"`` strategy
+            (``maxscore.routing.flow.FLOW_SOLVERS``).
+        num_expert_groups / topk_groups: group-limited routing (DeepSeek): experts are split
+            into ``num_expert_groups`` groups and each token may only use its ``topk_groups``
+            best groups.
+        bias_update_rate: DeepSeek-V3 auxiliary-loss-free balancing: a per-expert fp32 bias is
+            added to the selection scores (not to the weights) and, in training, moved by this
+            rate against the load error (overloaded experts go DOWN). 0 disables it.
+        eval_routing: routing used in eval mode: ``"causal"`` (default; top-k without capacity,
+            so no token's experts depend on later tokens) or ``"train"`` (same as training).
+    """
+
+    operator: str = "softmax"
+    strategy: str = "topk"
+    capacity_factor: float = 1.0
+    min_capacity: int = 1
+    drop_policy: DropPolicy = "position"
+    group: GroupMode = "sequence"
+    group_size: int | None = None
+    aux_loss: AuxLossForm = "gshard"
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 0.0
+    temperature: TemperatureScheduleConfig = field(default_factory=TemperatureScheduleConfig)
+    normalize_weights: bool = False
+    sinkhorn_iterations: int = 8
+    flow_method: str = "two-stage-sinkhorn"
+    num_expert_groups: int = 1
+    topk_groups: int = 1
+    bias_update_rate: float = 0.0
+    eval_routing: EvalRouting = "causal"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, dict):
+            self.temperature = TemperatureScheduleConfig(**self.temperature)
+        if self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
+        if self.min_capacity < 0:
+            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
+        if self.drop_policy not in ("position", "score"):
+            raise ValueError(f"drop_policy must be 'position' or 'score', got {self.drop_policy!r}")
+        if self.group not in ("sequence", "tokens", "batch"):
+            raise ValueError(
+                f"group must be 'sequence', 'tokens' or 'batch', got {self.group!r}"
+            )
+        if self.group == "tokens" and (self.group_size is None or self.group_size < 1):
+            raise ValueError("group='tokens' needs group_size >= 1 (tokens per routing group)")
+        if self.aux_loss not in ("gshard", "eq9", "none"):
+            raise ValueError(f"aux_loss must be 'gshard', 'eq9' or 'none', got {self.aux_loss!r}")
+        if self.eval_routing not in ("causal", "train"):
+            raise ValueError(f"eval_routing must be 'causal' or 'train', got {self.eval_routing!r}")
+        if self.num_expert_groups < 1 or not 1 <= self.topk_groups <= self.num_expert_groups:
+            raise ValueError(
+                "need num_expert_groups >= 1 and 1 <= topk_groups <= num_expert_groups, got "
+                f"{self.num_expert_groups} and {self.topk_groups}"
+            )
+
+    @property
+    def is_dense(self) -> bool:
+        return self.strategy == "dense"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RouterConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(
+                f"unknown router config field(s) {sorted(unknown)}; known fields: {sorted(known)}"
+            )
+        return cls(**data)
+
+    def with_overrides(self, **overrides: Any) -> RouterConfig:
+        """A copy with some fields replaced (unknown names raise)."""
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(
+                f"unknown router option(s) {sorted(unknown)}; known options: {sorted(known)}"
+            )
+        if isinstance(overrides.get("temperature"), dict):
+            overrides["temperature"] = TemperatureScheduleConfig(**overrides["temperature"])
+        return replace(self, **overrides)
