@@ -1,0 +1,71 @@
+"""maxscore.routing: affinity operators, assignment strategies, flow solvers, losses, the Router.
+
+Public API::
+
+    from maxscore.routing import build_router, min_cost_flow_assignment
+
+    router = build_router("maxscore", hidden_size=768, num_experts=16, top_k=2)
+    result = router(hidden)                    # RoutingResult: expert_index, combine_weights, ...
+    idx = min_cost_flow_assignment(affinities, k=2, capacity=64, method="exact")
+
+See ``docs/routing.md`` for the preset table and ``docs/ARCHITECTURE.md`` for the contracts.
+"""
+
+from __future__ import annotations
+
+from maxscore.routing.config import RouterConfig, TemperatureScheduleConfig
+from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, min_cost_flow_assignment
+from maxscore.routing.groups import expert_capacity, split_into_groups
+from maxscore.routing.losses import load_balancing_loss, router_z_loss
+from maxscore.routing.operators import (
+    AFFINITY_OPERATORS,
+    AffinityOperator,
+    get_operator,
+    gradtopk_affinity,
+    itertopk_affinity,
+    relu_affinity,
+    sigmoid_affinity,
+    softkmax_affinity,
+    softmax_affinity,
+    softtopk_affinity,
+)
+from maxscore.routing.presets import ROUTER_PRESETS, RouterPreset, get_router_config
+from maxscore.routing.router import Router, build_router
+from maxscore.routing.schedule import TemperatureSchedule
+from maxscore.routing.statistics import routing_statistics
+from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec, get_strategy
+from maxscore.routing.types import DROPPED, RoutingResult
+
+__all__ = [
+    "AFFINITY_OPERATORS",
+    "ASSIGNMENT_STRATEGIES",
+    "DROPPED",
+    "FLOW_SOLVERS",
+    "ROUTER_PRESETS",
+    "AffinityOperator",
+    "Router",
+    "RouterConfig",
+    "RouterPreset",
+    "RoutingResult",
+    "StrategySpec",
+    "TemperatureSchedule",
+    "TemperatureScheduleConfig",
+    "build_router",
+    "expert_capacity",
+    "flow_objective",
+    "get_operator",
+    "get_router_config",
+    "get_strategy",
+    "gradtopk_affinity",
+    "itertopk_affinity",
+    "load_balancing_loss",
+    "min_cost_flow_assignment",
+    "relu_affinity",
+    "router_z_loss",
+    "routing_statistics",
+    "sigmoid_affinity",
+    "softkmax_affinity",
+    "softmax_affinity",
+    "softtopk_affinity",
+    "split_into_groups",
+]

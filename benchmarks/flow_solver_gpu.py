@@ -1,0 +1,318 @@
+"""Benchmark of the global min-cost-flow solver (Eq. 7-8, issue 3) against other routers.
+
+Times one routing call of n = 16,384 tokens, as 32 groups of 512 and as one group, for
+e in {16, 64} and k in {2, 6}, with capacity k*n/e per group, on softmax affinities of skewed logits
+(N(0,1) plus a per-expert bias of std 1; the regime where the two-stage heuristic loses most) and,
+for e = 16, k = 2, also balanced logits (no bias). Methods, in the same run:
+
+- ``topk``: plain top-k of the affinities (no capacity; the floor of any router).
+- ``megatron-sinkhorn``: Megatron-core style: exp of the logits, alternating row / column
+  normalisation for a fixed number of iterations, then top-k (no capacity enforcement).
+- ``two-stage-sinkhorn``: the paper's Algorithm 1 (``FLOW_SOLVERS``), if registered.
+- ``global``: ``FLOW_SOLVERS["global"]`` (this issue), eager and replayed from a CUDA graph.
+
+Each time is the median over repeated calls (CUDA events), each call on one of several input
+sets so that the L2 cache does not hold them. Beside each time: the objective of Eq. 8 relative
+to the exact optimum (``gap`` = (OPT - obj) / OPT, negative if the method breaks capacity to do
+better) and the largest load over capacity. The exact optima are computed once on the CPU
+(``--make-reference``, the exact successive-shortest-path solver) and stored in
+``benchmarks/flow_solver_gpu_reference.json``; instances are regenerated from their seeds.
+
+Usage (repo root)::
+
+    PYTHONPATH=src python3 benchmarks/flow_solver_gpu.py --make-reference   # CPU, once
+    PYTHONPATH=src python3 benchmarks/flow_solver_gpu.py [--out DIR]         # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from maxscore.routing.flow import FLOW_SOLVERS, flow_objective
+from maxscore.routing.flow.global_solver import solve_global
+
+HERE = Path(__file__).resolve().parent
+REFERENCE = HERE / "flow_solver_gpu_reference.json"
+TOKENS = 16_384
+SINKHORN_ITERATIONS = 8
+
+
+def configs() -> list[dict]:
+    out = []
+    for e in (16, 64):
+        for k in (2, 6):
+            for groups in (32, 1):
+                biases = (1.0, 0.0) if (e, k) == (16, 2) else (1.0,)
+                for bias in biases:
+                    out.append(
+                        {"groups": groups, "n": TOKENS // groups, "e": e, "k": k, "bias": bias}
+                    )
+    return out
+
+
+def key(c: dict) -> str:
+    return f"G{c['groups']}_n{c['n']}_e{c['e']}_k{c['k']}_b{c['bias']}"
+
+
+def instance(c: dict, copy: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Logits, affinities [G, n, e] and capacity [e] for a config (CPU, deterministic)."""
+    seed = hash_seed(key(c)) + 7919 * copy
+    gen = torch.Generator().manual_seed(seed)
+    g, n, e = c["groups"], c["n"], c["e"]
+    logits = torch.randn(g, n, e, generator=gen) + c["bias"] * torch.randn(g, 1, e, generator=gen)
+    capacity = torch.full((e,), math.ceil(c["k"] * n / e), dtype=torch.long)
+    return logits, torch.softmax(logits, dim=-1), capacity
+
+
+def hash_seed(text: str) -> int:
+    return sum((i + 1) * ord(ch) for i, ch in enumerate(text)) % (2**31)
+
+
+def megatron_sinkhorn(logits: Tensor, k: int, iterations: int = SINKHORN_ITERATIONS) -> Tensor:
+    """Megatron-core style Sinkhorn routing: exp(logits), alternate row / column normalisation
+    for a fixed number of iterations, then each token's top-k of the balanced matrix."""
+    cost = torch.exp(logits.float())
+    d0 = torch.ones(cost.shape[:-1], device=cost.device, dtype=cost.dtype)  # per token
+    d1 = torch.ones((*cost.shape[:-2], cost.shape[-1]), device=cost.device, dtype=cost.dtype)
+    eps = 1e-8
+    n, e = cost.shape[-2], cost.shape[-1]
+    for _ in range(iterations):
+        d0 = (1.0 / n) / ((cost * d1.unsqueeze(-2)).sum(-1) + eps)
+        d1 = (1.0 / e) / ((cost * d0.unsqueeze(-1)).sum(-2) + eps)
+    balanced = cost * d0.unsqueeze(-1) * d1.unsqueeze(-2)
+    return balanced.topk(k, dim=-1).indices
+
+
+def max_overload(index: Tensor, capacity: Tensor, e: int) -> float:
+    valid = index >= 0
+    counts = torch.zeros((*index.shape[:-2], e + 1), dtype=torch.long, device=index.device)
+    target = torch.where(valid, index, e).flatten(-2)
+    counts.scatter_add_(-1, target, torch.ones_like(target))
+    return float((counts[..., :e] / capacity.clamp_min(1)).max())
+
+
+def time_gpu(fn: Callable[[int], Tensor], sets: int, reps: int) -> float:
+    """Median milliseconds per call over ``reps`` calls cycling through ``sets`` inputs."""
+    for i in range(3):
+        fn(i % sets)
+    if not torch.cuda.is_available():  # CPU smoke test of the script itself
+        t0 = time.perf_counter()
+        for r in range(reps):
+            fn(r % sets)
+        return (time.perf_counter() - t0) * 1e3 / reps
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(r % sets)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_timer(
+    solver: Callable[[Tensor], Tensor], inputs: list[Tensor], reps: int
+) -> tuple[float, Tensor]:
+    """Capture ``solver`` once per input set in CUDA graphs; time the replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            solver(inputs[0])
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs, outs = [], []
+    for x in inputs:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(solver(x))
+        graphs.append(graph)
+    ms = time_gpu(lambda i: graphs[i].replay(), len(graphs), reps)
+    return ms, outs[0]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_reference() -> None:
+    """Exact optima on the CPU (slow; run once, results go to REFERENCE)."""
+    exact = FLOW_SOLVERS["exact"].solve
+    ref = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {}
+    for c in configs():
+        if key(c) in ref:
+            continue
+        _, aff, cap = instance(c)
+        t0 = time.perf_counter()
+        idx = exact(aff, c["k"], cap)
+        seconds = time.perf_counter() - t0
+        ref[key(c)] = {
+            "optimum": flow_objective(aff, idx).tolist(),
+            "exact_cpu_seconds": seconds,
+            "host": platform.node(),
+        }
+        REFERENCE.write_text(json.dumps(ref, indent=1))
+        print(f"{key(c)}: exact {seconds:.2f} s", flush=True)
+
+
+def run(out_dir: Path, reps: int, sets: int, only: str | None) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ref = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {}
+    meta = {
+        "card": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "dtype": "float32 affinities",
+        "timing": f"median of {reps} calls (CUDA events), cycling over {sets} input sets",
+        "methods_registered": sorted(FLOW_SOLVERS),
+    }
+    print(json.dumps(meta))
+    rows: list[dict] = []
+    for c in configs():
+        if only and only not in key(c):
+            continue
+        rows.extend(bench_config(c, ref, device, reps, sets))
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "flow_solver_gpu.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=1)
+    )
+    table = to_markdown(meta, rows)
+    (out_dir / "flow_solver_gpu.md").write_text(table)
+    print(table)
+
+
+def solvers_for(k: int, cap: Tensor) -> dict[str, Callable[[Tensor], Tensor]]:
+    """name -> solver of one input tensor (logits for Megatron's Sinkhorn, else affinities)."""
+    out: dict[str, Callable[[Tensor], Tensor]] = {
+        "topk": lambda x: x.topk(k, dim=-1).indices,
+        "megatron-sinkhorn": lambda x: megatron_sinkhorn(x, k),
+        "global": lambda x: solve_global(x, k, cap),
+    }
+    if "two-stage-sinkhorn" in FLOW_SOLVERS:
+        two = FLOW_SOLVERS["two-stage-sinkhorn"].solve
+        out["two-stage-sinkhorn"] = lambda x: two(x, k, cap)
+    return out
+
+
+def bench_config(c: dict, ref: dict, device: torch.device, reps: int, sets: int) -> list[dict]:
+    g, e, k = c["groups"], c["e"], c["k"]
+    data = [instance(c, s) for s in range(sets)]
+    logits = [d[0].to(device) for d in data]
+    affs = [d[1].to(device) for d in data]
+    cap = data[0][2].to(device)
+    opt = torch.tensor(ref[key(c)]["optimum"], dtype=torch.float64) if key(c) in ref else None
+    rows = []
+    for name, solver in solvers_for(k, cap).items():
+        inputs = logits if name == "megatron-sinkhorn" else affs
+        row: dict = {**c, "method": name}
+        try:
+            index = solver(inputs[0])
+            sync(device)
+            row["overload"] = max_overload(index, cap, e)
+            if opt is not None:
+                gaps = (opt - flow_objective(affs[0], index).cpu()) / opt
+                row.update(gap_median=float(gaps.median()), gap_max=float(gaps.max()))
+            row["eager_ms"] = time_gpu(lambda i, f=solver, xs=inputs: f(xs[i]), sets, reps)
+            try:
+                if device.type != "cuda":
+                    raise RuntimeError("CUDA graphs need a GPU")
+                row["graph_ms"], graph_index = graph_timer(solver, inputs, reps)
+                sync(device)
+                row["graph_matches_eager"] = bool(torch.equal(graph_index, index))
+            except Exception as err:  # not capturable: keep the eager time
+                row["graph_error"] = f"{type(err).__name__}: {err}"[:200]
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {err}"[:200]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if g == 32 and (e, k) == (16, 2):
+        # CPU time of the global solver and of the exact reference on the same input.
+        a_cpu, cap_cpu = affs[0].cpu(), cap.cpu()
+        solve_global(a_cpu[:2], k, cap_cpu)
+        t0 = time.perf_counter()
+        solve_global(a_cpu, k, cap_cpu)
+        global_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        FLOW_SOLVERS["exact"].solve(a_cpu, k, cap_cpu)
+        exact_s = time.perf_counter() - t0
+        rows.append(
+            {
+                **c,
+                "method": "cpu",
+                "global_cpu_ms": global_s * 1e3,
+                "exact_cpu_ms": exact_s * 1e3,
+                "cpu_threads": torch.get_num_threads(),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def to_markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        "# Flow solver benchmark (generated by benchmarks/flow_solver_gpu.py)",
+        "",
+        f"card: {meta['card']}; torch {meta['torch']} (CUDA {meta['cuda']}); {meta['date_utc']}; "
+        f"{meta['dtype']}; {meta['timing']}.",
+        "",
+        "| G x n | e | k | logits | method | eager ms | graph ms | gap median | gap max | max load/cap |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(x: object, spec: str) -> str:
+        return format(x, spec) if isinstance(x, float) else "-"
+
+    for r in rows:
+        if r["method"] == "cpu":
+            continue
+        logits = "skewed (bias std 1)" if r["bias"] else "balanced"
+        lines.append(
+            f"| {r['groups']} x {r['n']} | {r['e']} | {r['k']} | {logits} | {r['method']} | "
+            f"{f(r.get('eager_ms'), '.3f')} | {f(r.get('graph_ms'), '.3f')} | "
+            f"{f(r.get('gap_median'), '.2e')} | {f(r.get('gap_max'), '.2e')} | "
+            f"{f(r.get('overload'), '.2f')} |"
+        )
+    for r in rows:
+        if r["method"] == "cpu":
+            lines.append(
+                f"\nCPU ({r['cpu_threads']} threads), {r['groups']} x {r['n']}, e={r['e']}, k={r['k']}: "
+                f"global solver {r['global_cpu_ms']:.1f} ms, exact SSP reference {r['exact_cpu_ms']:.1f} ms."
+            )
+    errors = [r for r in rows if "error" in r or "graph_error" in r]
+    for r in errors:
+        lines.append(f"\n{key(r)} {r['method']}: {r.get('error', '')} {r.get('graph_error', '')}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--make-reference", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", HERE)))
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--sets", type=int, default=4)
+    parser.add_argument("--only", default=None, help="substring of a config key to run alone")
+    args = parser.parse_args()
+    if args.make_reference:
+        make_reference()
+    else:
+        run(args.out, args.reps, args.sets, args.only)
+
+
+if __name__ == "__main__":
+    main()

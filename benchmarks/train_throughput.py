@@ -1,0 +1,267 @@
+"""Training throughput of the Base preset per router, and a 1-GPU vs 2-GPU (DDP) loss check.
+
+Two modes:
+
+``python benchmarks/train_throughput.py throughput --routers dense,gshard,dropless,maxscore``
+    Trains the Base preset (bf16, seq 512) for ``--steps`` optimizer steps per router through the
+    real ``maxscore.training.train`` path (HF Trainer, AdamW, WSD) on the embedded corpus, and
+    measures steady-state tokens/s (steps after ``--warmup`` only, CUDA-synchronised), MFU and
+    peak memory. Results: ``train_throughput.json`` and ``train_throughput.md``.
+
+    MFU = achieved model FLOP/s / peak, with model FLOPs per token (PaLM appendix B convention)
+    ``6 * N_active + 12 * L * H * Q * T``: ``N_active`` the activated parameters that take part in
+    matrix products (everything except the input embedding; a routed expert counts k/e times),
+    ``L`` layers, ``H`` heads, ``Q`` head dim, ``T`` sequence length (attention counted as
+    non-causal, as PaLM and Megatron do). Peak: H100 SXM bf16 dense, 989 TFLOP/s. Router and
+    dispatch work is not counted (it is overhead, as it should be).
+
+``python benchmarks/train_throughput.py ddp-report --single RUN1 --ddp RUN2``
+    Reads two run directories (same global batch: 1 GPU x B vs 2 GPUs x B/2) and writes
+    ``ddp_loss_curves.png``, ``ddp_loss.md`` and ``ddp_loss.json`` (loss per logged step, max
+    absolute difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+H100_BF16_PEAK = 989e12
+
+
+def flops_per_token(model: Any, seq_len: int) -> tuple[float, int]:
+    """Model FLOPs per trained token (forward + backward) and the activated matmul parameters."""
+    cfg = model.config
+    counts = model.parameter_counts()
+    n_active = counts["activated"] - model.get_input_embeddings().weight.numel()
+    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    return 6.0 * n_active + attention, n_active
+
+
+def run_throughput(args: argparse.Namespace) -> None:
+    from transformers import TrainerCallback
+
+    from maxscore.training import TrainConfig, train
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+    class Timer(TrainerCallback):
+        """Wall time of steps warmup+1 .. max (CUDA-synchronised at both ends)."""
+
+        def __init__(self, warmup: int) -> None:
+            self.warmup = warmup
+            self.t0 = self.t1 = 0.0
+            self.steps = 0
+            self.model: Any = None
+
+        def on_step_end(self, a: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> Any:
+            if state.global_step == self.warmup:
+                torch.cuda.synchronize()
+                self.t0 = time.perf_counter()
+            if state.global_step == state.max_steps:
+                torch.cuda.synchronize()
+                self.t1 = time.perf_counter()
+                self.steps = state.global_step - self.warmup
+                self.model = model
+            return control
+
+    for router in args.routers.split(","):
+        model_preset = "dense-base" if router == "dense" else args.model
+        cfg = TrainConfig(
+            model=model_preset,
+            router=router,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            grad_accum=1,
+            max_steps=args.steps,
+            lr=3e-4,
+            warmup_steps=10,
+            precision="bf16",
+            gradient_checkpointing=args.gradient_checkpointing,
+            eval_steps=0,
+            save_steps=0,
+            save_final=False,
+            logging_steps=args.log_every,
+            max_eval_blocks=4,
+            output_dir=str(out / "runs" / router),
+            overwrite=True,
+            report_to="none",
+            quiet=True,
+        )
+        torch.cuda.reset_peak_memory_stats()
+        timer = Timer(args.warmup)
+        print(f"== {router} ({model_preset})", flush=True)
+        result = train(cfg, callbacks=[timer])
+        fpt, n_active = flops_per_token(timer.model, args.seq_len)
+        tokens = timer.steps * args.batch_size * args.seq_len
+        seconds = timer.t1 - timer.t0
+        tps = tokens / seconds
+        row = {
+            "router": router,
+            "model": model_preset,
+            "activated_matmul_params": n_active,
+            "flops_per_token": fpt,
+            "timed_steps": timer.steps,
+            "step_ms": 1000 * seconds / timer.steps,
+            "tokens_per_s": tps,
+            "tflops": tps * fpt / 1e12,
+            "mfu": tps * fpt / H100_BF16_PEAK,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "final_train_loss": result.train_loss,
+            "eval_loss": result.eval_loss,
+            "drop_rate": result.routing.get("drop_rate"),
+            "load_imbalance": result.routing.get("load_imbalance"),
+        }
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        del timer.model, result
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    gshard = next((r for r in results if r["router"] == "gshard"), None)
+    for row in results:
+        row["vs_gshard"] = row["tokens_per_s"] / gshard["tokens_per_s"] if gshard else None
+    meta = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "seq_len": args.seq_len,
+        "micro_batch": args.batch_size,
+        "steps": args.steps,
+        "warmup_steps_excluded": args.warmup,
+        "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)",
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "peak_flops": H100_BF16_PEAK,
+    }
+    (out / "train_throughput.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=2) + "\n"
+    )
+    lines = [
+        "# Training throughput, Base preset",
+        "",
+        f"{meta['device']}, torch {meta['torch']}, {meta['date']}. bf16, seq {args.seq_len}, "
+        f"micro-batch {args.batch_size} ({args.batch_size * args.seq_len} tokens/step), "
+        f"{args.steps} steps of which the first {args.warmup} are excluded from timing; HF Trainer "
+        "with AdamW through `maxscore.training.train`. MFU: (6·N_active + 12·L·H·Q·T) FLOPs per "
+        "token over 989 TFLOP/s (H100 bf16 dense).",
+        "",
+        "| router | model | step ms | tokens/s | vs gshard | TFLOP/s | MFU | peak GiB | drop rate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        drop = "-" if r["drop_rate"] is None else f"{r['drop_rate']:.1%}"
+        ratio = "-" if r["vs_gshard"] is None else f"{r['vs_gshard']:.3f}"
+        lines.append(
+            f"| {r['router']} | {r['model']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{ratio} | {r['tflops']:.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} | {drop} |"
+        )
+    (out / "train_throughput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("type") == "train" and "loss" in record:
+            out[int(record["step"])] = float(record["loss"])
+    return out
+
+
+def run_ddp_report(args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single, ddp = _losses(Path(args.single)), _losses(Path(args.ddp))
+    steps = sorted(set(single) & set(ddp))
+    diffs = [abs(single[s] - ddp[s]) for s in steps]
+    rel = [abs(single[s] - ddp[s]) / single[s] for s in steps]
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "single_gpu_run": str(args.single),
+        "ddp_run": str(args.ddp),
+        "note": args.note,
+        "steps": steps,
+        "loss_single": [single[s] for s in steps],
+        "loss_ddp": [ddp[s] for s in steps],
+        "max_abs_diff": max(diffs) if diffs else math.nan,
+        "max_rel_diff": max(rel) if rel else math.nan,
+        "mean_abs_diff": sum(diffs) / len(diffs) if diffs else math.nan,
+    }
+    (out / "ddp_loss.json").write_text(json.dumps(summary, indent=2) + "\n")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(steps, summary["loss_single"], label="1 GPU")
+    ax.plot(steps, summary["loss_ddp"], "--", label="2 GPUs (DDP)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Same global batch: 1 GPU vs 2-GPU DDP")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ddp_loss_curves.png", dpi=120)
+    lines = [
+        "# 1-GPU vs 2-GPU DDP loss curves",
+        "",
+        args.note,
+        "",
+        f"Max |loss difference| over {len(steps)} logged steps: {summary['max_abs_diff']:.4f} "
+        f"(max relative {summary['max_rel_diff']:.2%}, mean {summary['mean_abs_diff']:.4f}).",
+        "",
+        "| step | 1 GPU | 2 GPUs | diff |",
+        "|---|---|---|---|",
+    ]
+    stride = max(1, len(steps) // 15)
+    for s in steps[::stride] + ([steps[-1]] if steps and steps[-1] not in steps[::stride] else []):
+        lines.append(f"| {s} | {single[s]:.4f} | {ddp[s]:.4f} | {single[s] - ddp[s]:+.4f} |")
+    lines += ["", "![loss curves](ddp_loss_curves.png)", ""]
+    (out / "ddp_loss.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    t = sub.add_parser("throughput", help="tokens/s, MFU, peak memory per router (GPU)")
+    t.add_argument("--routers", default="dense,gshard,dropless,maxscore")
+    t.add_argument("--model", default="base")
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--steps", type=int, default=100)
+    t.add_argument("--warmup", type=int, default=20)
+    t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--gradient-checkpointing", action="store_true")
+    t.add_argument("--output", default=os.environ.get("OUT", "benchmarks"))
+    d = sub.add_parser("ddp-report", help="compare a 1-GPU and a DDP run's loss curves")
+    d.add_argument("--single", required=True)
+    d.add_argument("--ddp", required=True)
+    d.add_argument("--note", default="")
+    d.add_argument("--output", default="benchmarks")
+    args = parser.parse_args(argv)
+    if args.mode == "throughput":
+        if not torch.cuda.is_available():
+            sys.exit("throughput mode needs a CUDA GPU")
+        run_throughput(args)
+    else:
+        run_ddp_report(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""``maxscore analyze``: the paper's routing analyses for one or more runs, as PNGs + markdown.
+
+:func:`analyze` reads each run directory (and optionally runs its checkpoint on validation
+data), draws the figures of :mod:`maxscore.analysis.plots` with all runs side by side, and
+writes into the output directory:
+
+* ``drop_rate_by_rank.png``, ``mean_affinity_by_rank.png``, ``expert_load_layer<N>.png``,
+  ``loss_curves.png``, ``throughput_memory.png``;
+* ``analysis.json``: every plotted number (per run: routing snapshot, sorted expert loads with
+  mean / spread, loss curves, throughput and memory);
+* ``analysis.md``: the report embedding the figures, with the numbers as tables.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from maxscore.analysis import plots
+from maxscore.analysis.runs import RoutingSnapshot, RunData, RunError, load_run, unique_names
+
+logger = logging.getLogger(__name__)
+
+ANALYSIS_JSON = "analysis.json"
+ANALYSIS_MD = "analysis.md"
+
+
+@dataclass
+class AnalysisResult:
+    """What :func:`analyze` produced."""
+
+    output_dir: Path
+    figures: dict[str, Path] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def markdown_path(self) -> Path:
+        return self.output_dir / ANALYSIS_MD
+
+    @property
+    def json_path(self) -> Path:
+        return self.output_dir / ANALYSIS_JSON
+
+
+def default_layer(snapshots: dict[str, RoutingSnapshot]) -> int | None:
+    """The middle MoE layer common to all runs (the paper shows one layer)."""
+    common: list[int] | None = None
+    for snap in snapshots.values():
+        common = snap.layers if common is None else [x for x in common if x in snap.layers]
+    if not common:
+        return None
+    return common[len(common) // 2]
+
+
+def _snapshot(
+    run: RunData,
+    checkpoint: str | None,
+    window: int,
+    routing: str,
+    max_blocks: int,
+    device: str | None,
+) -> RoutingSnapshot | None:
+    if checkpoint is None:
+        return run.routing_snapshot(window)
+    from maxscore.analysis.checkpoint_stats import checkpoint_snapshot
+    from maxscore.evaluation.runner import EvaluationError, resolve_model_path
+
+    target = run.path if checkpoint == "latest" else Path(checkpoint)
+    try:
+        resolved = resolve_model_path(target)
+    except EvaluationError as err:
+        raise RunError(str(err)) from err
+    return checkpoint_snapshot(
+        run, resolved.checkpoint, max_blocks=max_blocks, routing=routing, device=device
+    )
+
+
+def analyze(
+    run_dirs: list[str | Path],
+    output_dir: str | Path,
+    *,
+    layer: int | None = None,
+    names: list[str] | None = None,
+    checkpoint: str | None = None,
+    window: int = 1,
+    routing: str = "train",
+    max_blocks: int = 8,
+    device: str | None = None,
+) -> AnalysisResult:
+    """Analyse runs side by side and write figures, ``analysis.json`` and ``analysis.md``.
+
+    Args:
+        run_dirs: run directories (outputs of ``maxscore train`` / ``compare``).
+        output_dir: where to write.
+        layer: decoder layer of the expert-load figure (default: the middle MoE layer).
+        names: labels, one per run (default: the router preset, else the directory name).
+        checkpoint: ``None`` (routing statistics from ``metrics.jsonl``), ``"latest"`` (run each
+            run's final / latest checkpoint on its validation data) or a checkpoint path
+            (one run only).
+        window: average the routing statistics of the last ``window`` training logs.
+        routing: routing used when running checkpoints (``train`` or ``causal``).
+        max_blocks: validation blocks per checkpoint.
+        device: torch device for checkpoints.
+
+    Raises:
+        RunError: a bad run directory, a layer that is not an MoE layer, or nothing to analyse.
+    """
+    if not run_dirs:
+        raise RunError("no run directories given")
+    if names is not None and len(names) != len(run_dirs):
+        raise RunError(f"{len(names)} names for {len(run_dirs)} runs")
+    if checkpoint not in (None, "latest") and len(run_dirs) != 1:
+        raise RunError("--checkpoint PATH works with one run; use --checkpoint alone for the latest of each")
+    runs = [load_run(p, names[i] if names else None) for i, p in enumerate(run_dirs)]
+    unique_names(runs)
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = AnalysisResult(out)
+
+    snapshots: dict[str, RoutingSnapshot] = {}
+    for run in runs:
+        snap = _snapshot(run, checkpoint, window, routing, max_blocks, device)
+        if snap is None:
+            result.notes.append(f"{run.name}: no routing statistics in metrics.jsonl (dense model?)")
+        else:
+            snapshots[run.name] = snap
+
+    data: dict[str, Any] = {"runs": {}}
+    for run in runs:
+        entry: dict[str, Any] = {
+            "path": str(run.path),
+            "router": run.router,
+            "train_loss": run.train_loss(),
+            "eval_loss": run.eval_loss(),
+            "throughput": run.throughput(),
+        }
+        if run.name in snapshots:
+            entry["routing"] = snapshots[run.name].to_dict()
+        data["runs"][run.name] = entry
+
+    if snapshots:
+        if any(s.stats.get("drop_rate_by_rank") for s in snapshots.values()):
+            fig = plots.drop_rate_figure(snapshots)
+            result.figures["drop_rate"] = plots.save_figure(fig, out / "drop_rate_by_rank.png")
+        if any(s.stats.get("mean_affinity_by_rank") for s in snapshots.values()):
+            fig = plots.mean_affinity_figure(snapshots)
+            result.figures["mean_affinity"] = plots.save_figure(fig, out / "mean_affinity_by_rank.png")
+        chosen = layer if layer is not None else default_layer(snapshots)
+        if chosen is None:
+            raise RunError("the runs share no MoE layer; pass --layer")
+        for snap in snapshots.values():
+            snap.layer_position(chosen)  # raises a clear error for a non-MoE layer
+        loads = {
+            name: plots.expert_load_summary(s.stats["load_over_capacity"][s.layer_position(chosen)])
+            for name, s in snapshots.items()
+            if s.stats.get("load_over_capacity")
+        }
+        if loads:
+            fig = plots.expert_load_figure(snapshots, chosen)
+            path = plots.save_figure(fig, out / f"expert_load_layer{chosen}.png")
+            result.figures["expert_load"] = path
+            data["expert_load"] = {"layer": chosen, "runs": loads}
+
+    train = {r.name: r.train_loss() for r in runs}
+    validation = {r.name: r.eval_loss() for r in runs}
+    if any(train.values()) or any(validation.values()):
+        fig = plots.loss_curves_figure(train, validation)
+        result.figures["loss_curves"] = plots.save_figure(fig, out / "loss_curves.png")
+    else:
+        result.notes.append("no training or validation losses in any metrics.jsonl")
+    throughput = {r.name: r.throughput() for r in runs}
+    if any(t["tokens_per_s"] is not None or t["peak_memory_gb"] is not None for t in throughput.values()):
+        fig = plots.throughput_figure(throughput)
+        result.figures["throughput"] = plots.save_figure(fig, out / "throughput_memory.png")
+
+    data["figures"] = {k: v.name for k, v in result.figures.items()}
+    data["notes"] = result.notes
+    data["settings"] = {"checkpoint": checkpoint, "window": window, "routing": routing if checkpoint else "train (logged)"}
+    result.data = data
+    result.json_path.write_text(json.dumps(data, indent=2) + "\n")
+    from maxscore.analysis.report import analysis_markdown
+
+    result.markdown_path.write_text(analysis_markdown(result))
+    return result

@@ -1,0 +1,339 @@
+"""The ``maxscore`` command line: train, compare, presets (and eval / analyze / report).
+
+``maxscore train`` with no arguments trains the tiny preset with the MaxScore router on the
+embedded corpus (a few minutes on a laptop CPU) and prints validation loss, perplexity and a
+routing summary. ``maxscore <command> --help`` shows each command's options and examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from maxscore.training.config import ConfigError, TrainConfig, apply_recipe
+
+_TRAIN_EXAMPLES = """\
+examples:
+  maxscore train                                   # tiny + maxscore on the embedded corpus (CPU)
+  maxscore train --router gshard --max-steps 500 --output-dir runs/gshard
+  maxscore train --dataset my_texts.jsonl --text-field content --seq-len 512
+  maxscore train --router-option capacity_factor=1.25 --model-option num_hidden_layers=2
+  maxscore train --output-dir runs/gshard --resume   # continue after a crash or Ctrl-C
+  maxscore train --recipe paper --router maxscore   # the paper's setup (Base, C4, 180k steps)
+  torchrun --nproc-per-node 8 -m maxscore.cli train --recipe paper --deepspeed zero2
+"""
+
+_COMPARE_EXAMPLES = """\
+examples:
+  maxscore compare                                  # gshard, maxscore, dropless on tiny (CPU)
+  maxscore compare --routers gshard,gshard-i,maxscore-i,maxscore --max-steps 200
+  maxscore compare --routers dense,gshard,maxscore --model base --output-dir runs/cmp-base
+
+Every router trains with the same data, seed and budget; the output folder gets
+comparison.md, comparison.csv, loss_curves.png and one run directory per router.
+"""
+
+
+def _parse_value(text: str) -> Any:
+    """``KEY=VALUE`` values: JSON when it parses (numbers, true/false, lists), else a string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parse_options(items: list[str] | None, flag: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        out[key.strip()] = _parse_value(value)
+    return out
+
+
+def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -> None:
+    """Flags that map onto :class:`TrainConfig` fields (defaults: ``None`` = not given)."""
+    d = TrainConfig()
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", help=f"model preset (default {d.model}; see `maxscore presets`)")
+    g.add_argument(
+        "--model-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a model config field, e.g. num_hidden_layers=2 (repeatable)",
+    )
+    if not compare:
+        g.add_argument("--router", help=f"router preset (default {d.router})")
+    g.add_argument(
+        "--router-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a router config field, e.g. capacity_factor=1.25 (repeatable)",
+    )
+    g = parser.add_argument_group("data")
+    g.add_argument(
+        "--dataset",
+        help="'default' (embedded corpus), a HF dataset name ('c4' = allenai/c4 en, streamed) "
+        "or a local .txt/.jsonl file or folder",
+    )
+    g.add_argument("--dataset-config", help="HF dataset config name (e.g. en)")
+    g.add_argument("--text-field", help=f"text column / JSON field (default {d.text_field})")
+    g.add_argument(
+        "--streaming",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stream the HF dataset (default: only for c4)",
+    )
+    g.add_argument("--max-train-documents", type=int, help="use only the first N documents")
+    g.add_argument("--max-eval-blocks", type=int, help=f"validation blocks (default {d.max_eval_blocks})")
+    g.add_argument(
+        "--tokenizer", help="'default' (embedded 32k LLaMA-style) or a HF name / local path"
+    )
+    g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--batch-size", type=int, help=f"sequences per device (default {d.batch_size})")
+    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--max-steps", type=int, help=f"optimizer steps (default {d.max_steps})")
+    g.add_argument("--max-tokens", type=int, help="token budget instead of --max-steps")
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})")
+    g.add_argument("--adam-beta1", type=float, help=f"(default {d.adam_beta1})")
+    g.add_argument("--adam-beta2", type=float, help=f"(default {d.adam_beta2})")
+    g.add_argument("--adam-eps", type=float, help=f"(default {d.adam_eps})")
+    g.add_argument("--max-grad-norm", type=float, help=f"clipping (default {d.max_grad_norm})")
+    g.add_argument(
+        "--lr-schedule",
+        choices=["wsd", "cosine", "linear", "constant"],
+        help="learning-rate schedule (default wsd: warmup-stable-decay)",
+    )
+    g.add_argument("--warmup-steps", type=int, help="warmup steps (default: --warmup-ratio)")
+    g.add_argument("--warmup-ratio", type=float, help=f"(default {d.warmup_ratio})")
+    g.add_argument("--decay-steps", type=int, help="WSD decay steps at the end (default: ratio)")
+    g.add_argument("--decay-ratio", type=float, help=f"(default {d.decay_ratio})")
+    g.add_argument("--decay-shape", choices=["linear", "cosine", "1-sqrt"])
+    g.add_argument("--min-lr-ratio", type=float)
+    g.add_argument("--seed", type=int, help=f"(default {d.seed})")
+    g.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp16", "fp32"],
+        help="auto = bf16 on a GPU, fp32 on CPU",
+    )
+    g.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute activations in backward (activation checkpointing)",
+    )
+    g.add_argument("--deepspeed", help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path")
+    g = parser.add_argument_group("run directory")
+    g.add_argument("--output-dir", help="run directory (default runs/<model>-<router>)")
+    g.add_argument("--eval-steps", type=int, help=f"evaluate every N steps (default {d.eval_steps})")
+    g.add_argument("--save-steps", type=int, help=f"checkpoint every N steps (default {d.save_steps})")
+    g.add_argument("--logging-steps", type=int, help=f"log every N steps (default {d.logging_steps})")
+    g.add_argument("--save-total-limit", type=int, help="checkpoints kept (default 2)")
+    g.add_argument(
+        "--save-final",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="checkpoint at the last step (default on)",
+    )
+    g.add_argument("--num-workers", type=int, help="DataLoader workers (default 0)")
+    g.add_argument("--report-to", choices=["auto", "tensorboard", "none"])
+    g.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
+    if not compare:
+        g.add_argument("--resume", action="store_true", default=None, help="continue the run")
+    g.add_argument(
+        "--overwrite", action="store_true", default=None, help="replace an existing run directory"
+    )
+    parser.add_argument("--config", help="a JSON/YAML TrainConfig file (flags override it)")
+    parser.add_argument(
+        "--recipe", choices=["paper"], help="fill in the paper's setup (flags override it)"
+    )
+
+
+def config_from_args(args: argparse.Namespace, **forced: Any) -> TrainConfig:
+    """Build the :class:`TrainConfig`: file < recipe < explicit flags < ``forced``."""
+    base = TrainConfig.from_file(args.config) if getattr(args, "config", None) else TrainConfig()
+    data = base.to_dict()
+    explicit: set[str] = set()
+    names = {f.name for f in fields(TrainConfig)}
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and name not in ("model_overrides", "router_overrides"):
+            data[name] = value
+            explicit.add(name)
+    model_opts = _parse_options(getattr(args, "model_option", None), "--model-option")
+    router_opts = _parse_options(getattr(args, "router_option", None), "--router-option")
+    if model_opts:
+        data["model_overrides"] = {**data["model_overrides"], **model_opts}
+        explicit.add("model_overrides")
+    if router_opts:
+        data["router_overrides"] = {**data["router_overrides"], **router_opts}
+        explicit.add("router_overrides")
+    if args.config:
+        # Values from a config file count as explicit too (they win over a recipe).
+        explicit |= {k for k, v in base.to_dict().items() if v != getattr(TrainConfig(), k)}
+    data.update(forced)
+    explicit |= set(forced)
+    config = TrainConfig.from_dict(data)
+    return apply_recipe(config, explicit)
+
+
+# ------------------------------------------------------------------------------------------------
+# commands
+# ------------------------------------------------------------------------------------------------
+def _error(message: str) -> int:
+    print(f"maxscore: error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from maxscore.training.trainer import format_summary, prepare, train
+
+    try:
+        config = config_from_args(args)
+        prepared = prepare(config)
+        if not config.quiet:
+            print(
+                f"maxscore: training {config.model} + {config.router} on {prepared.data.description}"
+                f" for {prepared.total_steps} steps; run directory {prepared.run_dir}",
+                file=sys.stderr,
+            )
+        result = train(config, prepared=prepared)
+    except ConfigError as err:
+        return _error(str(err))
+    print(format_summary(result))
+    return 130 if result.interrupted else 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from maxscore.training.compare import compare
+
+    try:
+        routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+        config = config_from_args(args, router=routers[0] if routers else "maxscore")
+        rows = compare(
+            routers, config, args.output_dir or "runs/compare", overwrite=bool(args.overwrite)
+        )
+    except ConfigError as err:
+        return _error(str(err))
+    from maxscore.training.compare import format_markdown
+
+    print(format_markdown(rows))
+    return 0
+
+
+def run_presets(args: argparse.Namespace) -> int:
+    from maxscore.models.presets import MODEL_PRESETS
+    from maxscore.routing.presets import ROUTER_PRESETS
+
+    if args.kind in ("all", "router"):
+        print("router presets (--router):")
+        for name, preset in ROUTER_PRESETS.items():
+            paper = getattr(preset, "paper_name", "") or ""
+            label = f" [{paper}]" if paper and paper.lower() != name else ""
+            print(f"  {name:<22}{preset.description}{label}")
+    if args.kind in ("all", "model"):
+        if args.kind == "all":
+            print()
+        print("model presets (--model):")
+        for name, preset in MODEL_PRESETS.items():
+            print(f"  {name:<22}{preset.description}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# parser
+# ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``maxscore`` parser (eval / analyze / report join when their modules exist)."""
+    parser = argparse.ArgumentParser(
+        prog="maxscore",
+        description="Maximum Score Routing for Mixture-of-Experts: train, compare, evaluate and "
+        "analyse MoE routers.",
+        epilog="run `maxscore <command> --help` for each command's options and examples",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+
+    train_p = sub.add_parser(
+        "train",
+        help="train a Llama-MoE model (no arguments: tiny + maxscore on the embedded corpus)",
+        description="Train a Llama-MoE language model with one of the paper's routers on the "
+        "HF Trainer. Writes config.json, checkpoints (safetensors + tokenizer), metrics.jsonl, "
+        "TensorBoard logs and summary.json into the run directory.",
+        epilog=_TRAIN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_train_options(train_p)
+    train_p.set_defaults(func=run_train)
+
+    compare_p = sub.add_parser(
+        "compare",
+        help="train several routers with the same data, seed and budget; table + loss plot",
+        description="Train several router presets one after another with identical settings "
+        "and write a comparison table (markdown + CSV) and a loss-curve PNG.",
+        epilog=_COMPARE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare_p.add_argument(
+        "--routers",
+        default="gshard,maxscore,dropless",
+        help="comma-separated router presets (default gshard,maxscore,dropless)",
+    )
+    _add_train_options(compare_p, compare=True)
+    compare_p.set_defaults(func=run_compare)
+
+    presets_p = sub.add_parser(
+        "presets",
+        help="list router and model presets",
+        description="List the named router presets (the paper's variants) and model sizes.",
+        epilog="examples:\n  maxscore presets\n  maxscore presets router",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    presets_p.add_argument("kind", nargs="?", choices=["all", "router", "model"], default="all")
+    presets_p.set_defaults(func=run_presets)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub: Any) -> None:
+    """eval / analyze / report come from their packages; the CLI works while they are absent."""
+    hooks = (
+        ("maxscore.evaluation.commands", "add_eval_parser"),
+        ("maxscore.analysis.commands", "add_analyze_parser"),
+        ("maxscore.analysis.commands", "add_report_parser"),
+    )
+    import importlib
+
+    for module_name, function in hooks:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            # Only a missing module is tolerated; a broken one should not hide silently.
+            if err.name is not None and module_name.startswith(err.name):
+                continue
+            raise
+        hook = getattr(module, function, None)
+        if hook is not None:
+            hook(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``maxscore`` console script."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

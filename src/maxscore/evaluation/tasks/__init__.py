@@ -1,0 +1,1 @@
+"""Bundled lm-eval task definitions (YAML) for offline evaluation; see ``maxscore.evaluation``."""

@@ -1,0 +1,235 @@
+"""SwiGLU experts with stacked weights, and the dense SwiGLU MLP.
+
+An expert is the Llama MLP ``E_j(x) = (silu(x W_g,j) * (x W_u,j)) W_d,j``. The MoE output of
+Eq. (1) is ``y = sum_j P_ij * w_ij * E_j(x_i)``: each token's output is the combine-weighted sum of
+the outputs of the experts it was assigned to.
+
+:class:`SwiGLUExperts` stores the ``e`` experts' weights stacked, so that one batched matmul
+(padded path) or one grouped matmul (grouped path) runs all experts at once:
+
+* ``gate_up`` ``[e, D, 2F]``: gate projection in columns ``[:F]``, up projection in ``[F:]``
+  (fused, so the first projection is a single matmul);
+* ``down`` ``[e, F, D]``.
+
+The combine weight of a buffer row is multiplied into the SwiGLU activation before the down
+projection (``(w * h) W_d = w * (h W_d)``), inside one custom autograd function that keeps only
+``gate_up`` for backward and recomputes the activation. That removes one ``[rows, D]`` output
+tensor and two ``[rows, F]`` activation tensors from what autograd keeps alive.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from maxscore.moe.dispatch import DispatchPlan, combine_rows, gather_rows, grouped_mm
+
+__all__ = ["DenseMLP", "SwiGLUExperts", "weighted_swiglu"]
+
+
+# --------------------------------------------------------------------------------------------
+# Weighted SwiGLU activation: h = w * silu(g) * u, with recomputation in backward.
+# --------------------------------------------------------------------------------------------
+
+
+def _swiglu_forward(gate_up: Tensor, weight: Tensor) -> Tensor:
+    # fp32 math whatever the storage dtype: under torch.compile this is one fused kernel, so the
+    # upcast costs no memory traffic.
+    g, u = gate_up.float().chunk(2, dim=-1)
+    h = F.silu(g) * u * weight.float().unsqueeze(-1)
+    return h.to(gate_up.dtype)
+
+
+def _swiglu_backward(gate_up: Tensor, weight: Tensor, grad_h: Tensor) -> tuple[Tensor, Tensor]:
+    g, u = gate_up.float().chunk(2, dim=-1)
+    w = weight.float().unsqueeze(-1)
+    dh = grad_h.float()
+    s = torch.sigmoid(g)
+    silu = g * s
+    d_weight = (dh * silu * u).sum(dim=-1)
+    dhw = dh * w
+    d_g = dhw * u * (s * (1.0 + g * (1.0 - s)))
+    d_u = dhw * silu
+    return torch.cat([d_g, d_u], dim=-1).to(gate_up.dtype), d_weight.to(weight.dtype)
+
+
+# On CUDA the two elementwise functions above are compiled (each becomes one or two fused
+# kernels instead of ~10 eager launches over [rows, F]); set MAXSCORE_COMPILE=0 to disable.
+_COMPILED: dict[str, Callable[..., object]] = {}
+_COMPILE_FAILED = False
+
+
+def _maybe_compiled(name: str, fn: Callable[..., object], x: Tensor) -> Callable:
+    global _COMPILE_FAILED
+    # Only the half-precision training path is compiled; fp32 on a GPU is for checks.
+    if (
+        x.device.type != "cuda"
+        or x.dtype not in (torch.bfloat16, torch.float16)
+        or _COMPILE_FAILED
+        or os.environ.get("MAXSCORE_COMPILE", "1") == "0"
+    ):
+        return fn
+    if name not in _COMPILED:
+        try:
+            _COMPILED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+        except Exception:  # pragma: no cover - depends on the GPU toolchain
+            _COMPILE_FAILED = True
+            return fn
+    return _COMPILED[name]
+
+
+def _call(name: str, fn: Callable[..., object], *args: Tensor):
+    global _COMPILE_FAILED
+    impl = _maybe_compiled(name, fn, args[0])
+    if impl is fn:
+        return fn(*args)
+    try:
+        return impl(*args)
+    except Exception:  # pragma: no cover - a broken inductor/triton install: stay correct, eager
+        _COMPILE_FAILED = True
+        return fn(*args)
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate_up, weight)
+        return _call("swiglu_fwd", _swiglu_forward, gate_up, weight)
+
+    @staticmethod
+    def backward(ctx, grad_h: Tensor) -> tuple[Tensor, Tensor | None]:  # type: ignore[override]
+        gate_up, weight = ctx.saved_tensors
+        d_gate_up, d_weight = _call(
+            "swiglu_bwd", _swiglu_backward, gate_up, weight, grad_h.contiguous()
+        )
+        return d_gate_up, (d_weight if ctx.needs_input_grad[1] else None)
+
+
+def weighted_swiglu(gate_up: Tensor, weight: Tensor) -> Tensor:
+    """``w * silu(g) * u`` for ``gate_up = [g | u]`` (``[..., 2F]``) and row weights ``[...]``.
+
+    Differentiable in both arguments; saves only its inputs (the activation is recomputed in
+    backward), so a MoE layer keeps no ``[rows, F]`` activation besides ``gate_up`` and ``h``.
+    """
+    return _WeightedSwiGLU.apply(gate_up, weight)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+
+class SwiGLUExperts(nn.Module):
+    """``e`` SwiGLU experts with stacked weights (see the module docstring for the layout).
+
+    Args:
+        num_experts: ``e``.
+        hidden_size: ``D``.
+        intermediate_size: ``F``, each expert's hidden width.
+        init_std: standard deviation of the normal init (Llama: ``initializer_range = 0.02``).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        init_std: float = 0.02,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.init_std = init_std
+        kw = {"device": device, "dtype": dtype}
+        self.gate_up = nn.Parameter(
+            torch.empty(num_experts, hidden_size, 2 * intermediate_size, **kw)
+        )
+        self.down = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate_up, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.down, mean=0.0, std=self.init_std)
+
+    def expert(self, j: int, x: Tensor) -> Tensor:
+        """Expert ``j`` applied to ``x[..., D]`` (plain ops; for references and tests)."""
+        f = self.intermediate_size
+        gu = x @ self.gate_up[j]
+        return (F.silu(gu[..., :f]) * gu[..., f:]) @ self.down[j]
+
+    def forward_padded(self, x: Tensor, plan: DispatchPlan) -> Tensor:
+        """Eq. (1) through capacity buffers: ``x[T, D] -> y[T, D]``, one ``bmm`` per projection.
+
+        The plan's rows are ``[e, G*c]`` (expert-major), so each expert's buffer is one
+        contiguous ``[G*c, D]`` matrix and a single batched matmul runs all experts.
+        """
+        e, f = self.num_experts, self.intermediate_size
+        xd = gather_rows(x, plan).view(e, -1, x.shape[-1])
+        gu = torch.bmm(xd, self.gate_up)
+        # 2-D view: the same (compiled) activation kernel serves both paths.
+        h = weighted_swiglu(gu.view(-1, 2 * f), plan.row_weight).view(e, -1, f)
+        out = torch.bmm(h, self.down).view(-1, x.shape[-1])
+        return combine_rows(out, plan, x.shape[0])
+
+    def forward_grouped(self, x: Tensor, plan: DispatchPlan) -> Tensor:
+        """Eq. (1) for variable expert loads: rows sorted by expert, grouped matmul by offsets."""
+        assert plan.group_end is not None, "forward_grouped needs a grouped dispatch plan"
+        xd = gather_rows(x, plan)
+        gu = grouped_mm(xd, self.gate_up, plan.group_end)
+        h = weighted_swiglu(gu, plan.row_weight)
+        out = grouped_mm(h, self.down, plan.group_end)
+        return combine_rows(out, plan, x.shape[0])
+
+    def forward(self, x: Tensor, plan: DispatchPlan) -> Tensor:
+        """Run the experts on a dispatch plan (padded if it has a capacity, else grouped)."""
+        if plan.rows_per_expert is not None:
+            return self.forward_padded(x, plan)
+        return self.forward_grouped(x, plan)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}"
+        )
+
+
+class DenseMLP(nn.Module):
+    """The Llama SwiGLU MLP ``(silu(x W_g) * (x W_u)) W_d`` (dense preset and shared experts).
+
+    Weight names follow Llama (``gate_proj``, ``up_proj``, ``down_proj``) so checkpoints read
+    like a Llama model's. ``num_shared_experts`` SwiGLU experts of width ``F`` summed together
+    equal one SwiGLU of width ``num_shared_experts * F``, which is how the MoE layer builds its
+    shared experts.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        init_std: float = 0.02,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.init_std = init_std
+        kw = {"device": device, "dtype": dtype, "bias": False}
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(lin.weight, mean=0.0, std=self.init_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

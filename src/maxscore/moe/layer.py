@@ -1,0 +1,141 @@
+"""The MoE layer: a router, ``e`` SwiGLU experts and optional shared experts.
+
+Eq. (1): ``y_i = sum_j P_ij * w_ij * E_j(x_i)`` (+ the shared experts' output for every token),
+where ``P`` is the router's 0/1 assignment and ``w`` its combine weights. Dropped slots have
+``P_ij = 0`` and contribute nothing; the residual connection around the layer carries the token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from maxscore.moe.dispatch import DispatchPlan, grouped_dispatch_plan, padded_dispatch_plan
+from maxscore.moe.experts import DenseMLP, SwiGLUExperts
+from maxscore.routing.config import RouterConfig
+from maxscore.routing.types import RoutingResult
+
+__all__ = ["MoE", "default_intermediate_size", "dispatch_plan"]
+
+
+def default_intermediate_size(hidden_size: int, top_k: int) -> int:
+    """Expert width ``4 * hidden / k`` (SPEC section 2), so k experts cost one dense MLP."""
+    return 4 * hidden_size // top_k
+
+
+def dispatch_plan(result: RoutingResult, capacity: int | None) -> DispatchPlan:
+    """The layer's plan for a routing: padded when ``capacity`` is given, else grouped."""
+    if capacity is None:
+        return grouped_dispatch_plan(
+            result.expert_index, result.combine_weights, result.num_experts
+        )
+    return padded_dispatch_plan(
+        result.expert_index,
+        result.combine_weights,
+        result.num_experts,
+        result.num_groups,
+        capacity,
+    )
+
+
+def _resolve_config(router: str | RouterConfig, overrides: dict[str, Any]) -> RouterConfig:
+    if isinstance(router, RouterConfig):
+        return router.with_overrides(**overrides) if overrides else router
+    from maxscore.routing.presets import get_router_config
+
+    return get_router_config(router, **overrides)
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts layer (Eq. 1) with any router of the paper.
+
+    Args:
+        hidden_size: ``D``.
+        num_experts: ``e``.
+        top_k: ``k``, experts per token (for expert choice: the average).
+        intermediate_size: each expert's width ``F``; default ``4 * D // k``.
+        router: a preset name (``maxscore.routing.ROUTER_PRESETS``) or a :class:`RouterConfig`.
+        num_shared_experts: experts every token goes through (DeepSeek), summed into the output.
+        shared_intermediate_size: width of each shared expert; default ``intermediate_size``.
+        init_std: normal init std of all expert weights (Llama ``initializer_range``).
+        **router_overrides: :class:`RouterConfig` fields replacing the preset's.
+
+    ``forward(x[B, L, D]) -> (y[B, L, D], RoutingResult)``. Capacity routers run the padded
+    path (``[e, G*c, D]`` buffers, ``bmm``), routings with ``capacity is None`` the grouped path
+    (``torch._grouped_mm``). ``last_stats`` holds the last call's routing statistics as detached
+    device tensors (reading them is the only host sync).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int | None = None,
+        router: str | RouterConfig = "maxscore",
+        num_shared_experts: int = 0,
+        shared_intermediate_size: int | None = None,
+        init_std: float = 0.02,
+        **router_overrides: Any,
+    ) -> None:
+        super().__init__()
+        config = _resolve_config(router, router_overrides)
+        if config.is_dense:
+            raise ValueError(
+                "the dense preset has no router: use maxscore.moe.DenseMLP "
+                "(intermediate size k * F) instead of a MoE layer"
+            )
+        from maxscore.routing.router import build_router
+
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.intermediate_size = intermediate_size or default_intermediate_size(hidden_size, top_k)
+        self.router_config = config
+        self.router = build_router(config, hidden_size, num_experts, top_k)
+        self.experts = SwiGLUExperts(num_experts, hidden_size, self.intermediate_size, init_std)
+        self.num_shared_experts = num_shared_experts
+        self.shared_experts: DenseMLP | None = None
+        if num_shared_experts > 0:
+            width = shared_intermediate_size or self.intermediate_size
+            self.shared_experts = DenseMLP(hidden_size, num_shared_experts * width, init_std)
+        self.last_stats: dict[str, Tensor] = {}
+
+    def buffer_capacity(self, result: RoutingResult) -> int | None:
+        """Rows per expert per group for the padded path, as a Python int (no host sync).
+
+        Recomputed from the router config with the same formula the router uses
+        (``groups.expert_capacity``); on the CPU, where reading is free, it is checked against
+        the routing's own capacity tensor.
+        """
+        if result.capacity is None:
+            return None
+        from maxscore.routing.groups import expert_capacity
+
+        cfg = self.router_config
+        c = expert_capacity(
+            result.group_size, self.num_experts, self.top_k, cfg.capacity_factor, cfg.min_capacity
+        )
+        if result.capacity.device.type == "cpu":
+            c_max = int(result.capacity.max())
+            if c_max > c:
+                raise RuntimeError(f"router capacity {c_max} exceeds the buffer capacity {c}")
+        return c
+
+    def forward(self, x: Tensor) -> tuple[Tensor, RoutingResult]:
+        shape = x.shape
+        result: RoutingResult = self.router(x)
+        tokens = x.reshape(-1, shape[-1])
+        plan = dispatch_plan(result, self.buffer_capacity(result))
+        y = self.experts(tokens, plan)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(tokens)
+        self.last_stats = {name: value.detach() for name, value in result.stats.items()}
+        return y.view(shape), result
+
+    def extra_repr(self) -> str:
+        return (
+            f"strategy={self.router_config.strategy!r}, operator={self.router_config.operator!r}, "
+            f"num_shared_experts={self.num_shared_experts}"
+        )

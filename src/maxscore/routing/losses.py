@@ -1,0 +1,88 @@
+"""Auxiliary routing losses: the load-balancing loss (Eq. 9 / GShard) and the router z-loss.
+
+Both return the *unscaled* loss; the router multiplies by ``aux_loss_coef`` / ``z_loss_coef``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["assignment_matrix", "load_balancing_loss", "router_z_loss"]
+
+
+def assignment_matrix(expert_index: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
+    """Dense 0/1 assignment ``P[..., n, e]`` of Eq. (7) from ``expert_index[..., n, S]`` (-1 = none).
+
+    Vectorised scatter into an extra "nowhere" column that is then cut off; no host sync.
+    """
+    shape = (*expert_index.shape[:-1], num_experts + 1)
+    p = torch.zeros(shape, dtype=dtype, device=expert_index.device)
+    target = torch.where(expert_index >= 0, expert_index, num_experts)
+    p.scatter_(-1, target, 1.0)
+    return p[..., :num_experts]
+
+
+def load_balancing_loss(
+    affinities: Tensor,
+    expert_index: Tensor,
+    form: Literal["gshard", "eq9", "none"] = "gshard",
+) -> Tensor:
+    """Load-balancing auxiliary loss, per routing group and averaged over groups (unscaled).
+
+    Args:
+        affinities: ``[G, n, e]`` (or ``[n, e]``) affinities ``A`` (carry the gradient).
+        expert_index: ``[G, n, S]`` (or ``[n, S]``) final assignment, ``-1`` = empty slot.
+        form: which loss.
+
+    Forms:
+
+    * ``"gshard"`` (default; the authors' code, GShard / Switch / fairseq):
+      ``L = e · sum_j mean_i(A_ij) · f_j`` with ``f_j`` the fraction of the group's tokens whose
+      top-1 choice (argmax of ``A``, before any capacity drop) is expert ``j``.
+    * ``"eq9"``, the paper's Eq. (9) as printed (without λ):
+      ``L = (1/e) · sum_j mean_i(A_ij) · mean_i(P_ij)`` with ``P`` the final assignment
+      (Eq. 7), i.e. every kept slot, after capacity.
+    * ``"none"``: zero.
+
+    Scale: with row-normalised affinities at perfect balance, ``mean_i A_ij = 1/e``,
+    ``f_j = 1/e`` and ``mean_i P_ij = k/e``, so ``gshard = 1`` while ``eq9 = k / e²``. Replacing
+    ``f`` by ``P/k`` the two differ by exactly ``e²/k``: with e = 16, k = 2 the same λ makes the
+    printed Eq. 9 128 times weaker than the GShard form the authors trained with. λ = 1e-2 in the
+    paper therefore refers to the GShard form, our default.
+    """
+    if form == "none":
+        return affinities.new_zeros(())
+    if affinities.dim() == 2:
+        affinities, expert_index = affinities.unsqueeze(0), expert_index.unsqueeze(0)
+    if affinities.dim() != 3 or expert_index.dim() != 3:
+        raise ValueError(
+            "load_balancing_loss needs affinities [G, n, e] and expert_index [G, n, S], got "
+            f"{tuple(affinities.shape)} and {tuple(expert_index.shape)}"
+        )
+    e = affinities.shape[-1]
+    mean_affinity = affinities.mean(dim=1)  # [G, e]
+    if form == "gshard":
+        top1 = F.one_hot(affinities.detach().argmax(dim=-1), e).to(affinities.dtype)
+        per_group = e * (mean_affinity * top1.mean(dim=1)).sum(dim=-1)
+    elif form == "eq9":
+        load = assignment_matrix(expert_index, e, affinities.dtype).mean(dim=1)  # [G, e]
+        per_group = (mean_affinity * load).sum(dim=-1) / e
+    else:
+        raise ValueError(f"unknown aux loss form {form!r}; use 'gshard', 'eq9' or 'none'")
+    return per_group.mean()
+
+
+def router_z_loss(logits: Tensor) -> Tensor:
+    """Router z-loss (ST-MoE): ``mean over tokens of logsumexp_j(logits_ij)²`` (unscaled).
+
+    Keeps gate logits small so the fp32 softmax stays well conditioned. ``logits[..., e]``.
+    """
+    return (
+        torch.logsumexp(logits.float() if logits.dtype != torch.float64 else logits, -1)
+        .square()
+        .mean()
+    )

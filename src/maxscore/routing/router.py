@@ -1,0 +1,364 @@
+"""The Router module: gate projection -> affinity operator -> assignment strategy -> weights.
+
+One call routes the ``T = B·L`` tokens of a ``[B, L, D]`` input::
+
+    logits      = x · W_g                                (fp32 matmul, autocast off)
+    A           = operator(logits, k, t)                  (Table 2 / SoftTopk; Eq. 2 for softmax)
+    expert_index = strategy(A [+ bias], k, capacity)      (per routing group; Eq. 7-8 for flow)
+    weights     = A gathered at expert_index              (0 for empty slots; the R(x) of Eq. 1)
+
+plus the load-balancing loss (Eq. 9 / GShard form), the z-loss and device-side statistics, all
+returned in one :class:`~maxscore.routing.types.RoutingResult`.
+
+Non-finite logits. Checking for NaN/inf would be a host sync, so the hot path instead replaces
+them: NaN -> 0 and ±inf -> ±``LOGIT_BOUND`` (``torch.nan_to_num`` in fp32). A token with a NaN
+logit is thus routed as if that logit were 0; assignments stay in range and duplicate-free and
+weights stay finite. Pass ``check_finite=True`` (a debugging aid that syncs) to raise a
+ValueError instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from maxscore.routing.config import RouterConfig
+from maxscore.routing.groups import expert_capacity, group_size_for
+from maxscore.routing.losses import assignment_matrix, load_balancing_loss, router_z_loss
+from maxscore.routing.operators import AFFINITY_OPERATORS, OPERATORS_USING_TEMPERATURE
+from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
+from maxscore.routing.schedule import TemperatureSchedule
+from maxscore.routing.statistics import routing_statistics
+from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec
+from maxscore.routing.types import RoutingResult
+
+__all__ = ["LOGIT_BOUND", "Router", "build_router", "validate_router_setup"]
+
+#: Magnitude that ±inf logits are replaced with (large enough to dominate, small enough that
+#: softmax, sigmoid and the z-loss stay finite in fp32).
+LOGIT_BOUND: float = 1.0e4
+
+_ROUTER_DTYPES = (torch.float32, torch.float64)
+
+
+def validate_router_setup(
+    hidden_size: int, num_experts: int, top_k: int, config: RouterConfig
+) -> None:
+    """Raise a ValueError naming the problem if this router cannot be built.
+
+    Checks sizes (``1 <= k <= e``), that the config names a real router (not ``"dense"``), a
+    known operator and strategy, and the group-limited layout (``e`` divisible by the number of
+    expert groups, enough experts in the kept groups for ``k``).
+    """
+    for name, value in (
+        ("hidden_size", hidden_size),
+        ("num_experts", num_experts),
+        ("top_k", top_k),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if top_k > num_experts:
+        raise ValueError(
+            f"top_k={top_k} exceeds num_experts={num_experts}: a token cannot use more experts "
+            "than exist"
+        )
+    if config.is_dense:
+        raise ValueError(
+            "the 'dense' preset has no router: build a dense MLP instead (the MoE layer does this "
+            "for router='dense')"
+        )
+    if config.operator not in AFFINITY_OPERATORS:
+        raise ValueError(
+            f"unknown affinity operator {config.operator!r}; known: {sorted(AFFINITY_OPERATORS)}"
+        )
+    if config.strategy not in ASSIGNMENT_STRATEGIES:
+        raise ValueError(
+            f"unknown assignment strategy {config.strategy!r}; known: "
+            f"{sorted(ASSIGNMENT_STRATEGIES)}"
+        )
+    if config.strategy == "group-limited":
+        groups = config.num_expert_groups
+        if num_experts % groups != 0:
+            raise ValueError(
+                f"group-limited routing: num_experts={num_experts} is not divisible by "
+                f"num_expert_groups={groups}"
+            )
+        if config.topk_groups * (num_experts // groups) < top_k:
+            raise ValueError(
+                f"group-limited routing: the best topk_groups={config.topk_groups} of {groups} "
+                f"expert groups hold {config.topk_groups * (num_experts // groups)} experts, "
+                f"fewer than top_k={top_k}"
+            )
+    if config.bias_update_rate < 0:
+        raise ValueError(f"bias_update_rate must be >= 0, got {config.bias_update_rate}")
+
+
+class Router(nn.Module):
+    """MoE router: ``forward(hidden[B, L, D]) -> RoutingResult`` (see the module docstring).
+
+    Args:
+        hidden_size: ``D``.
+        num_experts: ``e``.
+        top_k: ``k``, experts per token.
+        config: a :class:`RouterConfig` or a preset name (``ROUTER_PRESETS``).
+        router_dtype: dtype of the router math, ``torch.float32`` (default) or ``torch.float64``
+            (for gradcheck-style tests); assignment always ranks fp32 scores.
+        check_finite: debug aid: raise ValueError on NaN/inf logits (a host sync per call)
+            instead of sanitising them.
+        compute_stats: fill ``RoutingResult.stats`` (device tensors, no sync).
+
+    Submodules / buffers: ``gate`` (``Linear(D, e, bias=False)``), ``schedule``
+    (:class:`TemperatureSchedule`, always present so state-dict keys do not depend on the
+    operator), ``expert_bias`` (``[e]`` fp32, the DeepSeek-V3 balancing bias; stays fp32 when
+    the module is cast to another dtype), ``expert_load`` (``[e]`` fp32, tokens per expert
+    accumulated over the current optimizer step) and ``expert_load_step`` (the step they belong
+    to). All are always present, so state-dict keys do not depend on the preset.
+
+    DeepSeek-V3 bias updates (``bias_update_rate > 0``) happen once per optimizer step, like
+    DeepSeek-V3 and Megatron: training forwards add their loads to ``expert_load``; the first
+    training forward after the schedule's step counter moved (``advance_schedule``, which the
+    trainer calls once per optimizer step) applies ``b_j -= rate · sign(load_j - mean load)`` and
+    starts a new accumulation. The bias is therefore constant within a step, so activation
+    checkpointing recomputes exactly the routing of the original forward. All of this runs on
+    the device with no host sync. :meth:`update_expert_bias` applies the pending update at once.
+    """
+
+    expert_bias: Tensor
+    expert_load: Tensor
+    expert_load_step: Tensor
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        config: RouterConfig | str = "maxscore",
+        *,
+        router_dtype: torch.dtype = torch.float32,
+        check_finite: bool = False,
+        compute_stats: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(config, str):
+            config = get_router_config(config)
+        if not isinstance(config, RouterConfig):
+            raise TypeError(
+                f"config must be a RouterConfig or a preset name, got {type(config).__name__}"
+            )
+        validate_router_setup(hidden_size, num_experts, top_k, config)
+        if router_dtype not in _ROUTER_DTYPES:
+            raise ValueError(f"router_dtype must be float32 or float64, got {router_dtype}")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.config = config
+        self.router_dtype = router_dtype
+        self.check_finite = check_finite
+        self.compute_stats = compute_stats
+        self.operator = AFFINITY_OPERATORS[config.operator]
+        self.uses_temperature = config.operator in OPERATORS_USING_TEMPERATURE
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.schedule = TemperatureSchedule(config.temperature)
+        self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("expert_load_step", torch.zeros((), dtype=torch.long))
+
+    # ----------------------------------------------------------------------------------------
+    # dtype handling: the balancing bias is accumulated in tiny steps and must stay fp32
+    # (SPEC §5 pitfall: "an fp32 bias must not silently become bf16").
+    _FP32_BUFFERS = ("expert_bias", "expert_load")
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Router:
+        before = {name: self._buffers[name] for name in self._FP32_BUFFERS}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new is not None and old is not None and new.dtype != torch.float32:
+                # Re-derive from the fp32 value held before the cast, so no precision is lost.
+                self._buffers[name] = old.to(device=new.device, dtype=torch.float32)
+        return self
+
+    # ----------------------------------------------------------------------------------------
+    def strategy_for_mode(self) -> tuple[str, StrategySpec]:
+        """The strategy this call uses: the config's, or ``dropless`` for causal evaluation.
+
+        In ``eval()`` mode with ``eval_routing="causal"`` a non-causal strategy (capacity,
+        Sinkhorn, flow, expert choice) is replaced by dropless top-k, so no token's experts
+        depend on later tokens (SPEC §3).
+        """
+        name = self.config.strategy
+        spec = ASSIGNMENT_STRATEGIES[name]
+        if not self.training and self.config.eval_routing == "causal" and not spec.causal:
+            name = "dropless"
+            spec = ASSIGNMENT_STRATEGIES[name]
+        return name, spec
+
+    def advance_schedule(self, n: int = 1) -> None:
+        """Count ``n`` optimizer steps on the SoftTopk ``t`` schedule."""
+        self.schedule.advance(n)
+
+    def temperature(self) -> Tensor:
+        """The current SoftTopk ``t`` (0-dim fp32 device tensor)."""
+        return self.schedule.value()
+
+    # ----------------------------------------------------------------------------------------
+    def _gate_logits(self, hidden: Tensor) -> Tensor:
+        if hidden.dim() not in (2, 3):
+            raise ValueError(
+                f"router input must be [batch, seq, hidden] (or [tokens, hidden]), got shape "
+                f"{tuple(hidden.shape)}"
+            )
+        if not hidden.is_floating_point():
+            raise ValueError(f"router input must be a floating-point tensor, got {hidden.dtype}")
+        if hidden.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"router input hidden size {hidden.shape[-1]} does not match the router's "
+                f"hidden_size={self.hidden_size}"
+            )
+        # Router math in fp32 whatever the model dtype: autocast would run the matmul in bf16.
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            logits = F.linear(hidden.to(self.router_dtype), self.gate.weight.to(self.router_dtype))
+        if self.check_finite and not bool(torch.isfinite(logits).all()):
+            bad = int((~torch.isfinite(logits)).sum())
+            raise ValueError(
+                f"router logits contain {bad} non-finite value(s) (NaN/inf); check the input "
+                "hidden states and gate weights"
+            )
+        return torch.nan_to_num(logits, nan=0.0, posinf=LOGIT_BOUND, neginf=-LOGIT_BOUND)
+
+    def forward(self, hidden: Tensor) -> RoutingResult:
+        """Route ``hidden[B, L, D]`` (a 2-D ``[T, D]`` input is one sequence of ``T`` tokens)."""
+        logits = self._gate_logits(hidden)
+        batch, seq = (1, logits.shape[0]) if logits.dim() == 2 else logits.shape[:2]
+        e, k, cfg = self.num_experts, self.top_k, self.config
+        n = group_size_for(batch, seq, cfg)
+        g = batch * seq // n
+        logits = logits.reshape(g, n, e)
+
+        t = self.schedule.value() if self.uses_temperature else 0.0
+        affinities = self.operator(logits, k, t)
+
+        # Selection scores: the affinities, plus the DeepSeek-V3 bias, which steers selection
+        # only and never enters the weights. Strategies only pick, so they get a detached copy.
+        balancing = cfg.bias_update_rate > 0 and self.training
+        if balancing:
+            self._apply_pending_bias_update(only_if_new_step=True)
+        scores = affinities.detach().float()
+        if cfg.bias_update_rate > 0:
+            scores = scores + self.expert_bias
+        _, spec = self.strategy_for_mode()
+        capacity = None
+        if spec.uses_capacity:
+            c = expert_capacity(n, e, k, cfg.capacity_factor, cfg.min_capacity)
+            capacity = torch.full((e,), c, dtype=torch.long, device=logits.device)
+        expert_index = spec.assign(scores, k, capacity, cfg)
+
+        valid = expert_index >= 0
+        gathered = affinities.gather(-1, expert_index.clamp_min(0))
+        weights = torch.where(valid, gathered, torch.zeros_like(gathered))
+        if cfg.normalize_weights:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+
+        zero = logits.new_zeros(())
+        aux = zero
+        if cfg.aux_loss != "none" and cfg.aux_loss_coef != 0:
+            aux = cfg.aux_loss_coef * load_balancing_loss(affinities, expert_index, cfg.aux_loss)
+        z = cfg.z_loss_coef * router_z_loss(logits) if cfg.z_loss_coef != 0 else zero
+
+        if balancing:
+            with torch.no_grad():
+                load = assignment_matrix(expert_index, e, torch.float32).sum(dim=(0, 1))
+                self.expert_load.add_(load)
+
+        stats: dict[str, Tensor] = {}
+        if self.compute_stats:
+            stats = routing_statistics(affinities, expert_index, capacity, k)
+
+        num_tokens, slots = g * n, expert_index.shape[-1]
+        return RoutingResult(
+            expert_index=expert_index.reshape(num_tokens, slots),
+            combine_weights=weights.reshape(num_tokens, slots),
+            capacity=capacity,
+            num_groups=g,
+            logits=logits.reshape(num_tokens, e),
+            affinities=affinities.reshape(num_tokens, e),
+            aux_loss=aux,
+            z_loss=z,
+            stats=stats,
+        )
+
+    @torch.no_grad()
+    def _apply_pending_bias_update(self, only_if_new_step: bool) -> None:
+        """DeepSeek-V3 auxiliary-loss-free balancing: ``b_j -= rate · sign(load_j - mean load)``.
+
+        Overloaded experts get a LOWER bias (so they are picked less); the authors' code has the
+        sign inverted. ``load`` is ``expert_load``, the tokens per expert accumulated since the
+        last update. With ``only_if_new_step`` the update (and the reset of the accumulator)
+        happens only when the schedule's step differs from ``expert_load_step``; the test is a
+        device-side ``where``, not a host branch.
+        """
+        load = self.expert_load
+        update = self.config.bias_update_rate * torch.sign(load - load.mean())
+        if only_if_new_step:
+            new_step = self.schedule.step != self.expert_load_step
+            update = torch.where(new_step, update, torch.zeros_like(update))
+            load.mul_((~new_step).to(load.dtype))
+        else:
+            load.zero_()
+        self.expert_bias.sub_(update)
+        self.expert_load_step.copy_(self.schedule.step)
+
+    def update_expert_bias(self) -> None:
+        """Apply the pending DeepSeek-V3 bias update now (for loops that do not advance the
+        schedule); the loads accumulated so far are consumed."""
+        self._apply_pending_bias_update(only_if_new_step=False)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"operator={c.operator!r}, strategy={c.strategy!r}, group={c.group!r}"
+        )
+
+
+_ROUTER_KWARGS = ("router_dtype", "check_finite", "compute_stats")
+
+
+def build_router(
+    preset_or_config: str | RouterConfig,
+    hidden_size: int,
+    num_experts: int,
+    top_k: int,
+    **overrides: Any,
+) -> Router:
+    """Build a :class:`Router` from a preset name or a config, with field overrides.
+
+    ``overrides`` are :class:`RouterConfig` fields (e.g. ``capacity_factor=1.25``,
+    ``group="tokens", group_size=1024``) or the Router options ``router_dtype``,
+    ``check_finite``, ``compute_stats``. Unknown names, ``top_k > num_experts`` and other
+    impossible setups raise a ValueError that names the problem.
+
+    Example::
+
+        router = build_router("maxscore", hidden_size=768, num_experts=16, top_k=2)
+        result = router(hidden)          # hidden: [B, L, 768]
+    """
+    router_kwargs = {name: overrides.pop(name) for name in _ROUTER_KWARGS if name in overrides}
+    if isinstance(preset_or_config, str):
+        if preset_or_config not in ROUTER_PRESETS:
+            raise ValueError(
+                f"unknown router preset {preset_or_config!r}; known presets: "
+                f"{sorted(ROUTER_PRESETS)}"
+            )
+        config = get_router_config(preset_or_config, **overrides)
+    elif isinstance(preset_or_config, RouterConfig):
+        config = preset_or_config.with_overrides(**overrides)
+    else:
+        raise TypeError(
+            "build_router needs a preset name or a RouterConfig, got "
+            f"{type(preset_or_config).__name__}"
+        )
+    return Router(hidden_size, num_experts, top_k, config, **router_kwargs)

@@ -1,0 +1,33 @@
+"""Training: typed config, data packing, HF Trainer integration, run directories, comparisons.
+
+``maxscore train`` and ``maxscore compare`` are thin wrappers over :func:`train` and
+:func:`compare`. See :mod:`maxscore.training.trainer` for what the run directory holds and
+:mod:`maxscore.training.data` for how documents are packed into blocks.
+"""
+
+from maxscore.training.config import PAPER_RECIPE, ConfigError, TrainConfig, apply_recipe
+from maxscore.training.data import DataError, build_training_data, load_tokenizer
+from maxscore.training.trainer import (
+    METRICS_SCHEMA,
+    PreparedRun,
+    TrainResult,
+    format_summary,
+    prepare,
+    train,
+)
+
+__all__ = [
+    "METRICS_SCHEMA",
+    "PAPER_RECIPE",
+    "ConfigError",
+    "DataError",
+    "PreparedRun",
+    "TrainConfig",
+    "TrainResult",
+    "apply_recipe",
+    "build_training_data",
+    "format_summary",
+    "load_tokenizer",
+    "prepare",
+    "train",
+]

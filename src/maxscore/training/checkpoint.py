@@ -1,0 +1,100 @@
+"""Atomic checkpoint directories and the run directory's bookkeeping.
+
+A checkpoint is first written into a staging folder (``.staging-checkpoint-N/checkpoint-N``),
+every file is fsynced, then the folder is renamed to ``checkpoint-N`` in one ``rename`` and the
+parent directory is fsynced. A crash at any point leaves either the old set of checkpoints or the
+old set plus the new complete one; older checkpoints are only deleted after the new one is in
+place. ``transformers.trainer_utils.get_last_checkpoint`` only matches ``checkpoint-<N>``, so a
+leftover staging folder is never mistaken for a checkpoint (and is removed on the next start).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+STAGING_PREFIX = ".staging-"
+TRASH_PREFIX = ".trash-"
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` and every directory (so renames are durable)."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(root))
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory entry (no-op where the OS refuses directory fsync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish_checkpoint(staged: Path, final: Path) -> None:
+    """Make the complete checkpoint folder ``staged`` visible as ``final`` atomically.
+
+    If ``final`` exists (a checkpoint of the same step written again, e.g. at Ctrl-C), it is
+    moved aside first and deleted only after the new one is in place.
+    """
+    fsync_tree(staged)
+    trash: Path | None = None
+    if final.exists():
+        trash = final.with_name(TRASH_PREFIX + final.name)
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.rename(final, trash)
+    os.rename(staged, final)
+    fsync_dir(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run directory, oldest (lowest step) first."""
+    if not run_dir.is_dir():
+        return []
+    found = []
+    for child in run_dir.iterdir():
+        match = CHECKPOINT_RE.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    """The highest-step complete checkpoint, or None."""
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def rotate_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints (``keep <= 0`` keeps all)."""
+    if keep <= 0:
+        return
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_stale_staging(run_dir: Path) -> None:
+    """Remove half-written staging / trash folders left by a crash."""
+    if not run_dir.is_dir():
+        return
+    for child in run_dir.iterdir():
+        if child.name.startswith((STAGING_PREFIX, TRASH_PREFIX)) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)

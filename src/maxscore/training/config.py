@@ -1,0 +1,287 @@
+"""Typed training configuration (:class:`TrainConfig`) and the paper's recipe.
+
+A ``TrainConfig`` is plain data: the CLI fills one from its flags, the Python API takes one, and
+the run directory stores the *resolved* one (``config.json``) so a later ``--resume`` can check
+it is continuing the same experiment.
+
+``recipe="paper"`` fills in the paper's setup (SPEC section 2): context 512, global batch 688
+sequences, 180k steps, AdamW lr 3e-5, weight decay 0.1, betas (0.9, 0.95), eps 1e-6, a
+warmup-stable-decay schedule with 2k warmup steps and decay over the last 6k, bf16, activation
+checkpointing, C4 and a LLaMA tokenizer. Fields the user set explicitly win over the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+Precision = Literal["auto", "bf16", "fp16", "fp32"]
+LRSchedule = Literal["wsd", "cosine", "linear", "constant"]
+DecayShape = Literal["linear", "cosine", "1-sqrt"]
+
+#: Fields that may differ between a run directory's stored config and a ``--resume`` of it
+#: without a warning: they say where/how to run, not what is trained.
+RUNTIME_FIELDS: frozenset[str] = frozenset(
+    {"output_dir", "resume", "overwrite", "num_workers", "report_to", "quiet", "deepspeed"}
+)
+
+
+class ConfigError(ValueError):
+    """A training configuration that cannot work; raised before any training starts."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run.
+
+    Attributes:
+        model: model preset name (``maxscore.models.presets.MODEL_PRESETS``).
+        model_overrides: fields of the model config to replace (``{"num_hidden_layers": 2}``).
+        router: router preset name (``maxscore.routing.presets.ROUTER_PRESETS``).
+        router_overrides: fields of the router config to replace (``{"capacity_factor": 1.25}``).
+        dataset: ``"default"`` (the embedded corpus), a Hugging Face dataset name (``"c4"`` is
+            ``allenai/c4``, config ``en``), or a local ``.txt`` / ``.jsonl`` file or folder.
+        dataset_config: Hugging Face dataset config name (``"en"`` for C4).
+        text_field: the text column of a HF dataset or a JSONL record.
+        streaming: stream a HF dataset instead of downloading it (``None``: only for C4).
+        validation_fraction: share of documents held out when the source has no validation split.
+        max_train_documents: use only the first N (seed-shuffled) training documents.
+        max_eval_blocks: validation blocks used for each evaluation (keeps evaluation cheap).
+        tokenizer: ``"default"`` (the embedded 32k LLaMA-style tokenizer), or a HF tokenizer name
+            or local path.
+        seq_len: tokens per training sequence (documents are packed into blocks of this length).
+        batch_size: sequences per device per micro-batch.
+        grad_accum: micro-batches per optimizer step.
+        max_steps: optimizer steps to train for (ignored when ``max_tokens`` is given).
+        max_tokens: token budget; sets ``max_steps = ceil(max_tokens / tokens_per_step)``.
+        lr, weight_decay, adam_beta1, adam_beta2, adam_eps, max_grad_norm: AdamW settings.
+        lr_schedule: ``"wsd"`` (warmup-stable-decay, transformers' ``get_wsd_schedule``),
+            ``"cosine"``, ``"linear"`` or ``"constant"`` (all with warmup).
+        warmup_steps / warmup_ratio: warmup length (steps win when > 0).
+        decay_steps / decay_ratio: WSD decay length at the end of training (steps win when > 0).
+        decay_shape: shape of the WSD decay.
+        min_lr_ratio: learning rate at the end of the decay, as a fraction of ``lr``.
+        seed: seeds model initialisation, document order and batch order.
+        precision: ``"auto"`` is bf16 on a CUDA GPU that supports it, fp32 otherwise.
+        gradient_checkpointing: recompute activations in the backward pass.
+        output_dir: run directory (``None``: ``runs/<model>-<router>``).
+        eval_steps, save_steps, logging_steps: intervals in optimizer steps (0 disables).
+        save_total_limit: checkpoints kept (oldest deleted after a new one is complete).
+        save_final: write a checkpoint at the last step (so a run always ends with one).
+        resume: continue from the last checkpoint in ``output_dir``.
+        overwrite: delete an existing ``output_dir`` first.
+        deepspeed: a DeepSpeed config: ``"zero2"`` / ``"zero3"`` (shipped) or a JSON path.
+        num_workers: DataLoader worker processes.
+        report_to: ``"auto"`` (TensorBoard if installed), ``"tensorboard"`` or ``"none"``.
+        quiet: no progress bar.
+        recipe: ``None`` or ``"paper"``; applied by :func:`apply_recipe`.
+    """
+
+    model: str = "tiny"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    router: str = "maxscore"
+    router_overrides: dict[str, Any] = field(default_factory=dict)
+    dataset: str = "default"
+    dataset_config: str | None = None
+    text_field: str = "text"
+    streaming: bool | None = None
+    validation_fraction: float = 0.01
+    max_train_documents: int | None = None
+    max_eval_blocks: int = 32
+    tokenizer: str = "default"
+    seq_len: int = 256
+    batch_size: int = 8
+    grad_accum: int = 1
+    max_steps: int = 300
+    max_tokens: int | None = None
+    lr: float = 2e-3
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-6
+    max_grad_norm: float = 1.0
+    lr_schedule: LRSchedule = "wsd"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.05
+    decay_steps: int = 0
+    decay_ratio: float = 0.2
+    decay_shape: DecayShape = "linear"
+    min_lr_ratio: float = 0.0
+    seed: int = 42
+    precision: Precision = "auto"
+    gradient_checkpointing: bool = False
+    output_dir: str | None = None
+    eval_steps: int = 100
+    save_steps: int = 100
+    logging_steps: int = 10
+    save_total_limit: int = 2
+    save_final: bool = True
+    resume: bool = False
+    overwrite: bool = False
+    deepspeed: str | None = None
+    num_workers: int = 0
+    report_to: str = "auto"
+    quiet: bool = False
+    recipe: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ----------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check the values that can be checked without loading anything (raises ConfigError)."""
+        positive = {
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
+            "max_eval_blocks": self.max_eval_blocks,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
+        if self.max_tokens is None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
+            raise ConfigError(f"betas must be in [0, 1), got ({self.adam_beta1}, {self.adam_beta2})")
+        if self.precision not in ("auto", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
+        if self.lr_schedule not in ("wsd", "cosine", "linear", "constant"):
+            raise ConfigError(
+                f"lr_schedule must be wsd, cosine, linear or constant, got {self.lr_schedule!r}"
+            )
+        if self.decay_shape not in ("linear", "cosine", "1-sqrt"):
+            raise ConfigError(f"decay_shape must be linear, cosine or 1-sqrt, got {self.decay_shape!r}")
+        for name in ("warmup_ratio", "decay_ratio", "validation_fraction", "min_lr_ratio"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ConfigError(f"{name} must be in [0, 1], got {value}")
+        for name in ("warmup_steps", "decay_steps", "eval_steps", "save_steps", "logging_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume and --overwrite contradict each other; pick one")
+        if self.report_to not in ("auto", "tensorboard", "none"):
+            raise ConfigError(f"report_to must be auto, tensorboard or none, got {self.report_to!r}")
+        if self.recipe not in (None, "paper"):
+            raise ConfigError(f"unknown recipe {self.recipe!r}; known recipes: paper")
+
+    # ----------------------------------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        """The run directory (``output_dir`` or ``runs/<model>-<router>``)."""
+        return Path(self.output_dir or f"runs/{self.model}-{self.router}")
+
+    def tokens_per_step(self, world_size: int = 1) -> int:
+        """Tokens per optimizer step: ``seq_len * batch_size * grad_accum * world_size``."""
+        return self.seq_len * self.batch_size * self.grad_accum * world_size
+
+    def total_steps(self, world_size: int = 1) -> int:
+        """Optimizer steps the run trains for (from ``max_tokens`` when given)."""
+        if self.max_tokens is not None:
+            return max(1, math.ceil(self.max_tokens / self.tokens_per_step(world_size)))
+        return self.max_steps
+
+    def warmup_and_decay(self, world_size: int = 1) -> tuple[int, int]:
+        """Warmup and (WSD) decay lengths in optimizer steps, clipped to the run length."""
+        total = self.total_steps(world_size)
+        warmup = self.warmup_steps or round(self.warmup_ratio * total)
+        decay = self.decay_steps or round(self.decay_ratio * total)
+        warmup = min(warmup, total)
+        decay = min(decay, total - warmup)
+        return warmup, decay
+
+    # ----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(
+                f"unknown training config field(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TrainConfig:
+        """Load from a JSON or YAML file (a run directory's ``config.json`` works too)."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+        # A run directory's config.json nests the training config next to derived values.
+        data = data.get("train", data)
+        return cls.from_dict(data)
+
+    def differences(self, other: TrainConfig, ignore: frozenset[str] = RUNTIME_FIELDS) -> dict:
+        """``{field: (self_value, other_value)}`` for fields that differ (``ignore`` skipped)."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return {
+            k: (mine[k], theirs[k]) for k in mine if k not in ignore and mine[k] != theirs.get(k)
+        }
+
+
+#: The paper's setup (SPEC section 2). ``dataset="c4"`` streams allenai/c4 ``en``.
+PAPER_RECIPE: dict[str, Any] = {
+    "model": "base",
+    "dataset": "c4",
+    "dataset_config": "en",
+    "streaming": True,
+    "tokenizer": "default",
+    "seq_len": 512,
+    # 688 sequences per optimizer step in total; with 8 GPUs x 43 x 2 = 688.
+    "batch_size": 43,
+    "grad_accum": 2,
+    "max_steps": 180_000,
+    "lr": 3e-5,
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_eps": 1e-6,
+    "lr_schedule": "wsd",
+    "warmup_steps": 2_000,
+    "decay_steps": 6_000,
+    "precision": "bf16",
+    "gradient_checkpointing": True,
+    "eval_steps": 2_000,
+    "save_steps": 2_000,
+    "logging_steps": 50,
+    "max_eval_blocks": 512,
+    "save_total_limit": 3,
+}
+
+#: Global batch of the paper's recipe, in sequences.
+PAPER_GLOBAL_BATCH = 688
+
+
+def apply_recipe(config: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -> TrainConfig:
+    """Fill ``config`` with its recipe's values, except fields named in ``explicit``.
+
+    ``explicit`` holds the fields the user set on the command line / in code, which win over the
+    recipe. The paper's global batch of 688 sequences is ``batch_size * grad_accum * world_size``;
+    the recipe's 43 x 2 assumes 8 GPUs — adjust ``grad_accum`` for other GPU counts.
+    """
+    if config.recipe is None:
+        return config
+    if config.recipe != "paper":
+        raise ConfigError(f"unknown recipe {config.recipe!r}; known recipes: paper")
+    data = config.to_dict()
+    for key, value in PAPER_RECIPE.items():
+        if key not in explicit:
+            data[key] = value
+    return TrainConfig.from_dict(data)

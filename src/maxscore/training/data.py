@@ -1,0 +1,408 @@
+"""Training data: text sources, tokenisation and packing into fixed-length blocks.
+
+Sources (``TrainConfig.dataset``):
+
+* ``"default"`` — the embedded corpus of :mod:`maxscore.data` (train / validation split shipped).
+* a local ``.txt`` file (documents separated by blank lines), ``.jsonl`` file (one JSON object per
+  line, text in ``text_field``) or a folder of them.
+* any Hugging Face dataset name (``"c4"`` means ``allenai/c4`` with config ``en``, streamed).
+
+Packing (what every source goes through): documents, in a fixed order given the seed, are
+tokenised without special tokens, each is followed by the tokenizer's EOS token, all are
+concatenated into one stream, and the stream is cut into consecutive blocks of ``seq_len``
+tokens; the last incomplete block is dropped. Attention is not masked at document boundaries
+(the usual pre-training practice; EOS marks them). A block is one training sequence; ``labels``
+equal ``input_ids`` (the model shifts them).
+
+Determinism and resuming: map-style sources become a :class:`PackedDataset` (a tensor of blocks)
+whose order the Trainer's seeded sampler draws, so HF Trainer can skip the batches already
+trained on when resuming. Streaming sources become a :class:`PackedStream`, an
+``IterableDataset`` with a deterministic order (seeded shuffle buffer) whose ``state_dict`` holds
+the number of blocks produced; on resume the Trainer re-reads and skips the consumed batches.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from maxscore.training.config import ConfigError, TrainConfig
+
+#: Short names for well-known Hugging Face datasets: name -> (path, config, streaming default).
+DATASET_ALIASES: dict[str, tuple[str, str | None, bool]] = {
+    "c4": ("allenai/c4", "en", True),
+    "allenai/c4": ("allenai/c4", "en", True),
+}
+
+#: Documents tokenised per call of the fast tokenizer (bounds memory, keeps Rust threads busy).
+_TOKENIZE_BATCH = 64
+
+
+class DataError(ConfigError):
+    """A data source that cannot be used (missing, empty, too small); raised before training."""
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer
+# ------------------------------------------------------------------------------------------------
+def load_tokenizer(name: str) -> Any:
+    """The embedded default tokenizer (``"default"``) or a HF tokenizer name / local path."""
+    if name in ("default", "embedded"):
+        from maxscore.data import load_default_tokenizer
+
+        tokenizer = load_default_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as err:  # transformers raises OSError / ValueError / HF hub errors
+            raise ConfigError(
+                f"cannot load tokenizer {name!r}: {type(err).__name__}: {err}. Use 'default' for "
+                "the embedded 32k tokenizer, a local tokenizer folder, or a Hub name (online)."
+            ) from err
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer {name!r} has no EOS token; packing needs one")
+    return tokenizer
+
+
+def _encode_batch(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of ``texts`` without special tokens.
+
+    Uses the Rust tokenizer directly when there is one: it is parallel, and it does not warn
+    about documents longer than the model's maximum (we pack them anyway).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return [enc.ids for enc in backend.encode_batch(texts, add_special_tokens=False)]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------------
+# packing
+# ------------------------------------------------------------------------------------------------
+def pack_token_stream(
+    token_lists: Iterable[list[int]], seq_len: int, eos_id: int
+) -> Iterator[list[int]]:
+    """Yield ``seq_len``-token blocks of the concatenation ``doc_1 EOS doc_2 EOS ...``.
+
+    The final incomplete block is dropped.
+    """
+    buffer: list[int] = []
+    for ids in token_lists:
+        buffer.extend(ids)
+        buffer.append(eos_id)
+        while len(buffer) >= seq_len:
+            yield buffer[:seq_len]
+            del buffer[:seq_len]
+
+
+def pack_documents(
+    texts: Iterable[str],
+    tokenizer: Any,
+    seq_len: int,
+    max_blocks: int | None = None,
+) -> torch.Tensor:
+    """Tokenise and pack ``texts`` (in order) into a ``[num_blocks, seq_len]`` long tensor."""
+    blocks: list[list[int]] = []
+    for block in pack_token_stream(
+        _tokenize_iter(texts, tokenizer), seq_len, tokenizer.eos_token_id
+    ):
+        blocks.append(block)
+        if max_blocks is not None and len(blocks) >= max_blocks:
+            break
+    if not blocks:
+        return torch.empty(0, seq_len, dtype=torch.long)
+    return torch.tensor(blocks, dtype=torch.long)
+
+
+def _tokenize_iter(texts: Iterable[str], tokenizer: Any) -> Iterator[list[int]]:
+    batch: list[str] = []
+    for text in texts:
+        if not text:
+            continue
+        batch.append(text)
+        if len(batch) >= _TOKENIZE_BATCH:
+            yield from _encode_batch(tokenizer, batch)
+            batch = []
+    if batch:
+        yield from _encode_batch(tokenizer, batch)
+
+
+class PackedDataset(Dataset):
+    """Map-style dataset of packed blocks: item ``i`` is ``{"input_ids", "labels"}`` of block i."""
+
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return self.blocks.shape[0]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        block = self.blocks[index]
+        return {"input_ids": block, "labels": block}
+
+    @property
+    def num_tokens(self) -> int:
+        return self.blocks.numel()
+
+
+class PackedStream(IterableDataset):
+    """Streaming packed blocks of a text iterator, deterministic for a given ``seed``.
+
+    ``text_factory(seed)`` must return the same document sequence for the same seed. In data
+    parallel runs accelerate hands each process its share of the batches, so the stream itself is
+    not sharded here. ``state_dict()`` records how many blocks were produced (for inspection and
+    for loaders that restore iterable state); the Trainer restores the position on resume by
+    skipping the batches it already trained on.
+    """
+
+    def __init__(
+        self,
+        text_factory: Callable[[int], Iterable[str]],
+        tokenizer: Any,
+        seq_len: int,
+        seed: int,
+    ) -> None:
+        self.text_factory = text_factory
+        self.tokenizer = tokenizer
+        self.seq_len = seq_len
+        self.seed = seed
+        self.epoch = 0
+        self.blocks_produced = 0
+        self._skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "blocks_produced": self.blocks_produced}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self._skip = int(state["blocks_produced"])
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        texts = self.text_factory(self.seed + self.epoch)
+        stream = pack_token_stream(
+            _tokenize_iter(texts, self.tokenizer), self.seq_len, self.tokenizer.eos_token_id
+        )
+        self.blocks_produced = 0
+        for block in stream:
+            self.blocks_produced += 1
+            if self._skip:
+                self._skip -= 1
+                continue
+            ids = torch.tensor(block, dtype=torch.long)
+            yield {"input_ids": ids, "labels": ids}
+
+
+# ------------------------------------------------------------------------------------------------
+# sources
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class TextSplits:
+    """Documents of a source: ``train`` and ``validation`` lists, or a streaming ``train``."""
+
+    train: list[str] | None
+    validation: list[str]
+    description: str
+    stream_factory: Callable[[int], Iterable[str]] | None = None
+
+
+def _read_local(path: Path, text_field: str) -> list[str]:
+    files: list[Path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
+        if not files:
+            raise DataError(f"folder {str(path)!r} holds no .txt or .jsonl files")
+    else:
+        files = [path]
+    docs: list[str] = []
+    for file in files:
+        if file.suffix == ".jsonl":
+            with file.open(encoding="utf-8") as handle:
+                for line_no, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise DataError(f"{file}:{line_no}: not valid JSON ({err})") from err
+                    if text_field not in record:
+                        raise DataError(
+                            f"{file}:{line_no}: no field {text_field!r} (fields: "
+                            f"{sorted(record)}); set --text-field"
+                        )
+                    docs.append(str(record[text_field]))
+        elif file.suffix == ".txt":
+            text = file.read_text(encoding="utf-8", errors="replace")
+            docs.extend(d.strip() for d in text.split("\n\n") if d.strip())
+        else:
+            raise DataError(f"unsupported file type {file.suffix!r} for {str(file)!r}: use .txt or .jsonl")
+    return docs
+
+
+def _split_validation(docs: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
+    """Seeded shuffle, then hold out ``fraction`` of the documents (at least one)."""
+    docs = list(docs)
+    random.Random(seed).shuffle(docs)
+    n_val = max(1, round(fraction * len(docs))) if len(docs) > 1 else 0
+    return docs[n_val:], docs[:n_val]
+
+
+def _hf_source(config: TrainConfig) -> TextSplits:
+    name, ds_config, stream_default = DATASET_ALIASES.get(
+        config.dataset, (config.dataset, None, False)
+    )
+    ds_config = config.dataset_config or ds_config
+    streaming = stream_default if config.streaming is None else config.streaming
+    try:
+        import datasets
+    except ImportError as err:
+        raise DataError(
+            f"dataset {config.dataset!r} needs the 'datasets' package (pip install datasets)"
+        ) from err
+
+    def load(split: str) -> Any:
+        return datasets.load_dataset(name, ds_config, split=split, streaming=streaming)
+
+    try:
+        train = load("train")
+    except Exception as err:  # hub / file-not-found / offline errors come in many types
+        raise DataError(
+            f"cannot load dataset {config.dataset!r} (path {name!r}, config {ds_config!r}): "
+            f"{type(err).__name__}: {err}. Known offline sources: 'default' or a local "
+            ".txt/.jsonl file or folder."
+        ) from err
+    field = config.text_field
+    try:
+        validation = load("validation")
+    except Exception:
+        validation = None
+
+    if streaming:
+        # First documents of the validation split (or of train, skipped by training) for eval.
+        if validation is None:
+            raise DataError(
+                f"streaming dataset {config.dataset!r} has no 'validation' split; "
+                "use a non-streaming load (--no-streaming) to hold documents out"
+            )
+        val_docs = [
+            str(row[field]) for _, row in zip(range(max(64, 4 * config.max_eval_blocks)), validation)
+        ]
+
+        def factory(seed: int) -> Iterable[str]:
+            # A seeded shuffle buffer: same seed, same order.
+            ds = train.shuffle(seed=seed, buffer_size=10_000)
+            return (str(row[field]) for row in ds)
+
+        return TextSplits(None, val_docs, f"{name} ({ds_config}), streaming", factory)
+
+    if field not in train.column_names:
+        raise DataError(
+            f"dataset {config.dataset!r} has no column {field!r} (columns: {train.column_names});"
+            " set --text-field"
+        )
+    train_docs = [str(t) for t in train[field]]
+    if validation is not None:
+        val_docs = [str(t) for t in validation[field]]
+    else:
+        train_docs, val_docs = _split_validation(
+            train_docs, config.validation_fraction, config.seed
+        )
+    return TextSplits(train_docs, val_docs, f"{name} ({ds_config})")
+
+
+def load_text_splits(config: TrainConfig) -> TextSplits:
+    """The documents of ``config.dataset`` split into train and validation."""
+    source = config.dataset
+    if source in ("default", "embedded"):
+        from maxscore.data import load_default_corpus
+
+        corpus = load_default_corpus()
+        return TextSplits(
+            list(corpus["train"]), list(corpus["validation"]), "embedded default corpus"
+        )
+    path = Path(source).expanduser()
+    if path.exists() or source.endswith((".txt", ".jsonl")) or source.startswith((".", "/")):
+        if not path.exists():
+            raise DataError(f"data file or folder {source!r} does not exist")
+        docs = _read_local(path, config.text_field)
+        train, val = _split_validation(docs, config.validation_fraction, config.seed)
+        return TextSplits(train, val, f"local {source}")
+    return _hf_source(config)
+
+
+# ------------------------------------------------------------------------------------------------
+# the datasets the trainer uses
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class TrainingData:
+    """Train and validation datasets plus what is needed to describe them."""
+
+    train: PackedDataset | PackedStream
+    validation: PackedDataset
+    description: str
+
+    @property
+    def train_blocks(self) -> int | None:
+        return len(self.train) if isinstance(self.train, PackedDataset) else None
+
+
+def build_training_data(
+    config: TrainConfig,
+    tokenizer: Any,
+    min_train_blocks: int = 1,
+    max_train_blocks: int | None = None,
+) -> TrainingData:
+    """Tokenise and pack the configured source; check it is large enough (raises DataError).
+
+    Args:
+        config: the training configuration (source, seq_len, seed, limits).
+        tokenizer: a tokenizer with ``eos_token_id``.
+        min_train_blocks: fewest training blocks accepted (one global batch, normally).
+        max_train_blocks: stop packing after this many blocks (the run's budget): tokenising a
+            large corpus only to train on its first part wastes minutes on a CPU. The blocks kept
+            are a prefix of the full packing, so a longer budget sees the same first blocks.
+    """
+    splits = load_text_splits(config)
+    if not splits.validation:
+        raise DataError(f"dataset {config.dataset!r} gives no validation documents")
+    validation = pack_documents(
+        splits.validation, tokenizer, config.seq_len, max_blocks=config.max_eval_blocks
+    )
+    if len(validation) == 0:
+        raise DataError(
+            f"the validation documents of {config.dataset!r} give no block of seq_len="
+            f"{config.seq_len} tokens; use more data or a shorter --seq-len"
+        )
+    if splits.stream_factory is not None:
+        train: PackedDataset | PackedStream = PackedStream(
+            splits.stream_factory, tokenizer, config.seq_len, config.seed
+        )
+    else:
+        docs = splits.train or []
+        # Seeded document order, so that packing (which documents share a block) is
+        # reproducible and independent of how the source happens to be ordered.
+        docs = list(docs)
+        random.Random(config.seed).shuffle(docs)
+        if config.max_train_documents is not None:
+            docs = docs[: config.max_train_documents]
+        blocks = pack_documents(docs, tokenizer, config.seq_len, max_blocks=max_train_blocks)
+        if len(blocks) < min_train_blocks:
+            n_tokens = len(blocks) * config.seq_len
+            raise DataError(
+                f"training data of {config.dataset!r} is too small: {len(docs)} documents give "
+                f"{len(blocks)} blocks of {config.seq_len} tokens (~{n_tokens} tokens), fewer "
+                f"than one global batch of {min_train_blocks} sequences"
+            )
+        train = PackedDataset(blocks)
+    return TrainingData(train, PackedDataset(validation), splits.description)

@@ -1,0 +1,904 @@
+"""Training on Hugging Face ``Trainer``: the run directory, callbacks, atomic checkpoints, resume.
+
+:func:`train` is the Python API behind ``maxscore train``::
+
+    from maxscore.training import TrainConfig, train
+    result = train(TrainConfig(model="tiny", router="maxscore", max_steps=300))
+    print(result.eval_loss, result.perplexity)
+
+What it adds to the stock ``Trainer`` (everything else — AdamW, the WSD schedule, gradient
+accumulation, mixed precision, DDP / DeepSpeed, skipping trained batches on resume, RNG state —
+is the Trainer's own):
+
+* :class:`RouterScheduleCallback` advances the SoftTopk ``t`` schedule once per optimizer step
+  (``model.advance_router_schedule()``); the schedule's step counter is a buffer in the model's
+  state dict, so checkpoints carry it.
+* :class:`MaxScoreTrainer` keeps the MoE aux loss and per-layer routing statistics on the device
+  between logging steps (no host synchronisation per step) and adds them, with ``t``, tokens/s
+  and peak memory, to every training log; evaluation logs get the perplexity.
+* :class:`MetricsJsonlCallback` writes every log to ``metrics.jsonl`` (schema in
+  :data:`METRICS_SCHEMA`); TensorBoard logs go to ``<run>/tensorboard``.
+* Checkpoints are written atomically (:mod:`maxscore.training.checkpoint`); the tokenizer is saved
+  with each one; Ctrl-C (SIGINT) saves a checkpoint at the end of the current step and stops.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from maxscore.training import checkpoint as ckpt
+from maxscore.training.config import RUNTIME_FIELDS, ConfigError, TrainConfig
+from maxscore.training.data import TrainingData, build_training_data, load_tokenizer
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+TRAIN_CONFIG_IN_CHECKPOINT = "maxscore_train_config.json"
+
+#: Shipped DeepSpeed configs, by short name.
+DEEPSPEED_CONFIGS = {
+    "zero2": Path(__file__).resolve().parent.parent / "configs" / "deepspeed_zero2.json",
+    "zero3": Path(__file__).resolve().parent.parent / "configs" / "deepspeed_zero3.json",
+}
+
+#: What a line of ``metrics.jsonl`` holds (every key optional except ``type`` and ``step``).
+METRICS_SCHEMA: dict[str, str] = {
+    "type": '"train" (training log), "eval" (validation) or "final" (end-of-run summary)',
+    "step": "optimizer step (global)",
+    "epoch": "fractional epoch",
+    "loss": "training loss (LM loss plus aux losses as the model returns it), mean since last log",
+    "grad_norm": "gradient norm before clipping",
+    "learning_rate": "learning rate",
+    "aux_loss": "MoE load-balancing (and z-) loss as returned by the model, mean since last log",
+    "t": "SoftTopk scale t after this step",
+    "tokens": "training tokens processed so far (all processes)",
+    "tokens_per_s": "training tokens per second since the last log (all processes; eval and "
+    "checkpoint time excluded)",
+    "peak_memory_gb": "peak CUDA memory allocated on this process (GiB), or peak RSS on CPU",
+    "drop_rate_rank{r}": "mean over MoE layers of the rank-r drop rate (1-based rank)",
+    "load_imbalance": "mean over MoE layers of max/mean expert load",
+    "unused_experts": "mean over MoE layers of the number of experts given no token",
+    "routing": "per-layer lists, averaged over the optimizer steps since the last log (last "
+    "micro-batch of each step, process 0): drop_rate_by_rank[L][k], load_imbalance[L], "
+    "unused_experts[L], tokens_per_expert[L][e], load_over_capacity[L][e], "
+    "mean_affinity_by_rank[L][k], aux_loss[L], z_loss[L]; moe_layers[L] gives the decoder layer "
+    "index of each entry (dense layers are left out)",
+    "eval_loss": "validation LM loss (eval routing, causal by default)",
+    "eval_ppl": "exp(eval_loss)",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# small helpers
+# ------------------------------------------------------------------------------------------------
+def resolve_precision(precision: str) -> str:
+    """``"auto"`` -> bf16 on a CUDA GPU that supports it, else fp32."""
+    if precision != "auto":
+        if precision in ("bf16", "fp16") and not torch.cuda.is_available():
+            raise ConfigError(f"precision {precision} needs a CUDA GPU; use fp32 (or auto) on CPU")
+        return precision
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def world_size() -> int:
+    """Processes of this run (torchrun / accelerate set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def peak_memory_gb() -> float:
+    """Peak CUDA memory allocated by this process, or its peak RSS without a GPU (GiB)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def unwrap(model: Any) -> Any:
+    """The model inside DDP / DeepSpeed / compile wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return getattr(model, "_orig_mod", model)
+
+
+def find_temperature_schedule(model: Any) -> Any | None:
+    """The first SoftTopk schedule module of ``model`` (all layers share the same value)."""
+    from maxscore.routing.schedule import TemperatureSchedule
+
+    for module in unwrap(model).modules():
+        if isinstance(module, TemperatureSchedule):
+            return module
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# model
+# ------------------------------------------------------------------------------------------------
+def build_model_config(config: TrainConfig, vocab_size: int) -> Any:
+    """The :class:`LlamaMoEConfig` of a model preset + router preset + overrides.
+
+    Raises ConfigError for unknown presets or invalid overrides (before any training).
+    """
+    from maxscore.models.presets import MODEL_PRESETS, get_model_config
+    from maxscore.routing.presets import ROUTER_PRESETS
+
+    if config.model not in MODEL_PRESETS:
+        raise ConfigError(
+            f"unknown model preset {config.model!r}; available: {sorted(MODEL_PRESETS)}"
+        )
+    if config.router not in ROUTER_PRESETS:
+        raise ConfigError(
+            f"unknown router preset {config.router!r}; available: {sorted(ROUTER_PRESETS)}"
+        )
+    overrides = dict(config.model_overrides)
+    overrides.setdefault("vocab_size", vocab_size)
+    if config.router_overrides:
+        overrides["router_config"] = {
+            **(overrides.get("router_config") or {}),
+            **config.router_overrides,
+        }
+    try:
+        model_config = get_model_config(config.model, router=config.router, **overrides)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid model/router settings: {err}") from err
+    max_len = getattr(model_config, "max_position_embeddings", None)
+    if max_len is not None and config.seq_len > max_len:
+        raise ConfigError(
+            f"seq_len={config.seq_len} is above the model's maximum of {max_len} tokens "
+            f"(preset {config.model!r}); use a shorter --seq-len or override "
+            "max_position_embeddings"
+        )
+    return model_config
+
+
+def build_model(model_config: Any, seed: int) -> Any:
+    """A freshly initialised :class:`LlamaMoEForCausalLM` (seeded)."""
+    from transformers import set_seed
+
+    from maxscore.models import LlamaMoEForCausalLM
+
+    set_seed(seed)
+    return LlamaMoEForCausalLM(model_config)
+
+
+# ------------------------------------------------------------------------------------------------
+# callbacks
+# ------------------------------------------------------------------------------------------------
+class RouterScheduleCallback(TrainerCallback):
+    """Advance the SoftTopk ``t`` schedule once per optimizer step.
+
+    ``on_step_end`` runs after the optimizer step and before the Trainer decides to save, so a
+    checkpoint at step N holds the schedule after N steps, and a resumed run continues exactly.
+    """
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> Any:
+        target = unwrap(model)
+        if hasattr(target, "advance_router_schedule"):
+            target.advance_router_schedule()
+        return control
+
+
+class FinalCheckpointCallback(TrainerCallback):
+    """Save at the last step (so the run always ends with a checkpoint) and on Ctrl-C."""
+
+    def __init__(self, save_final: bool = True) -> None:
+        self.save_final = save_final
+        self.interrupted = False
+        self._previous_handler: Any = None
+
+    # SIGINT: first Ctrl-C asks for a checkpoint and a clean stop; a second one aborts.
+    def install(self) -> None:
+        if not _can_install_signal_handler():
+            return
+        self._previous_handler = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGINT, self._previous_handler)
+            self._previous_handler = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print(
+            "\nmaxscore: interrupted; saving a checkpoint at the end of this step "
+            "(Ctrl-C again to abort without saving)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        stop = self.interrupted
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Every process must take the same decision, or the collective save would hang.
+            flag = torch.tensor(
+                [1.0 if stop else 0.0],
+                device="cuda" if torch.cuda.is_available() else "cpu",
+            )
+            torch.distributed.all_reduce(flag)
+            stop = bool(flag.item() > 0)
+            self.interrupted = stop
+        if stop:
+            control.should_save = True
+            control.should_training_stop = True
+        if self.save_final and state.global_step >= state.max_steps:
+            control.should_save = True
+        return control
+
+
+def _can_install_signal_handler() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+class MetricsJsonlCallback(TrainerCallback):
+    """Append every log to ``<run>/metrics.jsonl`` (process 0 only)."""
+
+    def __init__(self, path: Path, trainer_ref: MaxScoreTrainer | None = None) -> None:
+        self.path = path
+        self.trainer_ref = trainer_ref
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> Any:
+        if not state.is_world_process_zero or not logs:
+            return control
+        record: dict[str, Any] = {
+            "type": "eval" if any(k.startswith("eval_") for k in logs) else "train",
+            "step": state.global_step,
+        }
+        if "train_runtime" in logs:
+            record["type"] = "end"
+        for key, value in logs.items():
+            if isinstance(value, (int, float, str)):
+                record[key] = value
+        if record["type"] == "train" and self.trainer_ref is not None:
+            routing = self.trainer_ref.last_routing
+            if routing:
+                record["routing"] = routing
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        return control
+
+
+class CompactProgressCallback(ProgressCallback):
+    """Trainer's tqdm bar (with ETA), but one readable line per log instead of a dict."""
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> Any:
+        if not state.is_world_process_zero or self.training_bar is None or not logs:
+            return
+        self.training_bar.write(format_log_line(state.global_step, state.max_steps, logs))
+
+
+def format_log_line(step: int, max_steps: int, logs: dict[str, Any]) -> str:
+    """``step 10/300 | loss 7.12 | lr 1.0e-03 | ...`` for the console."""
+    parts = [f"step {step}/{max_steps}"]
+    fmt = {
+        "loss": ("loss", "{:.4f}"),
+        "eval_loss": ("val loss", "{:.4f}"),
+        "eval_ppl": ("val ppl", "{:.2f}"),
+        "aux_loss": ("aux", "{:.4f}"),
+        "learning_rate": ("lr", "{:.2e}"),
+        "t": ("t", "{:.3f}"),
+        "drop_rate_rank1": ("drop r1", "{:.3f}"),
+        "drop_rate_rank2": ("drop r2", "{:.3f}"),
+        "load_imbalance": ("imbalance", "{:.2f}"),
+        "tokens_per_s": ("tok/s", "{:,.0f}"),
+        "peak_memory_gb": ("mem GiB", "{:.2f}"),
+    }
+    for key, (label, pattern) in fmt.items():
+        if key in logs and isinstance(logs[key], (int, float)):
+            parts.append(f"{label} {pattern.format(logs[key])}")
+    return " | ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# the Trainer
+# ------------------------------------------------------------------------------------------------
+class MaxScoreTrainer(Trainer):
+    """HF Trainer with MoE metrics in its logs and atomic checkpoints."""
+
+    def __init__(self, *args: Any, tokens_per_step: int, save_total_limit: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.tokens_per_step = tokens_per_step
+        self.keep_checkpoints = save_total_limit
+        self.last_routing: dict[str, Any] = {}
+        self._aux_sum: torch.Tensor | None = None
+        self._aux_count = 0
+        self._routing_sum: list[dict[str, torch.Tensor]] | None = None
+        self._routing_count = 0
+        self._staging_root: Path | None = None
+        self._last_log_time: float | None = None
+        self._last_log_step = 0
+        self._paused_s = 0.0
+        self._schedule: Any = None
+        self._moe_layers: list[int] = []
+        self.add_callback(_RoutingAccumulator(self))
+
+    # -- losses and routing statistics, kept on the device ----------------------------------
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        loss, outputs = super().compute_loss(
+            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
+        if model.training:
+            aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
+            if isinstance(aux, torch.Tensor):
+                aux = aux.detach().float()
+                self._aux_sum = aux if self._aux_sum is None else self._aux_sum + aux
+                self._aux_count += 1
+        return (loss, outputs) if return_outputs else loss
+
+    def accumulate_routing(self, model: Any) -> None:
+        """Add the last forward's per-layer routing statistics to the running sums (device)."""
+        target = unwrap(model)
+        if not hasattr(target, "routing_statistics"):
+            return
+        stats = target.routing_statistics()
+        if not stats:
+            return
+        # Dense layers report empty dicts; keep MoE layers only (their indices in moe_layers).
+        self._moe_layers = [i for i, layer in enumerate(stats) if layer]
+        current = [
+            {k: v.detach().float() for k, v in layer.items() if isinstance(v, torch.Tensor)}
+            for layer in stats
+            if layer
+        ]
+        if not current:
+            return
+        if self._routing_sum is None or len(self._routing_sum) != len(current):
+            self._routing_sum = current
+            self._routing_count = 1
+        else:
+            for acc, layer in zip(self._routing_sum, current):
+                for key, value in layer.items():
+                    acc[key] = acc[key] + value if key in acc else value
+            self._routing_count += 1
+
+    def _pop_routing(self) -> dict[str, Any]:
+        if not self._routing_sum:
+            return {}
+        n = max(self._routing_count, 1)
+        per_layer = [{k: (v / n).tolist() for k, v in layer.items()} for layer in self._routing_sum]
+        self._routing_sum, self._routing_count = None, 0
+        keys = per_layer[0].keys()
+        out: dict[str, Any] = {key: [layer[key] for layer in per_layer] for key in keys}
+        out["moe_layers"] = list(self._moe_layers)
+        return out
+
+    # -- logs ---------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            self._add_train_metrics(logs)
+        if "eval_loss" in logs:
+            logs["eval_ppl"] = math.exp(min(logs["eval_loss"], 50.0))
+        super().log(logs, start_time)
+
+    def _add_train_metrics(self, logs: dict[str, float]) -> None:
+        if self._aux_sum is not None and self._aux_count:
+            logs["aux_loss"] = float(self._aux_sum / self._aux_count)
+            self._aux_sum, self._aux_count = None, 0
+        if self._schedule is None:
+            self._schedule = find_temperature_schedule(self.model) or False
+        if self._schedule:
+            logs["t"] = float(self._schedule.value())
+        routing = self._pop_routing()
+        self.last_routing = routing
+        if routing:
+            drop = routing.get("drop_rate_by_rank")
+            if drop:
+                for rank in range(len(drop[0])):
+                    logs[f"drop_rate_rank{rank + 1}"] = sum(d[rank] for d in drop) / len(drop)
+            for key in ("load_imbalance", "unused_experts"):
+                values = routing.get(key)
+                if values:
+                    logs[key] = float(sum(values) / len(values))
+        now = time.perf_counter()
+        step = self.state.global_step
+        logs["tokens"] = step * self.tokens_per_step
+        if self._last_log_time is not None and step > self._last_log_step:
+            elapsed = max(now - self._last_log_time - self._paused_s, 1e-9)
+            logs["tokens_per_s"] = (step - self._last_log_step) * self.tokens_per_step / elapsed
+        self._last_log_time, self._last_log_step, self._paused_s = now, step, 0.0
+        logs["peak_memory_gb"] = peak_memory_gb()
+
+    def start_timer(self) -> None:
+        """Mark the start of the timed training (first tokens/s covers step 1 onwards)."""
+        self._last_log_time = time.perf_counter()
+        self._last_log_step = self.state.global_step
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        begin = time.perf_counter()
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self._paused_s += time.perf_counter() - begin
+
+    # -- atomic checkpoints -------------------------------------------------------------------
+    def _get_output_dir(self, trial: Any) -> str:
+        if self._staging_root is not None:
+            return str(self._staging_root)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Write into a staging folder, fsync, rename into place, then rotate old ones."""
+        begin = time.perf_counter()
+        run_dir = Path(self.args.output_dir)
+        name = f"checkpoint-{self.state.global_step}"
+        staging_root = run_dir / f"{ckpt.STAGING_PREFIX}{name}"
+        if self.args.should_save and staging_root.exists():
+            shutil.rmtree(staging_root)
+        self.accelerator.wait_for_everyone()
+        self._staging_root = staging_root
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_root = None
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            staged = staging_root / name
+            config_src = run_dir / CONFIG_FILE
+            if config_src.is_file():
+                shutil.copyfile(config_src, staged / TRAIN_CONFIG_IN_CHECKPOINT)
+            ckpt.publish_checkpoint(staged, run_dir / name)
+            shutil.rmtree(staging_root, ignore_errors=True)
+            ckpt.rotate_checkpoints(run_dir, self.keep_checkpoints)
+        self.accelerator.wait_for_everyone()
+        self._paused_s += time.perf_counter() - begin
+
+
+class _RoutingAccumulator(TrainerCallback):
+    def __init__(self, trainer: MaxScoreTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> Any:
+        self.trainer.accumulate_routing(model if model is not None else self.trainer.model)
+        return control
+
+
+# ------------------------------------------------------------------------------------------------
+# run directory
+# ------------------------------------------------------------------------------------------------
+def prepare_run_dir(config: TrainConfig) -> tuple[Path, Path | None]:
+    """Check / create the run directory; return it and the checkpoint to resume from.
+
+    Refuses (ConfigError) an existing run with a different config unless ``resume`` or
+    ``overwrite``, an existing run with the same config unless one of them, and a directory that
+    is not writable.
+    """
+    run_dir = config.run_dir
+    resume_from: Path | None = None
+    stored_path = run_dir / CONFIG_FILE
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"output dir {str(run_dir)!r} exists and is not a directory")
+    has_content = run_dir.is_dir() and any(run_dir.iterdir())
+    if has_content:
+        if config.overwrite:
+            if is_main_process():
+                shutil.rmtree(run_dir)
+        elif stored_path.is_file():
+            stored = TrainConfig.from_file(stored_path)
+            diff = config.differences(stored)
+            if config.resume:
+                if diff:
+                    print(
+                        "maxscore: resuming with changed settings: "
+                        + ", ".join(f"{k}: {b!r} -> {a!r}" for k, (a, b) in diff.items()),
+                        file=sys.stderr,
+                    )
+                resume_from = ckpt.last_checkpoint(run_dir)
+                if resume_from is None:
+                    print(
+                        f"maxscore: no checkpoint in {run_dir} yet; starting from scratch",
+                        file=sys.stderr,
+                    )
+            elif diff:
+                lines = "\n".join(f"  {k}: stored {b!r}, now {a!r}" for k, (a, b) in diff.items())
+                raise ConfigError(
+                    f"output dir {str(run_dir)!r} holds a run with a different config:\n{lines}\n"
+                    "pass --resume to continue it anyway, --overwrite to replace it, or choose "
+                    "another --output-dir"
+                )
+            else:
+                raise ConfigError(
+                    f"output dir {str(run_dir)!r} already holds this run; pass --resume to "
+                    "continue it or --overwrite to start again"
+                )
+        else:
+            raise ConfigError(
+                f"output dir {str(run_dir)!r} exists and is not a maxscore run directory; pass "
+                "--overwrite to replace it or choose another --output-dir"
+            )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"output dir {str(run_dir)!r} is not writable: {err}") from err
+    if is_main_process():
+        ckpt.remove_stale_staging(run_dir)
+    return run_dir, resume_from
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop metrics logged after the checkpoint we resume from (they will be logged again)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= last_step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+# ------------------------------------------------------------------------------------------------
+# the API
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class TrainResult:
+    """What :func:`train` returns (also written to ``<run>/summary.json``)."""
+
+    run_dir: Path
+    final_checkpoint: Path | None
+    steps: int
+    tokens: int
+    eval_loss: float | None
+    perplexity: float | None
+    train_loss: float | None
+    tokens_per_s: float | None
+    peak_memory_gb: float
+    runtime_s: float
+    interrupted: bool
+    routing: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["run_dir"] = str(self.run_dir)
+        out["final_checkpoint"] = str(self.final_checkpoint) if self.final_checkpoint else None
+        return out
+
+
+@dataclass
+class PreparedRun:
+    """Everything built before training starts (where bad input is caught)."""
+
+    config: TrainConfig
+    run_dir: Path
+    resume_from: Path | None
+    tokenizer: Any
+    model_config: Any
+    data: TrainingData
+    precision: str
+    world_size: int
+    total_steps: int
+
+
+def prepare(config: TrainConfig) -> PreparedRun:
+    """Validate everything and build tokenizer, model config and data; no training yet.
+
+    All bad input (unknown preset / dataset / tokenizer, seq_len too long, corpus too small,
+    run-directory conflicts) raises :class:`ConfigError` from here.
+    """
+    config.validate()
+    ws = world_size()
+    precision = resolve_precision(config.precision)
+    if config.deepspeed is not None:
+        _deepspeed_config_path(config.deepspeed)
+    tokenizer = load_tokenizer(config.tokenizer)
+    model_config = build_model_config(config, vocab_size=len(tokenizer))
+    if len(tokenizer) > model_config.vocab_size:
+        raise ConfigError(
+            f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's "
+            f"vocab_size is {model_config.vocab_size}"
+        )
+    run_dir, resume_from = prepare_run_dir(config)
+    total_steps = config.total_steps(ws)
+    global_batch = config.batch_size * config.grad_accum * ws
+    data = build_training_data(
+        config,
+        tokenizer,
+        min_train_blocks=global_batch,
+        max_train_blocks=total_steps * global_batch,
+    )
+    return PreparedRun(
+        config, run_dir, resume_from, tokenizer, model_config, data, precision, ws, total_steps
+    )
+
+
+def _deepspeed_config_path(name: str) -> str:
+    if name in DEEPSPEED_CONFIGS:
+        return str(DEEPSPEED_CONFIGS[name])
+    if not Path(name).is_file():
+        raise ConfigError(
+            f"DeepSpeed config {name!r} is neither a shipped one ({sorted(DEEPSPEED_CONFIGS)}) "
+            "nor a file"
+        )
+    return name
+
+
+def _training_arguments(run: PreparedRun) -> TrainingArguments:
+    cfg = run.config
+    warmup, decay = cfg.warmup_and_decay(run.world_size)
+    scheduler: dict[str, Any] = {
+        "wsd": {
+            "lr_scheduler_type": "warmup_stable_decay",
+            "lr_scheduler_kwargs": {
+                "num_decay_steps": decay,
+                "decay_type": cfg.decay_shape,
+                "min_lr_ratio": cfg.min_lr_ratio,
+            },
+        },
+        "cosine": {"lr_scheduler_type": "cosine"},
+        "linear": {"lr_scheduler_type": "linear"},
+        "constant": {"lr_scheduler_type": "constant_with_warmup"},
+    }[cfg.lr_schedule]
+    deepspeed = _deepspeed_config_path(cfg.deepspeed) if cfg.deepspeed else None
+    return TrainingArguments(
+        output_dir=str(run.run_dir),
+        per_device_train_batch_size=cfg.batch_size,
+        per_device_eval_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        max_steps=run.total_steps,
+        learning_rate=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_epsilon=cfg.adam_eps,
+        max_grad_norm=cfg.max_grad_norm,
+        warmup_steps=warmup,
+        **scheduler,
+        logging_steps=cfg.logging_steps or run.total_steps,
+        eval_strategy="steps" if cfg.eval_steps else "no",
+        eval_steps=cfg.eval_steps or None,
+        save_strategy="steps" if cfg.save_steps else "no",
+        save_steps=cfg.save_steps or run.total_steps,
+        # Rotation happens in MaxScoreTrainer, after a new checkpoint is complete.
+        save_total_limit=None,
+        bf16=run.precision == "bf16",
+        fp16=run.precision == "fp16",
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        report_to="none",  # TensorBoard is added explicitly, to write into <run>/tensorboard
+        dataloader_num_workers=cfg.num_workers,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        disable_tqdm=cfg.quiet,
+        remove_unused_columns=False,
+        prediction_loss_only=True,
+        ddp_find_unused_parameters=False,
+        deepspeed=deepspeed,
+    )
+
+
+def _mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
+    """ZeRO-3 must not hook inside an MoE block (experts run data-dependently), see SPEC §5."""
+    if deepspeed is None:
+        return
+    stage = json.loads(Path(_deepspeed_config_path(deepspeed)).read_text())
+    if stage.get("zero_optimization", {}).get("stage") != 3:
+        return
+    try:
+        from deepspeed.utils import set_z3_leaf_modules
+    except ImportError as err:
+        raise ConfigError("--deepspeed needs the deepspeed package (pip install deepspeed)") from err
+    from maxscore.moe import MoE
+
+    set_z3_leaf_modules(model, [MoE])
+
+
+def _tensorboard_callback(run_dir: Path, report_to: str) -> TrainerCallback | None:
+    if report_to == "none":
+        return None
+    try:
+        from transformers.integrations import TensorBoardCallback
+
+        callback = TensorBoardCallback()
+    except (ImportError, RuntimeError):
+        if report_to == "tensorboard":
+            raise ConfigError("report_to=tensorboard needs the tensorboard package") from None
+        return None
+    callback.logging_dir = str(run_dir / "tensorboard")
+    return callback
+
+
+def write_resolved_config(run: PreparedRun) -> None:
+    """``<run>/config.json``: the training config plus everything derived from it."""
+    warmup, decay = run.config.warmup_and_decay(run.world_size)
+    resolved = {
+        "train": run.config.to_dict(),
+        "resolved": {
+            "total_steps": run.total_steps,
+            "warmup_steps": warmup,
+            "decay_steps": decay,
+            "world_size": run.world_size,
+            "global_batch": run.config.batch_size * run.config.grad_accum * run.world_size,
+            "tokens_per_step": run.config.tokens_per_step(run.world_size),
+            "precision": run.precision,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "data": run.data.description,
+            "train_blocks": run.data.train_blocks,
+            "validation_blocks": len(run.data.validation),
+            "vocab_size": len(run.tokenizer),
+            "torch": torch.__version__,
+        },
+        "model": run.model_config.to_dict(),
+    }
+    if is_main_process():
+        (run.run_dir / CONFIG_FILE).write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+
+
+def train(
+    config: TrainConfig,
+    callbacks: list[TrainerCallback] | None = None,
+    prepared: PreparedRun | None = None,
+) -> TrainResult:
+    """Train a model as ``config`` says; return the final validation loss and routing summary.
+
+    Args:
+        config: the run's settings.
+        callbacks: extra ``TrainerCallback`` objects (for instance from tests).
+        prepared: the result of :func:`prepare` if the caller already validated the config.
+    """
+    run = prepared or prepare(config)
+    cfg = run.config
+    write_resolved_config(run)
+    model = build_model(run.model_config, cfg.seed)
+    if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
+    _mark_zero3_leaf_modules(model, cfg.deepspeed)
+
+    args = _training_arguments(run)
+    final_cb = FinalCheckpointCallback(save_final=cfg.save_final)
+    trainer = MaxScoreTrainer(
+        model=model,
+        args=args,
+        train_dataset=run.data.train,
+        eval_dataset=run.data.validation,
+        processing_class=run.tokenizer,
+        tokens_per_step=cfg.tokens_per_step(run.world_size),
+        save_total_limit=cfg.save_total_limit,
+        callbacks=[RouterScheduleCallback(), final_cb, *(callbacks or [])],
+    )
+    trainer.remove_callback(PrinterCallback)
+    if trainer.pop_callback(ProgressCallback) is not None and not cfg.quiet:
+        trainer.add_callback(CompactProgressCallback())
+    trainer.add_callback(MetricsJsonlCallback(run.run_dir / METRICS_FILE, trainer))
+    tensorboard = _tensorboard_callback(run.run_dir, cfg.report_to)
+    if tensorboard is not None:
+        trainer.add_callback(tensorboard)
+
+    if run.resume_from is not None:
+        step = int(run.resume_from.name.split("-")[-1])
+        if is_main_process():
+            _truncate_metrics(run.run_dir / METRICS_FILE, step)
+            print(f"maxscore: resuming from {run.resume_from}", file=sys.stderr)
+
+    final_cb.install()
+    start = time.perf_counter()
+    try:
+        trainer.start_timer()
+        output = trainer.train(
+            resume_from_checkpoint=str(run.resume_from) if run.resume_from else None
+        )
+    finally:
+        final_cb.uninstall()
+    runtime = time.perf_counter() - start
+
+    interrupted = final_cb.interrupted
+    metrics: dict[str, float] = {}
+    if not interrupted and len(run.data.validation) > 0:
+        metrics = trainer.evaluate()
+    eval_loss = metrics.get("eval_loss")
+    history = [h for h in trainer.state.log_history if "tokens_per_s" in h]
+    speeds = [h["tokens_per_s"] for h in history]
+    routing = trainer.last_routing
+    result = TrainResult(
+        run_dir=run.run_dir,
+        final_checkpoint=ckpt.last_checkpoint(run.run_dir),
+        steps=trainer.state.global_step,
+        tokens=trainer.state.global_step * cfg.tokens_per_step(run.world_size),
+        eval_loss=eval_loss,
+        perplexity=math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
+        train_loss=output.training_loss if output is not None else None,
+        tokens_per_s=sum(speeds) / len(speeds) if speeds else None,
+        peak_memory_gb=peak_memory_gb(),
+        runtime_s=runtime,
+        interrupted=interrupted,
+        routing=summarize_routing(routing),
+    )
+    if trainer.is_world_process_zero():
+        (run.run_dir / SUMMARY_FILE).write_text(
+            json.dumps(result.to_dict(), indent=2, default=str) + "\n"
+        )
+        with (run.run_dir / METRICS_FILE).open("a") as handle:
+            handle.write(json.dumps({"type": "final", **result.to_dict()}, default=str) + "\n")
+    return result
+
+
+def summarize_routing(routing: dict[str, Any]) -> dict[str, Any]:
+    """Means over layers of the last logged routing statistics (drop rate, load balance)."""
+    if not routing:
+        return {}
+    out: dict[str, Any] = {}
+    drop = routing.get("drop_rate_by_rank")
+    if drop:
+        by_rank = [sum(layer[r] for layer in drop) / len(drop) for r in range(len(drop[0]))]
+        out["drop_rate_by_rank"] = by_rank
+        out["drop_rate"] = sum(by_rank) / len(by_rank)
+    for key in ("load_imbalance", "unused_experts"):
+        values = routing.get(key)
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def format_summary(result: TrainResult) -> str:
+    """The lines ``maxscore train`` prints at the end."""
+    lines = [f"run directory:     {result.run_dir}"]
+    if result.interrupted:
+        lines.append(f"interrupted at step {result.steps}; checkpoint: {result.final_checkpoint}")
+        lines.append("continue with the same command plus --resume")
+        return "\n".join(lines)
+    lines.append(f"steps / tokens:    {result.steps} / {result.tokens:,}")
+    if result.eval_loss is not None:
+        lines.append(f"validation loss:   {result.eval_loss:.4f}")
+        lines.append(f"perplexity:        {result.perplexity:.2f}")
+    r = result.routing
+    if r:
+        ranks = ", ".join(
+            f"choice {i + 1}: {v:.1%}" for i, v in enumerate(r.get("drop_rate_by_rank", []))
+        )
+        lines.append(f"token drop rate:   {r.get('drop_rate', 0.0):.2%} ({ranks})")
+        if "load_imbalance" in r:
+            lines.append(f"load imbalance:    {r['load_imbalance']:.3f} (max / mean expert load)")
+        if "unused_experts" in r:
+            lines.append(f"unused experts:    {r['unused_experts']:.2f} per layer")
+    if result.tokens_per_s:
+        lines.append(f"throughput:        {result.tokens_per_s:,.0f} tokens/s")
+    lines.append(f"peak memory:       {result.peak_memory_gb:.2f} GiB")
+    lines.append(f"final checkpoint:  {result.final_checkpoint}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "METRICS_SCHEMA",
+    "RUNTIME_FIELDS",
+    "FinalCheckpointCallback",
+    "MaxScoreTrainer",
+    "MetricsJsonlCallback",
+    "PreparedRun",
+    "RouterScheduleCallback",
+    "TrainResult",
+    "format_summary",
+    "prepare",
+    "train",
+]

@@ -1,0 +1,347 @@
+"""Training: config, packing, bad input, run directory, resume after SIGKILL, atomic saves, Ctrl-C.
+
+Every training here is a few steps of a one-layer, 32-wide model on 16-token sequences so the
+whole file runs in well under a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from maxscore.training import ConfigError, DataError, TrainConfig, apply_recipe, prepare, train
+from maxscore.training.checkpoint import list_checkpoints
+from maxscore.training.data import PackedDataset, pack_documents, pack_token_stream
+
+#: The smallest useful model: one MoE layer, 4 experts, 32 wide.
+SMALL_MODEL = {
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_experts": 4,
+}
+
+
+def small_config(tmp_path: Path, name: str = "run", **overrides: object) -> TrainConfig:
+    """A TrainConfig of a few seconds (on the embedded corpus and tokenizer)."""
+    base = {
+        "model": "tiny",
+        "model_overrides": dict(SMALL_MODEL),
+        "router": "maxscore",
+        "seq_len": 16,
+        "batch_size": 2,
+        "max_steps": 6,
+        "eval_steps": 0,
+        "save_steps": 2,
+        "logging_steps": 2,
+        "max_eval_blocks": 2,
+        "report_to": "none",
+        "quiet": True,
+        "output_dir": str(tmp_path / name),
+        "lr": 1e-2,
+    }
+    base.update(overrides)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------------
+# config
+# ------------------------------------------------------------------------------------------------
+def test_config_rejects_bad_values() -> None:
+    with pytest.raises(ConfigError, match="seq_len"):
+        TrainConfig(seq_len=0)
+    with pytest.raises(ConfigError, match="precision"):
+        TrainConfig(precision="int3")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="contradict"):
+        TrainConfig(resume=True, overwrite=True)
+    with pytest.raises(ConfigError, match="unknown training config"):
+        TrainConfig.from_dict({"no_such_field": 1})
+
+
+def test_paper_recipe_fills_the_papers_setup_and_explicit_flags_win() -> None:
+    cfg = apply_recipe(TrainConfig(recipe="paper", router="gshard", max_steps=10), {"max_steps"})
+    assert (cfg.seq_len, cfg.lr, cfg.weight_decay) == (512, 3e-5, 0.1)
+    assert (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps) == (0.9, 0.95, 1e-6)
+    assert (cfg.warmup_steps, cfg.decay_steps, cfg.lr_schedule) == (2000, 6000, "wsd")
+    assert cfg.precision == "bf16" and cfg.gradient_checkpointing
+    assert cfg.dataset == "c4" and cfg.model == "base"
+    assert cfg.batch_size * cfg.grad_accum * 8 == 688
+    assert cfg.max_steps == 10 and cfg.router == "gshard"  # explicit values kept
+    assert apply_recipe(TrainConfig(recipe="paper")).max_steps == 180_000
+
+
+def test_token_budget_and_schedule_lengths() -> None:
+    cfg = TrainConfig(seq_len=100, batch_size=2, grad_accum=3, max_tokens=6000, warmup_ratio=0.1)
+    assert cfg.tokens_per_step() == 600 and cfg.total_steps() == 10
+    assert cfg.total_steps(world_size=2) == 5
+    assert cfg.warmup_and_decay() == (1, 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# packing
+# ------------------------------------------------------------------------------------------------
+def test_packing_concatenates_with_eos_and_drops_the_remainder() -> None:
+    blocks = list(pack_token_stream([[1, 2, 3], [4], [5, 6, 7, 8]], seq_len=3, eos_id=0))
+    # stream: 1 2 3 0 4 0 5 6 7 8 0 -> [1 2 3] [0 4 0] [5 6 7], remainder [8 0] dropped
+    assert blocks == [[1, 2, 3], [0, 4, 0], [5, 6, 7]]
+
+
+def test_pack_documents_is_deterministic_and_uses_the_tokenizer_eos() -> None:
+    from maxscore.training.data import load_tokenizer
+
+    tok = load_tokenizer("default")
+    docs = ["The quick brown fox jumps over the lazy dog."] * 5
+    a = pack_documents(docs, tok, seq_len=8)
+    b = pack_documents(docs, tok, seq_len=8)
+    assert torch.equal(a, b) and a.shape[1] == 8
+    assert (a == tok.eos_token_id).sum() >= 3
+    item = PackedDataset(a)[0]
+    assert torch.equal(item["input_ids"], item["labels"])
+
+
+def test_local_jsonl_and_txt_sources(tmp_path: Path) -> None:
+    from maxscore.training.data import load_text_splits
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": f"document {i}"}) + "\n" for i in range(50)))
+    splits = load_text_splits(TrainConfig(dataset=str(jsonl), text_field="body"))
+    assert len(splits.train or []) + len(splits.validation) == 50 and splits.validation
+    with pytest.raises(DataError, match="no field 'text'"):
+        load_text_splits(TrainConfig(dataset=str(jsonl)))
+    txt = tmp_path / "book.txt"
+    txt.write_text("\n\n".join(f"paragraph {i}" for i in range(20)))
+    splits = load_text_splits(TrainConfig(dataset=str(txt)))
+    assert len(splits.train or []) + len(splits.validation) == 20
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input: a clear error before training
+# ------------------------------------------------------------------------------------------------
+def test_bad_input_fails_before_training(tmp_path: Path) -> None:
+    def fails(match: str, **overrides: object) -> None:
+        with pytest.raises(ConfigError, match=match):
+            prepare(small_config(tmp_path, "bad", **overrides))
+        assert not (tmp_path / "bad" / "checkpoint-2").exists()
+
+    fails("unknown model preset", model="gigantic")
+    fails("unknown router preset", router="nope")
+    fails("above the model's maximum", seq_len=4096)
+    fails("does not exist", dataset=str(tmp_path / "missing.jsonl"))
+    fails("cannot load tokenizer", tokenizer=str(tmp_path / "no-tokenizer"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    fails("no validation documents", dataset=str(empty))
+    small = tmp_path / "small.txt"
+    small.write_text("\n\n".join(f"tiny document number {i} " * 5 for i in range(40)))
+    fails("too small", dataset=str(small), batch_size=64, validation_fraction=0.25)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    fails("not writable|not a directory", output_dir=str(blocker / "run"))
+    fails("not a directory", output_dir=str(blocker))
+
+
+def test_existing_run_dir_with_other_config_is_refused(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, max_steps=2, save_steps=0)
+    train(cfg)
+    with pytest.raises(ConfigError, match="different config"):
+        prepare(replace(cfg, lr=0.5))
+    with pytest.raises(ConfigError, match="already holds this run"):
+        prepare(cfg)
+    assert prepare(replace(cfg, lr=0.5, overwrite=True)).resume_from is None
+    assert not (tmp_path / "run" / "checkpoint-2").exists()  # overwrite cleared it
+
+
+# ------------------------------------------------------------------------------------------------
+# a complete small run
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A 6-step run through the CLI (TensorBoard on, evaluation every 3 steps)."""
+    from maxscore.cli import main
+
+    out = tmp_path_factory.mktemp("cli") / "run"
+    argv = [
+        "train",
+        "--output-dir", str(out),
+        "--model-option", "hidden_size=32",
+        "--model-option", "num_hidden_layers=2",
+        "--model-option", "num_attention_heads=2",
+        "--model-option", "num_experts=4",
+        "--seq-len", "16", "--batch-size", "2", "--max-steps", "6",
+        "--eval-steps", "3", "--save-steps", "3", "--logging-steps", "2",
+        "--max-eval-blocks", "2", "--quiet",
+    ]  # fmt: skip
+    import contextlib
+    import io
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert main(argv) == 0
+    return out, buffer.getvalue()
+
+
+def test_main_command_prints_loss_perplexity_and_routing(finished_run: tuple[Path, str]) -> None:
+    _, printed = finished_run
+    for needle in ("validation loss:", "perplexity:", "token drop rate:", "load imbalance:"):
+        assert needle in printed
+
+
+def test_run_directory_contents(finished_run: tuple[Path, str]) -> None:
+    run, _ = finished_run
+    stored = json.loads((run / "config.json").read_text())
+    assert stored["train"]["router"] == "maxscore" and stored["resolved"]["total_steps"] == 6
+    assert [p.name for p in list_checkpoints(run)] == ["checkpoint-3", "checkpoint-6"]
+    last = run / "checkpoint-6"
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt"):
+        assert (last / name).is_file(), name
+    assert list((run / "tensorboard").glob("events.out.tfevents*"))
+    assert not [p for p in run.iterdir() if p.name.startswith(".staging")]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["eval_loss"] > 0
+
+
+def test_metrics_jsonl_has_losses_schedule_and_routing(finished_run: tuple[Path, str]) -> None:
+    run, _ = finished_run
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train_logs = [r for r in records if r["type"] == "train"]
+    evals = [r for r in records if r["type"] == "eval"]
+    assert [r["step"] for r in train_logs] == [2, 4, 6]
+    assert {r["step"] for r in evals} >= {3, 6}
+    first = train_logs[0]
+    for key in ("loss", "learning_rate", "aux_loss", "t", "tokens_per_s", "peak_memory_gb"):
+        assert key in first, key
+    routing = first["routing"]
+    assert len(routing["drop_rate_by_rank"]) == 2 and len(routing["drop_rate_by_rank"][0]) == 2
+    assert len(routing["load_imbalance"]) == 2
+    assert first["drop_rate_rank1"] == pytest.approx(
+        sum(layer[0] for layer in routing["drop_rate_by_rank"]) / 2
+    )
+    # t decays once per optimizer step (schedule 3 -> 0 over 30k steps by default)
+    assert train_logs[0]["t"] > train_logs[-1]["t"]
+    assert all(r["eval_ppl"] > 1 for r in evals)
+
+
+def test_schedule_step_is_saved_in_the_checkpoint(finished_run: tuple[Path, str]) -> None:
+    run, _ = finished_run
+    state = load_file(str(run / "checkpoint-6" / "model.safetensors"))
+    steps = [v for k, v in state.items() if k.endswith("schedule.step") or k.endswith(".step")]
+    assert steps and all(int(s) == 6 for s in steps)
+
+
+# ------------------------------------------------------------------------------------------------
+# resume after SIGKILL: exactly the same weights
+# ------------------------------------------------------------------------------------------------
+_RUNNER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    from transformers import TrainerCallback
+    from maxscore.training import TrainConfig, train
+
+    cfg = TrainConfig(**json.loads(sys.argv[1]))
+    kill_at = int(sys.argv[2])
+
+    class KillAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    train(cfg, callbacks=[KillAt()])
+    """
+)
+
+
+def _run_subprocess(cfg: TrainConfig, kill_at: int = -1) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(
+        [sys.executable, "-c", _RUNNER, json.dumps(cfg.to_dict()), str(kill_at)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_sigkill_then_resume_gives_identical_weights(tmp_path: Path) -> None:
+    full = small_config(tmp_path, "full")
+    killed = small_config(tmp_path, "killed")
+    done = _run_subprocess(full)
+    assert done.returncode == 0, done.stderr[-3000:]
+    crash = _run_subprocess(killed, kill_at=5)  # after checkpoint-4, before step 6
+    assert crash.returncode == -signal.SIGKILL, crash.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(tmp_path / "killed")] == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+    resumed = _run_subprocess(replace(killed, resume=True))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = load_file(str(tmp_path / "full" / "checkpoint-6" / "model.safetensors"))
+    b = load_file(str(tmp_path / "killed" / "checkpoint-6" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # metrics: no step logged twice after the resume
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["type"] == "train"
+    ]
+    assert steps == [2, 4, 6]
+
+
+# ------------------------------------------------------------------------------------------------
+# a crash during a save keeps the last good checkpoint; Ctrl-C saves one
+# ------------------------------------------------------------------------------------------------
+def test_crash_during_save_keeps_the_last_good_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import Trainer
+
+    cfg = small_config(tmp_path, max_steps=4, save_total_limit=1)
+    original = Trainer._save_rng_state
+
+    def crash_at_step_4(self: Trainer, output_dir: str) -> None:
+        if self.state.global_step == 4:
+            raise OSError("disk full (simulated)")
+        original(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_rng_state", crash_at_step_4)
+    with pytest.raises(OSError, match="simulated"):
+        train(cfg)
+    run = tmp_path / "run"
+    # the model of step 4 was written before the crash, but only into the staging folder
+    assert [p.name for p in list_checkpoints(run)] == ["checkpoint-2"]
+    good = run / "checkpoint-2"
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json"):
+        assert (good / name).is_file(), name
+    monkeypatch.setattr(Trainer, "_save_rng_state", original)
+    result = train(replace(cfg, resume=True))
+    assert result.steps == 4
+    assert [p.name for p in list_checkpoints(run)] == ["checkpoint-4"]
+    assert not [p for p in run.iterdir() if p.name.startswith(".")]
+
+
+def test_sigint_saves_a_checkpoint_and_stops(tmp_path: Path) -> None:
+    from transformers import TrainerCallback
+
+    class CtrlCAt3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    cfg = small_config(tmp_path, max_steps=50, save_steps=0)
+    result = train(cfg, callbacks=[CtrlCAt3()])
+    assert result.interrupted
+    # the flag is seen at the end of the next step at the latest
+    assert result.steps in (3, 4)
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == [f"checkpoint-{result.steps}"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
