@@ -166,7 +166,7 @@ def test_prices_reduce_dual() -> None:
     d0 = dual(torch.zeros(4, 16))
     d1 = dual(expert_prices(affinities, k, cap, 12))
     assert bool((d1 >= opt - 1e-3).all()) and bool((d1 < d0).all())
-    assert float(((d1 - opt) / opt).max()) < 2e-3
+    assert float(((d1 - opt) / opt).max()) < 5e-3
 
 
 @pytest.mark.slow

@@ -373,3 +373,22 @@ def test_state_dict_keys_stable_and_schedule_saved() -> None:
     assert int(b.schedule.step) == 123
     # softtopk reads t from the schedule
     assert float(a.temperature()) == pytest.approx(3.0 * (1 - 123 / 30_000))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ROUTED_PRESETS)
+def test_forward_has_no_host_sync_on_gpu(preset: str) -> None:
+    router = make(preset, d=32, e=16, k=2).cuda()
+    h = torch.randn(4, 64, 32, device="cuda", dtype=torch.bfloat16)
+    for training in (True, False):
+        router.train(training)
+        router(h)  # warm-up (lazy initialisation may sync once)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            res = router(h)
+            router.advance_schedule()
+            res.combine_weights.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_valid(res, 16, 2, token_choice=res.expert_index.shape[1] == 2)

@@ -114,7 +114,9 @@ def analyze(
     if names is not None and len(names) != len(run_dirs):
         raise RunError(f"{len(names)} names for {len(run_dirs)} runs")
     if checkpoint not in (None, "latest") and len(run_dirs) != 1:
-        raise RunError("--checkpoint PATH works with one run; use --checkpoint alone for the latest of each")
+        raise RunError(
+            "--checkpoint PATH works with one run; use --checkpoint alone for the latest of each"
+        )
     runs = [load_run(p, names[i] if names else None) for i, p in enumerate(run_dirs)]
     unique_names(runs)
     out = Path(output_dir)
@@ -125,7 +127,9 @@ def analyze(
     for run in runs:
         snap = _snapshot(run, checkpoint, window, routing, max_blocks, device)
         if snap is None:
-            result.notes.append(f"{run.name}: no routing statistics in metrics.jsonl (dense model?)")
+            result.notes.append(
+                f"{run.name}: no routing statistics in metrics.jsonl (dense model?)"
+            )
         else:
             snapshots[run.name] = snap
 
@@ -148,7 +152,9 @@ def analyze(
             result.figures["drop_rate"] = plots.save_figure(fig, out / "drop_rate_by_rank.png")
         if any(s.stats.get("mean_affinity_by_rank") for s in snapshots.values()):
             fig = plots.mean_affinity_figure(snapshots)
-            result.figures["mean_affinity"] = plots.save_figure(fig, out / "mean_affinity_by_rank.png")
+            result.figures["mean_affinity"] = plots.save_figure(
+                fig, out / "mean_affinity_by_rank.png"
+            )
         chosen = layer if layer is not None else default_layer(snapshots)
         if chosen is None:
             raise RunError("the runs share no MoE layer; pass --layer")
@@ -173,13 +179,20 @@ def analyze(
     else:
         result.notes.append("no training or validation losses in any metrics.jsonl")
     throughput = {r.name: r.throughput() for r in runs}
-    if any(t["tokens_per_s"] is not None or t["peak_memory_gb"] is not None for t in throughput.values()):
+    if any(
+        t["tokens_per_s"] is not None or t["peak_memory_gb"] is not None
+        for t in throughput.values()
+    ):
         fig = plots.throughput_figure(throughput)
         result.figures["throughput"] = plots.save_figure(fig, out / "throughput_memory.png")
 
     data["figures"] = {k: v.name for k, v in result.figures.items()}
     data["notes"] = result.notes
-    data["settings"] = {"checkpoint": checkpoint, "window": window, "routing": routing if checkpoint else "train (logged)"}
+    data["settings"] = {
+        "checkpoint": checkpoint,
+        "window": window,
+        "routing": routing if checkpoint else "train (logged)",
+    }
     result.data = data
     result.json_path.write_text(json.dumps(data, indent=2) + "\n")
     from maxscore.analysis.report import analysis_markdown

@@ -28,7 +28,9 @@ def validation_blocks(run: RunData, tokenizer: Any, max_blocks: int) -> Any:
     splits = load_text_splits(config)
     blocks = pack_documents(splits.validation, tokenizer, config.seq_len, max_blocks=max_blocks)
     if len(blocks) == 0:
-        raise RunError(f"the validation split of {run.path} gives no block of {config.seq_len} tokens")
+        raise RunError(
+            f"the validation split of {run.path} gives no block of {config.seq_len} tokens"
+        )
     return blocks
 
 

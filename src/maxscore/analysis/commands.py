@@ -21,7 +21,12 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
         "tokens/s and peak memory. Writes PNGs, analysis.json and analysis.md (runs side by side).",
     )
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
-    parser.add_argument("--layer", type=int, default=None, help="layer of the expert-load plot (default: middle MoE layer)")
+    parser.add_argument(
+        "--layer",
+        type=int,
+        default=None,
+        help="layer of the expert-load plot (default: middle MoE layer)",
+    )
     parser.add_argument(
         "--checkpoint",
         nargs="?",
@@ -31,12 +36,29 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="measure routing by running a checkpoint on the run's validation data instead of "
         "reading metrics.jsonl; alone: each run's final/latest checkpoint",
     )
-    parser.add_argument("--routing", choices=("train", "causal"), default="train", help="routing when running a checkpoint (default: train)")
-    parser.add_argument("--max-blocks", type=int, default=8, help="validation blocks per checkpoint (default: 8)")
-    parser.add_argument("--window", type=int, default=1, help="average the routing stats of the last N training logs (default: 1)")
+    parser.add_argument(
+        "--routing",
+        choices=("train", "causal"),
+        default="train",
+        help="routing when running a checkpoint (default: train)",
+    )
+    parser.add_argument(
+        "--max-blocks", type=int, default=8, help="validation blocks per checkpoint (default: 8)"
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=1,
+        help="average the routing stats of the last N training logs (default: 1)",
+    )
     parser.add_argument("--names", default=None, help="comma-separated labels, one per run")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--output", type=Path, default=None, help="output directory (default: RUN/analysis for one run, else ./maxscore-analysis)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="output directory (default: RUN/analysis for one run, else ./maxscore-analysis)",
+    )
     parser.set_defaults(func=run_analyze_command)
     return parser
 
@@ -46,7 +68,9 @@ def run_analyze_command(args: argparse.Namespace) -> int:
     from maxscore.analysis.analyze import analyze
     from maxscore.evaluation.runner import EvaluationError
 
-    output = args.output or (Path(args.runs[0]) / "analysis" if len(args.runs) == 1 else Path("maxscore-analysis"))
+    output = args.output or (
+        Path(args.runs[0]) / "analysis" if len(args.runs) == 1 else Path("maxscore-analysis")
+    )
     try:
         if args.window < 1 or args.max_blocks < 1:
             raise RunError("--window and --max-blocks must be >= 1")
@@ -81,8 +105,15 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(eval_results.json) and `maxscore analyze` (analysis.json) into one markdown page. "
         "Give output directories or run directories (their eval/ and analysis/ are used).",
     )
-    parser.add_argument("paths", nargs="+", metavar="DIR", help="compare / eval / analyze output or run directories")
-    parser.add_argument("--output", type=Path, default=Path("report.md"), help="markdown file or directory (default: report.md)")
+    parser.add_argument(
+        "paths", nargs="+", metavar="DIR", help="compare / eval / analyze output or run directories"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("report.md"),
+        help="markdown file or directory (default: report.md)",
+    )
     parser.add_argument("--title", default="maxscore report")
     parser.set_defaults(func=run_report_command)
     return parser

@@ -22,10 +22,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
-from maxscore.analysis.runs import RoutingSnapshot  # noqa: E402
+from maxscore.analysis.runs import RoutingSnapshot
 
 RANK_NAMES = ("1st", "2nd", "3rd")
 
@@ -57,7 +57,9 @@ def _max_rank(snapshots: Mapping[str, RoutingSnapshot], key: str) -> int:
     return max((len(s.stats[key][0]) for s in snapshots.values() if s.stats.get(key)), default=0)
 
 
-def by_rank_figure(snapshots: Mapping[str, RoutingSnapshot], key: str, ylabel: str, title: str) -> Figure:
+def by_rank_figure(
+    snapshots: Mapping[str, RoutingSnapshot], key: str, ylabel: str, title: str
+) -> Figure:
     """One panel per choice rank; per layer, one bar per run (``key`` is ``[L][k]``)."""
     ranks = _max_rank(snapshots, key)
     if ranks == 0:
@@ -146,7 +148,8 @@ def expert_load_figure(snapshots: Mapping[str, RoutingSnapshot], layer: int) -> 
 
 
 def loss_curves_figure(
-    train: Mapping[str, Sequence[tuple[int, float]]], validation: Mapping[str, Sequence[tuple[int, float]]]
+    train: Mapping[str, Sequence[tuple[int, float]]],
+    validation: Mapping[str, Sequence[tuple[int, float]]],
 ) -> Figure:
     """Training loss (solid) and validation loss (dashed, markers) against optimizer step."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -158,7 +161,9 @@ def loss_curves_figure(
             line.set_gid(f"{name}/train")
         if validation.get(name):
             steps, losses = zip(*validation[name], strict=True)
-            line = ax.plot(steps, losses, "o--", color=f"C{i}", markersize=4, label=f"{name} val")[0]
+            line = ax.plot(steps, losses, "o--", color=f"C{i}", markersize=4, label=f"{name} val")[
+                0
+            ]
             line.set_gid(f"{name}/validation")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")

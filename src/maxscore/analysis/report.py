@@ -40,7 +40,11 @@ def _fmt(value: Any, spec: str = ".4f") -> str:
 
 def _by_rank_table(runs: dict[str, Any], key: str, percent: bool) -> list[str]:
     """``| Run | Choice | L0 | L1 | ... | Mean |`` from each run's routing snapshot."""
-    layer_sets = [r["routing"]["layers"] for r in runs.values() if key in r.get("routing", {}).get("stats", {})]
+    layer_sets = [
+        r["routing"]["layers"]
+        for r in runs.values()
+        if key in r.get("routing", {}).get("stats", {})
+    ]
     if not layer_sets:
         return []
     layers = max(layer_sets, key=len)
@@ -58,7 +62,9 @@ def _by_rank_table(runs: dict[str, Any], key: str, percent: bool) -> list[str]:
             cells = [f"{v * scale:.2f}" if percent else f"{v:.4f}" for v in row]
             mean = sum(row) / len(row) * scale
             mean_text = f"{mean:.2f}" if percent else f"{mean:.4f}"
-            lines.append(f"| {name} | {rank_name(rank)} | " + " | ".join(cells) + f" | {mean_text} |")
+            lines.append(
+                f"| {name} | {rank_name(rank)} | " + " | ".join(cells) + f" | {mean_text} |"
+            )
     return lines
 
 
@@ -68,7 +74,10 @@ def analysis_markdown(result: AnalysisResult) -> str:
     runs: dict[str, Any] = data["runs"]
     figures = data.get("figures", {})
     lines = ["# Routing analysis", ""]
-    lines += ["| Run | Router | Routing statistics from | Final train loss | Final val loss |", "|---|---|---|---:|---:|"]
+    lines += [
+        "| Run | Router | Routing statistics from | Final train loss | Final val loss |",
+        "|---|---|---|---:|---:|",
+    ]
     for name, run in runs.items():
         train, val = run["train_loss"], run["eval_loss"]
         lines.append(
@@ -159,9 +168,8 @@ class ReportError(ValueError):
 
 def classify(paths: Sequence[str | Path]) -> ReportSources:
     """Sort directories into compare / eval / analysis outputs (run dirs contribute their subdirs)."""
-    from maxscore.evaluation.results import RESULTS_JSON
-
     from maxscore.analysis.analyze import ANALYSIS_JSON
+    from maxscore.evaluation.results import RESULTS_JSON
 
     found = ReportSources()
     for raw in paths:
@@ -213,7 +221,9 @@ def _demote(markdown: str, levels: int = 1) -> str:
     return re.sub(r"^(#+)", lambda m: m.group(1) + "#" * levels, markdown, flags=re.MULTILINE)
 
 
-def combined_report(paths: Sequence[str | Path], output: str | Path, title: str = "maxscore report") -> Path:
+def combined_report(
+    paths: Sequence[str | Path], output: str | Path, title: str = "maxscore report"
+) -> Path:
     """Write one markdown page combining compare, eval and analyze outputs; return its path."""
     from maxscore.evaluation.results import load_results, markdown_table, routing_table
 
@@ -229,7 +239,12 @@ def combined_report(paths: Sequence[str | Path], output: str | Path, title: str 
         for path in sources.compare:
             body = (path / COMPARISON_MD).read_text()
             body = re.sub(r"^# .*\n", "", body, count=1)  # the page's own title
-            lines += [f"Source: `{path}`", "", _demote(_relink(body, path, report_dir), 1).strip(), ""]
+            lines += [
+                f"Source: `{path}`",
+                "",
+                _demote(_relink(body, path, report_dir), 1).strip(),
+                "",
+            ]
     if sources.eval:
         models: list[dict[str, Any]] = []
         limits = set()
@@ -245,7 +260,10 @@ def combined_report(paths: Sequence[str | Path], output: str | Path, title: str 
             "",
         ]
         if limits - {None}:
-            lines += [f"Note: evaluated on at most {sorted(limits - {None})} documents per task (--limit).", ""]
+            lines += [
+                f"Note: evaluated on at most {sorted(limits - {None})} documents per task (--limit).",
+                "",
+            ]
         lines += ["Evaluation routing:", "", routing_table(models), ""]
     if sources.analysis:
         lines += ["## Routing analysis", ""]
@@ -257,7 +275,16 @@ def combined_report(paths: Sequence[str | Path], output: str | Path, title: str 
                 body = md_path.read_text()
                 body = re.sub(r"^# .*\n", "", body, count=1)
             else:
-                body = "```json\n" + json.dumps(json.loads((path / "analysis.json").read_text()), indent=1)[:4000] + "\n```"
-            lines += [f"Source: `{path}`", "", _demote(_relink(body, path, report_dir), 1).strip(), ""]
+                body = (
+                    "```json\n"
+                    + json.dumps(json.loads((path / "analysis.json").read_text()), indent=1)[:4000]
+                    + "\n```"
+                )
+            lines += [
+                f"Source: `{path}`",
+                "",
+                _demote(_relink(body, path, report_dir), 1).strip(),
+                "",
+            ]
     out.write_text("\n".join(lines))
     return out

@@ -61,7 +61,12 @@ class RoutingSnapshot:
         return self.layers.index(layer)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": self.layers, "stats": self.stats, "source": self.source, "step": self.step}
+        return {
+            "layers": self.layers,
+            "stats": self.stats,
+            "source": self.source,
+            "step": self.step,
+        }
 
 
 @dataclass
@@ -85,7 +90,9 @@ class RunData:
     @property
     def router(self) -> str | None:
         """Router preset name of the run."""
-        return self.config.get("train", {}).get("router") or self.config.get("model", {}).get("router")
+        return self.config.get("train", {}).get("router") or self.config.get("model", {}).get(
+            "router"
+        )
 
     @property
     def router_config(self) -> dict[str, Any]:
@@ -122,7 +129,9 @@ class RunData:
         ]
         # The end-of-run summary (type "final") holds the trainer's own mean; use it so the
         # analysis and `maxscore compare` agree, else average the training logs.
-        finals = [r for r in self.records if r.get("type") == "final" and _finite(r.get("tokens_per_s"))]
+        finals = [
+            r for r in self.records if r.get("type") == "final" and _finite(r.get("tokens_per_s"))
+        ]
         if finals:
             mean: float | None = float(finals[-1]["tokens_per_s"])
         else:
@@ -139,7 +148,9 @@ class RunData:
         return [
             r
             for r in self.records
-            if r.get("type", "train") == "train" and isinstance(r.get("routing"), dict) and r["routing"]
+            if r.get("type", "train") == "train"
+            and isinstance(r.get("routing"), dict)
+            and r["routing"]
         ]
 
     def routing_snapshot(self, window: int = 1) -> RoutingSnapshot | None:
@@ -153,7 +164,9 @@ class RunData:
             return None
         chosen = records[-max(window, 1) :]
         first = chosen[-1]["routing"]
-        layers = [int(i) for i in first.get("moe_layers", range(len(first.get("load_imbalance", []))))]
+        layers = [
+            int(i) for i in first.get("moe_layers", range(len(first.get("load_imbalance", []))))
+        ]
         stats: dict[str, list[Any]] = {}
         for key in LAYER_STAT_KEYS:
             values = [r["routing"][key] for r in chosen if key in r["routing"]]
@@ -165,7 +178,11 @@ class RunData:
 
     def routing_over_steps(self, key: str) -> list[tuple[int, list[Any]]]:
         """``(step, per-layer values)`` of one routing statistic over training."""
-        return [(int(r["step"]), r["routing"][key]) for r in self.routing_records() if key in r["routing"]]
+        return [
+            (int(r["step"]), r["routing"][key])
+            for r in self.routing_records()
+            if key in r["routing"]
+        ]
 
 
 def _finite(value: Any) -> bool:

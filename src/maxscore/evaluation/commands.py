@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from maxscore.evaluation.data import EvalDataUnavailableError
-from maxscore.evaluation.registry import BUNDLED_TASKS, TASK_SOURCES, UnknownTaskError, bundled_tasks_dir
+from maxscore.evaluation.registry import (
+    BUNDLED_TASKS,
+    TASK_SOURCES,
+    UnknownTaskError,
+    bundled_tasks_dir,
+)
 from maxscore.evaluation.results import write_results
 from maxscore.evaluation.runner import (
     EVAL_ROUTING_MODES,
@@ -60,14 +65,36 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("paths", nargs="+", metavar="CHECKPOINT_OR_RUN", help="checkpoint or run directories")
-    parser.add_argument("--tasks", default="bundled", help="comma-separated tasks (default: bundled)")
-    parser.add_argument("--task-source", choices=TASK_SOURCES, default="auto", help="bundled/standard task definitions (default: auto)")
-    parser.add_argument("--limit", type=_parse_limit, default=None, help="documents per task (int) or fraction (<1)")
-    parser.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's, 0 here)")
-    parser.add_argument("--batch-size", type=_parse_batch_size, default=8, help="batch size or 'auto' (default: 8)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "paths", nargs="+", metavar="CHECKPOINT_OR_RUN", help="checkpoint or run directories"
+    )
+    parser.add_argument(
+        "--tasks", default="bundled", help="comma-separated tasks (default: bundled)"
+    )
+    parser.add_argument(
+        "--task-source",
+        choices=TASK_SOURCES,
+        default="auto",
+        help="bundled/standard task definitions (default: auto)",
+    )
+    parser.add_argument(
+        "--limit", type=_parse_limit, default=None, help="documents per task (int) or fraction (<1)"
+    )
+    parser.add_argument(
+        "--num-fewshot",
+        type=int,
+        default=None,
+        help="few-shot examples (default: the task's, 0 here)",
+    )
+    parser.add_argument(
+        "--batch-size", type=_parse_batch_size, default=8, help="batch size or 'auto' (default: 8)"
+    )
+    parser.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16")
+    )
     parser.add_argument(
         "--routing",
         choices=EVAL_ROUTING_MODES,
@@ -76,8 +103,15 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         "train (the training-time routing, e.g. with expert capacity)",
     )
     parser.add_argument("--names", default=None, help="comma-separated row labels, one per path")
-    parser.add_argument("--output", type=Path, default=None, help="output directory (default: RUN/eval for one run, else ./maxscore-eval)")
-    parser.add_argument("--log-samples", action="store_true", help="also write per-document loglikelihoods")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="output directory (default: RUN/eval for one run, else ./maxscore-eval)",
+    )
+    parser.add_argument(
+        "--log-samples", action="store_true", help="also write per-document loglikelihoods"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.set_defaults(func=run_eval_command)
     return parser

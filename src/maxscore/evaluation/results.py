@@ -78,7 +78,10 @@ def markdown_table(models: Sequence[dict[str, Any]], tasks: Sequence[str] | None
 
 def detail_table(models: Sequence[dict[str, Any]]) -> str:
     """Every metric of every task, one row per (model, task), values as lm-eval reports them."""
-    rows = ["| Model | Task | Split | n | Metric | Value | Stderr |", "|---|---|---|---:|---|---:|---:|"]
+    rows = [
+        "| Model | Task | Split | n | Metric | Value | Stderr |",
+        "|---|---|---|---:|---|---:|---:|",
+    ]
     for model in models:
         for task in ordered_tasks(list(model.get("metrics", {}))):
             metrics = model["metrics"][task]
@@ -121,7 +124,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         "# Evaluation results",
         "",
         "Zero-shot lm-evaluation-harness scores in percent (accuracy; ReCoRD: F1), as in the "
-        "paper's tables." + (f" Limited to {payload['limit']} documents per task." if payload.get("limit") else ""),
+        "paper's tables."
+        + (f" Limited to {payload['limit']} documents per task." if payload.get("limit") else ""),
         "",
         markdown_table(models),
         "",
@@ -137,7 +141,9 @@ def render_markdown(payload: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def write_results(output_dir: Path, models: Sequence[Any], settings: dict[str, Any]) -> tuple[Path, Path]:
+def write_results(
+    output_dir: Path, models: Sequence[Any], settings: dict[str, Any]
+) -> tuple[Path, Path]:
     """Write ``eval_results.json`` and ``eval_results.md`` into ``output_dir``.
 
     ``models`` are :class:`~maxscore.evaluation.runner.ModelEvalResult` objects or their dicts;

@@ -410,7 +410,9 @@ def _collect(
 
 def _sample_record(sample: dict[str, Any]) -> dict[str, Any]:
     """The JSON-safe part of one lm-eval sample: doc id, target, per-choice loglikelihoods."""
-    loglikelihoods = [float(r[0]) for r in sample.get("filtered_resps", []) if isinstance(r, list | tuple)]
+    loglikelihoods = [
+        float(r[0]) for r in sample.get("filtered_resps", []) if isinstance(r, list | tuple)
+    ]
     record: dict[str, Any] = {"doc_id": sample.get("doc_id"), "loglikelihoods": loglikelihoods}
     for key in ("target", "acc", "acc_norm", "perplexity"):
         if key in sample:

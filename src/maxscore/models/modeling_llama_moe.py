@@ -297,6 +297,7 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: Tensor | None = None,

@@ -52,8 +52,10 @@ class RouterConfig:
         capacity_factor: expert capacity ``c = ceil(capacity_factor * k * n / e)`` per routing
             group; ignored by strategies without capacity (dropless).
         min_capacity: lower bound on ``c``.
-        drop_policy: which tokens a full expert keeps: ``"position"`` (first come, first
-            served; causal within the group) or ``"score"`` (highest affinity first).
+        drop_policy: which slots a full expert keeps: ``"position"`` (all first choices before
+            any second choice, each in token order: first come, first served) or ``"score"``
+            (highest affinity first). Neither is causal for k >= 2 (a later token's first
+            choice can displace an earlier token's second), hence causal evaluation routing.
         group: routing group over which capacity is defined: one ``"sequence"``, a fixed number
             of ``"tokens"`` (``group_size``), or the whole micro-``"batch"``.
         group_size: tokens per group when ``group == "tokens"``.

@@ -250,6 +250,9 @@ class Router(nn.Module):
         if cfg.bias_update_rate > 0:
             scores = scores + self.expert_bias
         _, spec = self.strategy_for_mode()
+        if spec.log_scores:
+            # exp(log A) = A: Sinkhorn transports the affinities themselves, not exp(A).
+            scores = scores.clamp_min(torch.finfo(torch.float32).tiny).log()
         capacity = None
         if spec.uses_capacity:
             c = expert_capacity(n, e, k, cfg.capacity_factor, cfg.min_capacity)

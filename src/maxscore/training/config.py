@@ -90,9 +90,9 @@ class TrainConfig:
     streaming: bool | None = None
     validation_fraction: float = 0.01
     max_train_documents: int | None = None
-    max_eval_blocks: int = 32
+    max_eval_blocks: int = 64
     tokenizer: str = "default"
-    seq_len: int = 256
+    seq_len: int = 128
     batch_size: int = 8
     grad_accum: int = 1
     max_steps: int = 300
