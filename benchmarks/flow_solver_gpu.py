@@ -37,11 +37,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from maxscore.routing.flow import FLOW_SOLVERS, flow_objective
-from maxscore.routing.flow.global_solver import solve_global
+from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, global_triton
+from maxscore.routing.flow.global_solver import default_budget, solve_global
 
 HERE = Path(__file__).resolve().parent
 REFERENCE = HERE / "flow_solver_gpu_reference.json"
@@ -197,12 +198,83 @@ def run(out_dir: Path, reps: int, sets: int, only: str | None) -> None:
     print(table)
 
 
+def kernel_variants(e: int) -> dict[str, dict]:
+    """Named option sets of the fused kernel, timed side by side."""
+    b = default_budget(e)
+    base = {
+        "price_iterations": b.price_iterations,
+        "repair_rounds": 2 * b.repair_rounds,
+        "cycle_rounds": b.cycle_rounds,
+        "bf_iterations": b.bf_iterations,
+    }
+    return {
+        "fused-no-early-exit": {**base, "early_exit": False},
+        "fused-packed": {**base, "packed": True},
+        "fused-w4": {**base, "num_warps": 4},
+        "fused-c8": {**base, "cycle_rounds": 8},
+        "fused-c12-bf6": {**base, "cycle_rounds": 12, "bf_iterations": 6},
+        "fused-p8-c8-packed": {**base, "price_iterations": 8, "cycle_rounds": 8, "packed": True},
+    }
+
+
+def fused_call(x: Tensor, k: int, cap: Tensor, options: dict) -> Tensor:
+    groups, n, e = x.shape
+    return global_triton.solve_triton(x, k, cap.expand(groups, e).clamp(max=n), **options)
+
+
+def gap_eval(out_dir: Path) -> None:
+    """Issue 3's acceptance measurement on the GPU paths: n=512, e=16, k=2, capacity 64, 100
+    instances each of balanced and skewed (bias std 1) logits, exact optimum on the CPU."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    exact = FLOW_SOLVERS["exact"].solve
+    cap = torch.full((16,), 64, dtype=torch.long)
+    results = []
+    for bias in (0.0, 1.0):
+        gen = torch.Generator().manual_seed(2024)
+        logits = torch.randn(100, 512, 16, generator=gen) + bias * torch.randn(
+            100, 1, 16, generator=gen
+        )
+        aff = torch.softmax(logits, dim=-1)
+        t0 = time.perf_counter()
+        opt = flow_objective(aff, exact(aff, 2, cap))
+        exact_s = time.perf_counter() - t0
+        variants: dict[str, Callable[[Tensor], Tensor]] = {
+            "global (auto)": lambda x: solve_global(x, 2, cap.to(device)),
+            "global-torch": lambda x: solve_global(x, 2, cap.to(device), backend="torch"),
+        }
+        if global_triton.supported(aff.to(device), 2):
+            for label, opts in kernel_variants(16).items():
+                variants[label] = lambda x, o=opts: fused_call(x, 2, cap.to(device), o)
+        for label, fn in variants.items():
+            index = fn(aff.to(device)).cpu()
+            valid = bool((index >= 0).all())
+            counts = torch.zeros(100, 512, 17, dtype=torch.long).scatter_add_(
+                -1, torch.where(index >= 0, index, 16), torch.ones_like(index)
+            )
+            feasible = valid and int(counts[..., :16].max()) <= 1
+            feasible = feasible and bool((counts[..., :16].sum(1) <= cap).all())
+            gaps = ((opt - flow_objective(aff, index)) / opt).numpy()
+            row = {
+                "bias_std": bias,
+                "method": label,
+                "feasible": feasible,
+                "gap_median": float(np.median(gaps)),
+                "gap_p90": float(np.quantile(gaps, 0.9)),
+                "gap_max": float(gaps.max()),
+                "exact_cpu_s_100_groups": exact_s,
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    (out_dir / "flow_solver_gap.json").write_text(json.dumps(results, indent=1))
+
+
 def solvers_for(k: int, cap: Tensor) -> dict[str, Callable[[Tensor], Tensor]]:
     """name -> solver of one input tensor (logits for Megatron's Sinkhorn, else affinities)."""
     out: dict[str, Callable[[Tensor], Tensor]] = {
         "topk": lambda x: x.topk(k, dim=-1).indices,
         "megatron-sinkhorn": lambda x: megatron_sinkhorn(x, k),
         "global": lambda x: solve_global(x, k, cap),
+        "global-torch": lambda x: solve_global(x, k, cap, backend="torch"),
     }
     if "two-stage-sinkhorn" in FLOW_SOLVERS:
         two = FLOW_SOLVERS["two-stage-sinkhorn"].solve
@@ -218,9 +290,19 @@ def bench_config(c: dict, ref: dict, device: torch.device, reps: int, sets: int)
     cap = data[0][2].to(device)
     opt = torch.tensor(ref[key(c)]["optimum"], dtype=torch.float64) if key(c) in ref else None
     rows = []
-    for name, solver in solvers_for(k, cap).items():
+    fused = global_triton.supported(affs[0], k)
+    solvers = solvers_for(k, cap)
+    if not fused:
+        del solvers["global-torch"]  # "global" is the PyTorch path already
+    if fused and (e, k) == (16, 2) and g == 32 and c["bias"] == 1.0:
+        # Speed / gap trade-offs of the fused kernel (see flow_solver_notes.md).
+        for label, opts in kernel_variants(e).items():
+            solvers[label] = lambda x, o=opts: fused_call(x, k, cap, o)
+    for name, solver in solvers.items():
         inputs = logits if name == "megatron-sinkhorn" else affs
         row: dict = {**c, "method": name}
+        if name == "global":
+            row["backend"] = "triton" if fused else "torch"
         try:
             index = solver(inputs[0])
             sync(device)
@@ -282,8 +364,9 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
         if r["method"] == "cpu":
             continue
         logits = "skewed (bias std 1)" if r["bias"] else "balanced"
+        method = r["method"] + (f" ({r['backend']})" if "backend" in r else "")
         lines.append(
-            f"| {r['groups']} x {r['n']} | {r['e']} | {r['k']} | {logits} | {r['method']} | "
+            f"| {r['groups']} x {r['n']} | {r['e']} | {r['k']} | {logits} | {method} | "
             f"{f(r.get('eager_ms'), '.3f')} | {f(r.get('graph_ms'), '.3f')} | "
             f"{f(r.get('gap_median'), '.2e')} | {f(r.get('gap_max'), '.2e')} | "
             f"{f(r.get('overload'), '.2f')} |"
@@ -291,13 +374,20 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         if r["method"] == "cpu":
             lines.append(
-                f"\nCPU ({r['cpu_threads']} threads), {r['groups']} x {r['n']}, e={r['e']}, k={r['k']}: "
+                f"\nCPU ({r['cpu_threads']} threads), {r['groups']} x {r['n']}, e={r['e']}, k={r['k']}, "
+                f"{'skewed' if r['bias'] else 'balanced'} logits: "
                 f"global solver {r['global_cpu_ms']:.1f} ms, exact SSP reference {r['exact_cpu_ms']:.1f} ms."
             )
     errors = [r for r in rows if "error" in r or "graph_error" in r]
     for r in errors:
         lines.append(f"\n{key(r)} {r['method']}: {r.get('error', '')} {r.get('graph_error', '')}")
     return "\n".join(lines) + "\n"
+
+
+def regenerate_markdown(json_path: Path) -> None:
+    """Rewrite the markdown table next to a results JSON (no GPU needed)."""
+    data = json.loads(json_path.read_text())
+    json_path.with_suffix(".md").write_text(to_markdown(data["meta"], data["rows"]))
 
 
 def main() -> None:
@@ -307,9 +397,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--sets", type=int, default=4)
     parser.add_argument("--only", default=None, help="substring of a config key to run alone")
+    parser.add_argument("--gap-eval", action="store_true", help="100-instance gaps, then exit")
     args = parser.parse_args()
     if args.make_reference:
         make_reference()
+    elif args.gap_eval:
+        args.out.mkdir(parents=True, exist_ok=True)
+        gap_eval(args.out)
     else:
         run(args.out, args.reps, args.sets, args.only)
 

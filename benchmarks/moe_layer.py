@@ -41,7 +41,14 @@ from torch import Tensor, nn
 from maxscore.moe import DenseMLP, MoE, dispatch_plan
 from maxscore.moe import experts as experts_mod
 
-ROUTERS = ["gshard", "dropless", "expert-choice", "sbase", "maxscore"]
+ROUTERS = [
+    "gshard",
+    "dropless",
+    "expert-choice",
+    "sbase",
+    "maxscore",
+    "maxscore@two-stage-sinkhorn",
+]
 HF_IMPLS = ["eager", "batched_mm", "grouped_mm"]
 SHAPES = [(768, 1536), (2048, 4096)]
 E, K, BATCH, SEQ = 16, 2, 32, 512
@@ -186,13 +193,61 @@ def bench_shape(
         module.zero_grad(set_to_none=True)
         x.grad = None
 
+    def record_experts_only(moe: MoE) -> None:
+        """Dispatch plan + experts, forward + backward, on one fixed routing (no router)."""
+        with torch.no_grad():
+            _, result = moe(x)
+        tokens = x.reshape(-1, d)
+        cap = moe.buffer_capacity(result)
+        weights = result.combine_weights.detach().requires_grad_(True)
+
+        class _Experts(nn.Module):
+            def forward(self, inp: Tensor) -> Tensor:
+                r = result
+                plan = dispatch_plan(
+                    type(r)(
+                        r.expert_index,
+                        weights,
+                        r.capacity,
+                        r.num_groups,
+                        r.logits,
+                        r.affinities,
+                        r.aux_loss,
+                        r.z_loss,
+                    ),
+                    cap,
+                )
+                return moe.experts(inp.reshape(-1, d), plan).view_as(inp)
+
+        wrapper = _Experts()
+        wrapper.experts = moe.experts  # so zero_grad reaches the expert weights
+        record("experts only (gshard routing)", "dense", wrapper)
+        del tokens
+
+    def sync_count(moe: MoE) -> int:
+        """Host syncs CUDA reports during one layer forward + backward."""
+        import warnings
+
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                make_step(moe, x, grad, "moe")()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        moe.zero_grad(set_to_none=True)
+        return sum("synchroniz" in str(w.message) for w in caught)
+
     dense = DenseMLP(d, K * f).to(dev, torch.bfloat16)
     record("dense SwiGLU (k*F)", "dense", dense)
     del dense
 
     for router in ROUTERS:
+        preset, _, flow = router.partition("@")
         try:
-            moe = MoE(d, E, K, intermediate_size=f, router=router).to(dev)
+            kw = {"flow_method": flow} if flow else {}
+            moe = MoE(d, E, K, intermediate_size=f, router=preset, **kw).to(dev)
             moe.experts.to(torch.bfloat16)
         except Exception as exc:
             rows.append({"name": f"maxscore/{router}", "error": repr(exc), "D": d, "F": f})
@@ -202,6 +257,7 @@ def bench_shape(
             extra.update(check_moe(moe, x.detach()))
             r_ms, _ = timed(lambda m=moe: m.router(x), warmup, iters)
             extra["router_fwd_ms"] = r_ms
+            extra["host_syncs"] = sync_count(moe)
         except Exception as exc:
             extra["check_error"] = repr(exc)
             traceback.print_exc()
@@ -209,9 +265,13 @@ def bench_shape(
         if router == "gshard":
             # Variants on the same layer: the eager (uncompiled) activation; the grouped path
             # (torch._grouped_mm) on the capacity routing instead of the padded bmm path.
+            os.environ["MAXSCORE_TRITON"] = "0"
+            record("maxscore/gshard compiled-swiglu", "moe", moe, {"router": router})
             experts_mod._COMPILE_FAILED = True
             record("maxscore/gshard eager-swiglu", "moe", moe, {"router": router})
             experts_mod._COMPILE_FAILED = False
+            os.environ["MAXSCORE_TRITON"] = "1"
+            record_experts_only(moe)
             moe.buffer_capacity = lambda result: None  # type: ignore[method-assign]
             record("maxscore/gshard grouped-path", "moe", moe, {"router": router})
             del moe.buffer_capacity
@@ -239,12 +299,12 @@ def table(rows: list[dict]) -> str:
         lines += [
             f"\n### D = {d}, expert FFN {f}, T = {BATCH * SEQ}, E = {E}, k = {K}, bf16\n",
             "| layer | ms | TFLOP/s | x dense thr. | router fwd ms | peak MiB | x dense mem | "
-            "bf16 rel err |",
-            "|---|---|---|---|---|---|---|---|",
+            "bf16 rel err | host syncs |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in sub:
             if "ms" not in r:
-                lines.append(f"| {r['name']} | error: {r.get('error', '')[:80]} ||||||")
+                lines.append(f"| {r['name']} | error: {r.get('error', '')[:80]} |||||||")
                 continue
             ratio = dense["ms"] / r["ms"] if dense else float("nan")
             mem = r["peak_mb"] / dense["peak_mb"] if dense else float("nan")
@@ -252,7 +312,7 @@ def table(rows: list[dict]) -> str:
             err = f"{r['rel_err_vs_fp32']:.1e}" if "rel_err_vs_fp32" in r else ""
             lines.append(
                 f"| {r['name']} | {r['ms']:.3f} | {r['tflops']:.0f} | {ratio:.2f} | {rt} | "
-                f"{r['peak_mb']:.0f} | {mem:.2f} | {err} |"
+                f"{r['peak_mb']:.0f} | {mem:.2f} | {err} | {r.get('host_syncs', '')} |"
             )
     return "\n".join(lines)
 

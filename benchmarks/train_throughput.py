@@ -40,6 +40,11 @@ import torch
 H100_BF16_PEAK = 989e12
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def flops_per_token(model: Any, seq_len: int) -> tuple[float, int]:
     """Model FLOPs per trained token (forward + backward) and the activated matmul parameters."""
     cfg = model.config
@@ -68,21 +73,26 @@ def run_throughput(args: argparse.Namespace) -> None:
             self.steps = 0
             self.model: Any = None
 
-        def on_step_end(self, a: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> Any:
+        def on_step_end(
+            self, a: Any, state: Any, control: Any, model: Any = None, **kw: Any
+        ) -> Any:
             if state.global_step == self.warmup:
-                torch.cuda.synchronize()
+                _sync()
                 self.t0 = time.perf_counter()
             if state.global_step == state.max_steps:
-                torch.cuda.synchronize()
+                _sync()
                 self.t1 = time.perf_counter()
                 self.steps = state.global_step - self.warmup
                 self.model = model
             return control
 
     for router in args.routers.split(","):
-        model_preset = "dense-base" if router == "dense" else args.model
+        model_preset = args.model  # router "dense" makes every MLP a dense SwiGLU
         cfg = TrainConfig(
             model=model_preset,
+            model_overrides={
+                k: json.loads(v) for k, v in (o.split("=", 1) for o in args.model_option)
+            },
             router=router,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
@@ -90,19 +100,20 @@ def run_throughput(args: argparse.Namespace) -> None:
             max_steps=args.steps,
             lr=3e-4,
             warmup_steps=10,
-            precision="bf16",
+            precision="bf16" if torch.cuda.is_available() else "fp32",
             gradient_checkpointing=args.gradient_checkpointing,
             eval_steps=0,
             save_steps=0,
             save_final=False,
             logging_steps=args.log_every,
             max_eval_blocks=4,
-            output_dir=str(out / "runs" / router),
+            output_dir=str(Path(args.runs_dir) / router),
             overwrite=True,
             report_to="none",
             quiet=True,
         )
-        torch.cuda.reset_peak_memory_stats()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         timer = Timer(args.warmup)
         print(f"== {router} ({model_preset})", flush=True)
         result = train(cfg, callbacks=[timer])
@@ -120,7 +131,7 @@ def run_throughput(args: argparse.Namespace) -> None:
             "tokens_per_s": tps,
             "tflops": tps * fpt / 1e12,
             "mfu": tps * fpt / H100_BF16_PEAK,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_memory_gib": result.peak_memory_gb,
             "final_train_loss": result.train_loss,
             "eval_loss": result.eval_loss,
             "drop_rate": result.routing.get("drop_rate"),
@@ -130,7 +141,8 @@ def run_throughput(args: argparse.Namespace) -> None:
         print(json.dumps(row), flush=True)
         del timer.model, result
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     gshard = next((r for r in results if r["router"] == "gshard"), None)
     for row in results:
@@ -152,7 +164,7 @@ def run_throughput(args: argparse.Namespace) -> None:
         json.dumps({"meta": meta, "results": results}, indent=2) + "\n"
     )
     lines = [
-        "# Training throughput, Base preset",
+        f"# Training throughput, {args.model} preset",
         "",
         f"{meta['device']}, torch {meta['torch']}, {meta['date']}. bf16, seq {args.seq_len}, "
         f"micro-batch {args.batch_size} ({args.batch_size * args.seq_len} tokens/step), "
@@ -248,7 +260,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--warmup", type=int, default=20)
     t.add_argument("--log-every", type=int, default=25)
     t.add_argument("--gradient-checkpointing", action="store_true")
+    t.add_argument("--model-option", action="append", default=[], help="KEY=VALUE (dry runs)")
+    t.add_argument("--allow-cpu", action="store_true", help="dry run without a GPU")
     t.add_argument("--output", default=os.environ.get("OUT", "benchmarks"))
+    t.add_argument("--runs-dir", default="/tmp/maxscore-bench-runs", help="run directories")
     d = sub.add_parser("ddp-report", help="compare a 1-GPU and a DDP run's loss curves")
     d.add_argument("--single", required=True)
     d.add_argument("--ddp", required=True)
@@ -256,8 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--output", default="benchmarks")
     args = parser.parse_args(argv)
     if args.mode == "throughput":
-        if not torch.cuda.is_available():
-            sys.exit("throughput mode needs a CUDA GPU")
+        if not torch.cuda.is_available() and not args.allow_cpu:
+            sys.exit("throughput mode needs a CUDA GPU (or --allow-cpu for a dry run)")
         run_throughput(args)
     else:
         run_ddp_report(args)

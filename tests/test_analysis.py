@@ -81,12 +81,10 @@ def runs(tmp_path: Path) -> list[Path]:
 
 
 def last_routing(run: Path) -> dict[str, Any]:
-    records = [
-        json.loads(line)
-        for line in run.joinpath("metrics.jsonl").read_text().splitlines()
-        if line.endswith("}")
-    ]
-    return [r for r in records if r.get("routing")][-1]["routing"]
+    """The ``routing`` object of the last training log (the end-of-run summary has its own)."""
+    lines = run.joinpath("metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.endswith("}")]
+    return [r for r in records if r.get("type") == "train" and r.get("routing")][-1]["routing"]
 
 
 def flat(values: Any) -> list[float]:
@@ -338,3 +336,53 @@ def test_report_combines_compare_eval_and_analysis(runs: list[Path], tmp_path: P
         assert_png((out.parent / image).resolve())
     with pytest.raises(ReportError, match="not found"):
         combined_report([tmp_path / "missing"], out)
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end (slow: trains two routers for a few steps on the CPU)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_train_analyze_eval_report_end_to_end(tmp_path: Path) -> None:
+    from maxscore.evaluation.data import EvalDataUnavailableError, ensure_task_data
+    from maxscore.evaluation.runner import evaluate_model
+    from maxscore.training import TrainConfig, train
+
+    run_dirs = []
+    for router in ("gshard", "maxscore"):
+        config = TrainConfig(
+            model="tiny",
+            model_overrides={"num_hidden_layers": 2},
+            router=router,
+            max_steps=4,
+            logging_steps=2,
+            eval_steps=2,
+            save_steps=4,
+            seq_len=64,
+            batch_size=4,
+            max_eval_blocks=4,
+            report_to="none",
+            quiet=True,
+            output_dir=str(tmp_path / router),
+        )
+        train(config)
+        run_dirs.append(tmp_path / router)
+    result = analyze(run_dirs, tmp_path / "analysis", checkpoint=None)
+    for path in result.figures.values():
+        assert_png(path)
+    for run in run_dirs:
+        name = run.name
+        got = result.data["runs"][name]["routing"]["stats"]["drop_rate_by_rank"]
+        assert flat(got) == pytest.approx(flat(last_routing(run)["drop_rate_by_rank"]))
+    measured = analyze(run_dirs[:1], tmp_path / "analysis-ckpt", checkpoint="latest", max_blocks=2)
+    assert "checkpoint" in measured.data["runs"]["gshard"]["routing"]["source"]
+    try:
+        ensure_task_data(["piqa"])
+    except EvalDataUnavailableError:
+        pytest.skip("evaluation data unavailable")
+    from maxscore.evaluation.results import write_results
+
+    evals = [evaluate_model(run, "piqa", limit=2, device="cpu") for run in run_dirs]
+    write_results(tmp_path / "eval", evals, {"limit": 2})
+    report = combined_report([tmp_path / "eval", tmp_path / "analysis"], tmp_path / "report.md")
+    text = report.read_text()
+    assert "| gshard |" in text and "| maxscore |" in text and "PIQA" in text

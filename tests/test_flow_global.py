@@ -56,6 +56,12 @@ def _gaps(
 def test_registered() -> None:
     spec = FLOW_SOLVERS["global"]
     assert spec.device == "any" and not spec.exact
+    # The strategy passes sinkhorn_iterations (8); it may only raise the price steps.
+    affinities = _instances(1, 2, 64, 8, 1.0)
+    capacity = torch.full((8,), 16)
+    assert torch.equal(
+        spec.solve(affinities, 2, capacity, iterations=8), solve_global(affinities, 2, capacity)
+    )
 
 
 @pytest.mark.parametrize(
@@ -238,3 +244,26 @@ def test_cuda_graph_capture_and_no_sync() -> None:
     _check_constraints(static_out.cpu(), 2, capacity.cpu(), 16)
     gaps = _gaps(affinities.cpu(), eager.cpu(), 2, capacity.cpu())
     assert np.median(gaps) <= MEDIAN_GAP and gaps.max() <= WORST_GAP, gaps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("e", "k"), [(16, 2), (16, 6), (8, 3)])
+def test_fused_kernel_on_gpu(e: int, k: int) -> None:
+    """The fused Triton kernel (the GPU fast path) meets the constraints and the gap bound."""
+    from maxscore.routing.flow import global_triton
+
+    pytest.importorskip("triton")
+    affinities = _instances(17 + e + k, 16, 512, e, 1.0, "cuda")
+    capacity = torch.full((e,), -(-k * 512 // e), device="cuda")
+    assert global_triton.supported(affinities, k)
+    index = solve_global(affinities, k, capacity, backend="triton")
+    _check_constraints(index.cpu(), k, capacity.cpu(), e)
+    gaps = _gaps(affinities.cpu(), index.cpu(), k, capacity.cpu())
+    assert np.median(gaps) <= MEDIAN_GAP and gaps.max() <= WORST_GAP, gaps
+    # Unequal capacities and a zero-capacity expert (total capacity still >= n k).
+    capacity = torch.full((e,), -(-k * 512 // (e - 1)) + 8, device="cuda")
+    capacity[0] = 0
+    index = solve_global(affinities, k, capacity, backend="triton")
+    _check_constraints(index.cpu(), k, capacity.cpu(), e)
+    gaps = _gaps(affinities.cpu(), index.cpu(), k, capacity.cpu())
+    assert gaps.max() <= WORST_GAP, gaps

@@ -230,6 +230,15 @@ def test_save_load_round_trip_exact(saved: tuple[Path, torch.Tensor, torch.Tenso
             assert torch.equal(model(x).logits, logits)
 
 
+def test_from_pretrained_can_request_train_routing(
+    saved: tuple[Path, torch.Tensor, torch.Tensor],
+) -> None:
+    path, _, _ = saved
+    model = LlamaMoEForCausalLM.from_pretrained(path, eval_routing="train")
+    assert model.model.layers[0].mlp.router.config.eval_routing == "train"
+    assert model.config.router_config["eval_routing"] == "train"
+
+
 def test_trust_remote_code_in_fresh_process(saved: tuple[Path, torch.Tensor, torch.Tensor]) -> None:
     """The checkpoint loads through its own code copy, without importing maxscore first."""
     path, _, _ = saved
@@ -246,7 +255,13 @@ def test_trust_remote_code_in_fresh_process(saved: tuple[Path, torch.Tensor, tor
         print("OK")
         """
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+        # Where transformers copies the checkpoint's code; keep it out of the user's cache.
+        "HF_MODULES_CACHE": str(path.parent / "hf_modules"),
+    }
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )

@@ -22,6 +22,7 @@ from maxscore.moe import (
     grouped_dispatch_plan,
     padded_dispatch_plan,
 )
+from maxscore.moe import dispatch as dispatch_mod
 from maxscore.moe.dispatch import _grouped_mm_loop
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.presets import ROUTER_PRESETS
@@ -154,7 +155,12 @@ def _assert_close(a: Tensor | None, b: Tensor | None) -> None:
     ("e", "s", "groups", "capacity"),
     [(4, 2, 1, 5), (8, 2, 4, 2), (6, 3, 2, 4), (4, 4, 2, 3), (8, 8, 1, 6), (5, 1, 4, 1)],
 )
-def test_padded_and_grouped_match_naive(e: int, s: int, groups: int, capacity: int) -> None:
+@pytest.mark.parametrize("positions", ["one-hot", "sort"])
+def test_padded_and_grouped_match_naive(
+    e: int, s: int, groups: int, capacity: int, positions: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if positions == "sort":  # the large-problem branch of the slot-position computation
+        monkeypatch.setattr(dispatch_mod, "_ONE_HOT_LIMIT", 0)
     torch.manual_seed(0)
     t, d, f = 16, 8, 12
     experts = SwiGLUExperts(e, d, f, init_std=0.3)
@@ -313,14 +319,40 @@ def test_dense_preset_and_config_router() -> None:
 BF16_REL_TOL = 2e-2
 
 
+def _rel(a: Tensor, b: Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["gshard", "dropless", "expert-choice", "maxscore"])
 def test_gpu_bf16_matches_fp32_reference(preset: str) -> None:
-    moe = _layer(preset).cuda()
-    x = torch.randn(4, 64, 16, device="cuda")
-    y32, result = moe(x)  # fp32 on GPU: grouped path uses the loop fallback
-    moe_bf = moe.to(torch.bfloat16)
-    plan = dispatch_plan(result, moe_bf.buffer_capacity(result))
-    y16 = moe_bf.experts(x.reshape(-1, 16).bfloat16(), plan).float().view_as(x)
-    rel = (y16 - y32).norm() / y32.norm()
-    assert rel < BF16_REL_TOL, rel
+    """bf16 experts (Triton activation, bmm / torch._grouped_mm) vs fp32 on the same routing,
+    forward and backward; the bf16 expert path must not synchronise with the host."""
+    torch.manual_seed(0)
+    d, f = 64, 32
+    moe = MoE(hidden_size=d, num_experts=8, top_k=2, intermediate_size=f, router=preset).cuda()
+    x = torch.randn(4, 64, d, device="cuda")
+    with torch.no_grad():
+        _, result = moe(x)
+    plan = dispatch_plan(result, moe.buffer_capacity(result))
+    probe = torch.randn(x.shape[0] * x.shape[1], d, device="cuda")
+
+    def run(experts: SwiGLUExperts, dtype: torch.dtype) -> list[Tensor]:
+        xx = x.reshape(-1, d).to(dtype).requires_grad_(True)
+        y = experts(xx, plan)
+        grads = torch.autograd.grad(y, [xx, experts.gate_up, experts.down], probe.to(dtype))
+        return [y, *grads]
+
+    ref = run(moe.experts, torch.float32)
+    bf16 = SwiGLUExperts(8, d, f).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        bf16.gate_up.copy_(moe.experts.gate_up)
+        bf16.down.copy_(moe.experts.down)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run(bf16, torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, a, b in zip(["y", "dx", "d_gate_up", "d_down"], out, ref):
+        assert _rel(a, b) < BF16_REL_TOL, (name, _rel(a, b))

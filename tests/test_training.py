@@ -260,30 +260,38 @@ _RUNNER = textwrap.dedent(
 )
 
 
-def _run_subprocess(cfg: TrainConfig, kill_at: int = -1) -> subprocess.CompletedProcess:
+def _start(cfg: TrainConfig, kill_at: int = -1) -> subprocess.Popen:
+    # One thread each: the two first runs go in parallel, and results are bit-reproducible.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", _RUNNER, json.dumps(cfg.to_dict()), str(kill_at)],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
     )
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=600)
+    return proc.returncode, err
 
 
 def test_sigkill_then_resume_gives_identical_weights(tmp_path: Path) -> None:
     full = small_config(tmp_path, "full")
     killed = small_config(tmp_path, "killed")
-    done = _run_subprocess(full)
-    assert done.returncode == 0, done.stderr[-3000:]
-    crash = _run_subprocess(killed, kill_at=5)  # after checkpoint-4, before step 6
-    assert crash.returncode == -signal.SIGKILL, crash.stderr[-3000:]
+    full_proc = _start(full)
+    crash_proc = _start(killed, kill_at=5)  # after checkpoint-4, before step 6
+    code, err = _finish(full_proc)
+    assert code == 0, err[-3000:]
+    code, err = _finish(crash_proc)
+    assert code == -signal.SIGKILL, err[-3000:]
     assert [p.name for p in list_checkpoints(tmp_path / "killed")] == [
         "checkpoint-2",
         "checkpoint-4",
     ]
-    resumed = _run_subprocess(replace(killed, resume=True))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    code, err = _finish(_start(replace(killed, resume=True)))
+    assert code == 0, err[-3000:]
     a = load_file(str(tmp_path / "full" / "checkpoint-6" / "model.safetensors"))
     b = load_file(str(tmp_path / "killed" / "checkpoint-6" / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -345,3 +353,111 @@ def test_sigint_saves_a_checkpoint_and_stops(tmp_path: Path) -> None:
     assert result.steps in (3, 4)
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == [f"checkpoint-{result.steps}"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# ------------------------------------------------------------------------------------------------
+# streaming, HF datasets, DeepSpeed
+# ------------------------------------------------------------------------------------------------
+def test_packed_stream_is_deterministic_and_restorable() -> None:
+    from maxscore.training.data import PackedStream, load_tokenizer
+
+    tok = load_tokenizer("default")
+
+    def factory(seed: int) -> list[str]:
+        import random
+
+        docs = [f"document {i} says hello to the world" for i in range(30)]
+        random.Random(seed).shuffle(docs)
+        return docs
+
+    stream = PackedStream(factory, tok, seq_len=8, seed=3)
+    first = [b["input_ids"] for b in stream]
+    again = [b["input_ids"] for b in PackedStream(factory, tok, seq_len=8, seed=3)]
+    assert len(first) > 5 and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert stream.state_dict()["blocks_produced"] == len(first)
+    resumed = PackedStream(factory, tok, seq_len=8, seed=3)
+    resumed.load_state_dict({"epoch": 0, "blocks_produced": 4})
+    rest = [b["input_ids"] for b in resumed]
+    assert all(torch.equal(a, b) for a, b in zip(first[4:], rest)) and len(rest) == len(first) - 4
+
+
+def test_unknown_hf_dataset_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    from maxscore.training.data import load_text_splits
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("Couldn't reach 'nobody/nothing' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match="cannot load dataset 'nobody/nothing'"):
+        load_text_splits(TrainConfig(dataset="nobody/nothing"))
+
+
+def test_c4_alias_streams_allenai_c4_en(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    from maxscore.training.data import load_text_splits
+
+    calls: list[tuple] = []
+
+    class FakeStream:
+        def __init__(self, split: str) -> None:
+            self.split = split
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter({"text": f"{self.split} doc {i}"} for i in range(300))
+
+        def shuffle(self, seed: int, buffer_size: int) -> FakeStream:
+            return self
+
+    def fake_load(path: str, name: str, split: str, streaming: bool) -> FakeStream:
+        calls.append((path, name, split, streaming))
+        return FakeStream(split)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    splits = load_text_splits(TrainConfig(dataset="c4"))
+    assert calls[0] == ("allenai/c4", "en", "train", True)
+    assert splits.train is None and splits.stream_factory is not None
+    assert splits.validation[0] == "validation doc 0"
+    assert next(iter(splits.stream_factory(0))) == "train doc 0"
+
+
+def test_deepspeed_configs_and_zero3_leaf_marking(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    from maxscore.moe import MoE
+    from maxscore.training.trainer import DEEPSPEED_CONFIGS, _mark_zero3_leaf_modules
+
+    stages = {
+        name: json.loads(path.read_text())["zero_optimization"]["stage"]
+        for name, path in DEEPSPEED_CONFIGS.items()
+    }
+    assert stages == {"zero2": 2, "zero3": 3}
+    marked: list[tuple] = []
+    fake = types.ModuleType("deepspeed.utils")
+    fake.set_z3_leaf_modules = lambda model, classes: marked.append((model, classes))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
+    monkeypatch.setitem(sys.modules, "deepspeed.utils", fake)
+    model = torch.nn.Linear(2, 2)
+    _mark_zero3_leaf_modules(model, "zero2")
+    assert marked == []
+    _mark_zero3_leaf_modules(model, "zero3")
+    assert marked == [(model, [MoE])]
+
+
+@pytest.mark.slow
+def test_readme_main_command_exactly(tmp_path: Path) -> None:
+    """`maxscore train` with no arguments (run from an empty folder): ~3 min on 2 cores."""
+    env = {**os.environ}
+    out = subprocess.run(
+        [sys.executable, "-m", "maxscore.cli", "train"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "perplexity:" in out.stdout and "token drop rate:" in out.stdout
+    assert (tmp_path / "runs" / "tiny-maxscore" / "summary.json").is_file()

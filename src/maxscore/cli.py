@@ -90,7 +90,9 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         help="stream the HF dataset (default: only for c4)",
     )
     g.add_argument("--max-train-documents", type=int, help="use only the first N documents")
-    g.add_argument("--max-eval-blocks", type=int, help=f"validation blocks (default {d.max_eval_blocks})")
+    g.add_argument(
+        "--max-eval-blocks", type=int, help=f"validation blocks (default {d.max_eval_blocks})"
+    )
     g.add_argument(
         "--tokenizer", help="'default' (embedded 32k LLaMA-style) or a HF name / local path"
     )
@@ -101,7 +103,9 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     g.add_argument("--max-steps", type=int, help=f"optimizer steps (default {d.max_steps})")
     g.add_argument("--max-tokens", type=int, help="token budget instead of --max-steps")
     g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
-    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})")
+    g.add_argument(
+        "--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})"
+    )
     g.add_argument("--adam-beta1", type=float, help=f"(default {d.adam_beta1})")
     g.add_argument("--adam-beta2", type=float, help=f"(default {d.adam_beta2})")
     g.add_argument("--adam-eps", type=float, help=f"(default {d.adam_eps})")
@@ -132,9 +136,15 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     g.add_argument("--deepspeed", help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path")
     g = parser.add_argument_group("run directory")
     g.add_argument("--output-dir", help="run directory (default runs/<model>-<router>)")
-    g.add_argument("--eval-steps", type=int, help=f"evaluate every N steps (default {d.eval_steps})")
-    g.add_argument("--save-steps", type=int, help=f"checkpoint every N steps (default {d.save_steps})")
-    g.add_argument("--logging-steps", type=int, help=f"log every N steps (default {d.logging_steps})")
+    g.add_argument(
+        "--eval-steps", type=int, help=f"evaluate every N steps (default {d.eval_steps})"
+    )
+    g.add_argument(
+        "--save-steps", type=int, help=f"checkpoint every N steps (default {d.save_steps})"
+    )
+    g.add_argument(
+        "--logging-steps", type=int, help=f"log every N steps (default {d.logging_steps})"
+    )
     g.add_argument("--save-total-limit", type=int, help="checkpoints kept (default 2)")
     g.add_argument(
         "--save-final",
@@ -193,12 +203,12 @@ def _error(message: str) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from maxscore.training.trainer import format_summary, prepare, train
+    from maxscore.training.trainer import format_summary, is_main_process, prepare, train
 
     try:
         config = config_from_args(args)
         prepared = prepare(config)
-        if not config.quiet:
+        if not config.quiet and is_main_process():
             print(
                 f"maxscore: training {config.model} + {config.router} on {prepared.data.description}"
                 f" for {prepared.total_steps} steps; run directory {prepared.run_dir}",
@@ -207,7 +217,8 @@ def run_train(args: argparse.Namespace) -> int:
         result = train(config, prepared=prepared)
     except ConfigError as err:
         return _error(str(err))
-    print(format_summary(result))
+    if is_main_process():
+        print(format_summary(result))
     return 130 if result.interrupted else 0
 
 
@@ -303,25 +314,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_commands(sub: Any) -> None:
-    """eval / analyze / report come from their packages; the CLI works while they are absent."""
+    """eval / analyze / report come from their packages; the CLI works while they are absent.
+
+    A command whose module is missing is left out; one whose module fails to import (a missing
+    optional dependency such as lm-eval) is listed but reports the import error when run.
+    """
     hooks = (
-        ("maxscore.evaluation.commands", "add_eval_parser"),
-        ("maxscore.analysis.commands", "add_analyze_parser"),
-        ("maxscore.analysis.commands", "add_report_parser"),
+        ("eval", "maxscore.evaluation.commands", "add_eval_parser"),
+        ("analyze", "maxscore.analysis.commands", "add_analyze_parser"),
+        ("report", "maxscore.analysis.commands", "add_report_parser"),
     )
     import importlib
 
-    for module_name, function in hooks:
+    for command, module_name, function in hooks:
         try:
             module = importlib.import_module(module_name)
         except ImportError as err:
-            # Only a missing module is tolerated; a broken one should not hide silently.
             if err.name is not None and module_name.startswith(err.name):
-                continue
-            raise
+                continue  # the module itself does not exist (yet)
+            _add_unavailable(sub, command, f"{type(err).__name__}: {err}")
+            continue
         hook = getattr(module, function, None)
         if hook is not None:
             hook(sub)
+
+
+def _add_unavailable(sub: Any, command: str, reason: str) -> None:
+    parser = sub.add_parser(command, help=f"(unavailable: {reason})", add_help=True)
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def fail(args: argparse.Namespace) -> int:
+        return _error(f"`maxscore {command}` is unavailable here: {reason}")
+
+    parser.set_defaults(func=fail)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

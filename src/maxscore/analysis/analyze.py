@@ -191,7 +191,7 @@ def analyze(
     data["settings"] = {
         "checkpoint": checkpoint,
         "window": window,
-        "routing": routing if checkpoint else "train (logged)",
+        "routing": routing if checkpoint else "training (as logged)",
     }
     result.data = data
     result.json_path.write_text(json.dumps(data, indent=2) + "\n")

@@ -90,7 +90,7 @@ def analysis_markdown(result: AnalysisResult) -> str:
             "## Token drop proportion by choice rank",
             "",
             "Share of tokens whose r-th highest-affinity expert was not assigned to them, per "
-            "layer (percent; training routing).",
+            f"layer (percent; {data.get('settings', {}).get('routing', 'train')} routing).",
             "",
             f"![drop rate by choice rank]({figures['drop_rate']})",
             "",
@@ -167,35 +167,37 @@ class ReportError(ValueError):
 
 
 def classify(paths: Sequence[str | Path]) -> ReportSources:
-    """Sort directories into compare / eval / analysis outputs (run dirs contribute their subdirs)."""
+    """Sort directories into compare / eval / analysis outputs.
+
+    Outputs are looked for in each given directory and up to two levels below it, so a run
+    directory contributes its ``eval/`` and ``analysis/``, and a compare directory those of
+    its runs too.
+    """
     from maxscore.analysis.analyze import ANALYSIS_JSON
     from maxscore.evaluation.results import RESULTS_JSON
 
     found = ReportSources()
+
+    def add(bucket: list[Path], directory: Path) -> None:
+        if directory.resolve() not in [p.resolve() for p in bucket]:
+            bucket.append(directory)
+
     for raw in paths:
         path = Path(raw).expanduser()
         if not path.exists():
             raise ReportError(f"not found: {path}")
         if path.is_file():
             path = path.parent
-        hits = 0
+        before = (len(found.compare), len(found.eval), len(found.analysis))
         if (path / COMPARISON_MD).is_file():
-            found.compare.append(path)
-            hits += 1
-        if (path / RESULTS_JSON).is_file():
-            found.eval.append(path)
-            hits += 1
-        if (path / ANALYSIS_JSON).is_file():
-            found.analysis.append(path)
-            hits += 1
-        for sub in sorted(path.iterdir()) if path.is_dir() else []:
-            if sub.is_dir() and (sub / RESULTS_JSON).is_file() and sub not in found.eval:
-                found.eval.append(sub)
-                hits += 1
-            if sub.is_dir() and (sub / ANALYSIS_JSON).is_file() and sub not in found.analysis:
-                found.analysis.append(sub)
-                hits += 1
-        if hits == 0:
+            add(found.compare, path)
+        for pattern in (RESULTS_JSON, f"*/{RESULTS_JSON}", f"*/*/{RESULTS_JSON}"):
+            for hit in sorted(path.glob(pattern)):
+                add(found.eval, hit.parent)
+        for pattern in (ANALYSIS_JSON, f"*/{ANALYSIS_JSON}", f"*/*/{ANALYSIS_JSON}"):
+            for hit in sorted(path.glob(pattern)):
+                add(found.analysis, hit.parent)
+        if (len(found.compare), len(found.eval), len(found.analysis)) == before:
             raise ReportError(
                 f"{path} holds no compare ({COMPARISON_MD}), eval ({RESULTS_JSON}) or analyze "
                 f"({ANALYSIS_JSON}) output"
@@ -251,7 +253,12 @@ def combined_report(
         for path in sources.eval:
             payload = load_results(path)
             limits.add(payload.get("limit"))
-            models.extend(payload["models"])
+            for model in payload["models"]:
+                # The same checkpoint evaluated twice (e.g. per run and in a combined
+                # directory) shows once: the later result wins.
+                key = (model.get("name"), model.get("checkpoint"))
+                models = [m for m in models if (m.get("name"), m.get("checkpoint")) != key]
+                models.append(model)
         lines += ["## Downstream evaluation (lm-evaluation-harness, zero-shot)", ""]
         lines += [
             "Scores in percent (accuracy; ReCoRD: F1); Avg. over the columns shown.",
@@ -260,10 +267,8 @@ def combined_report(
             "",
         ]
         if limits - {None}:
-            lines += [
-                f"Note: evaluated on at most {sorted(limits - {None})} documents per task (--limit).",
-                "",
-            ]
+            shown = ", ".join(sorted(str(x) for x in limits if x is not None))
+            lines += [f"Note: evaluated on at most {shown} documents per task (--limit).", ""]
         lines += ["Evaluation routing:", "", routing_table(models), ""]
     if sources.analysis:
         lines += ["## Routing analysis", ""]

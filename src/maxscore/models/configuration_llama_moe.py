@@ -189,7 +189,7 @@ class LlamaMoEConfig(PreTrainedConfig):
     @property
     def is_dense(self) -> bool:
         """True when the router preset is the dense baseline (every MLP is a dense SwiGLU)."""
-        return (self.router_config or {}).get("strategy") == "dense"
+        return bool(self.get_router_config().is_dense)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` has an MoE MLP (else a dense SwiGLU MLP)."""
@@ -198,10 +198,26 @@ class LlamaMoEConfig(PreTrainedConfig):
         return (layer_idx - self.first_k_dense) % self.moe_layer_freq == 0
 
     def get_router_config(self) -> Any:
-        """The resolved :class:`~maxscore.routing.config.RouterConfig` of every MoE layer."""
-        from maxscore.routing.config import RouterConfig
+        """The resolved :class:`~maxscore.routing.config.RouterConfig` of every MoE layer.
 
-        return RouterConfig.from_dict(dict(self.router_config or {}))
+        The top-level ``eval_routing`` / ``router_aux_loss_coef`` / ``router_z_loss_coef`` win over
+        the stored dict and the result is synced back into it: ``from_pretrained(path,
+        eval_routing="train")`` (or ``router_config={...}``) sets attributes after the config was
+        resolved, and they must still reach the routers.
+        """
+        from maxscore.routing.presets import get_router_config
+
+        # Preset + stored fields: identical to the stored dict when it is complete (the normal
+        # case), and still the preset's values for fields a partial override left out.
+        data = dict(self.router_config or {})
+        data["eval_routing"] = self.eval_routing
+        if self.router_aux_loss_coef is not None:
+            data["aux_loss_coef"] = float(self.router_aux_loss_coef)
+        if self.router_z_loss_coef is not None:
+            data["z_loss_coef"] = float(self.router_z_loss_coef)
+        resolved = get_router_config(self.router, **data)
+        self.router_config = resolved.to_dict()
+        return resolved
 
 
 # Saved configs carry `auto_map` and a copy of this file (see modeling_llama_moe.py).

@@ -23,6 +23,7 @@ under CUDA graphs and ``torch.compile``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,11 @@ class DispatchPlan:
         num_experts: ``e``.
         rows_per_expert: ``G * c`` for a padded plan, ``None`` for a grouped plan.
         group_end: ``[e]`` int32 exclusive end row of each expert (grouped plans only).
+        slot_row: ``[T, S]`` long, the row of each slot, ``-1`` where the slot has none.
+
+    ``source_token`` and ``slot_row`` are inverse maps; with both, the gather and the combine
+    have a scatter-free backward (no atomics, deterministic): gathering rows backward is a
+    per-token sum over its slots' rows, combining rows backward is a per-row gather.
     """
 
     source_token: Tensor
@@ -56,6 +62,7 @@ class DispatchPlan:
     num_experts: int
     rows_per_expert: int | None = None
     group_end: Tensor | None = None
+    slot_row: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -66,6 +73,34 @@ def _masked_weights(expert_index: Tensor, combine_weights: Tensor) -> Tensor:
     # The RoutingResult contract already has weight 0 on empty slots; the mask makes "dropped
     # contributes nothing" hold even for a router that leaves a stale weight there.
     return torch.where(expert_index >= 0, combine_weights.float(), 0.0)
+
+
+#: Above this many one-hot entries (``T * S * (e + 1)``) positions come from a sort instead.
+_ONE_HOT_LIMIT = 1 << 25
+
+
+def _positions(key: Tensor, num_keys: int) -> tuple[Tensor, Tensor]:
+    """Rank of each entry among the earlier entries of its row with the same key, and counts.
+
+    ``key [G, m]`` in ``[0, num_keys]`` (``num_keys`` = "no key"); returns ``position [G, m]``
+    and ``counts [G, num_keys + 1]``. A running count over a one-hot (one cumsum, no sort)
+    while that stays small; a stable sort otherwise (e.g. expert choice with many experts).
+    """
+    g, m = key.shape
+    k1 = num_keys + 1
+    device = key.device
+    if g * m * k1 <= _ONE_HOT_LIMIT:
+        hit = key.unsqueeze(-1) == torch.arange(k1, device=device)
+        running = hit.cumsum(1, dtype=torch.int32)
+        position = running.gather(2, key.unsqueeze(-1)).squeeze(-1).long() - 1
+        return position, running[:, -1].long()
+    flat = (key + torch.arange(g, device=device).unsqueeze(1) * k1).reshape(-1)
+    sorted_key, order = torch.sort(flat, stable=True)
+    rank = torch.arange(flat.numel(), device=device) - torch.searchsorted(sorted_key, sorted_key)
+    position = torch.empty_like(rank).scatter_(0, order, rank).view(g, m)
+    counts = torch.zeros(g * k1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return position, counts.view(g, k1)
 
 
 def padded_dispatch_plan(
@@ -89,62 +124,153 @@ def padded_dispatch_plan(
     t, s = expert_index.shape
     e, g_count, c = num_experts, num_groups, int(capacity)
     device = expert_index.device
-    n = t // g_count
     rows = e * g_count * c
     valid = expert_index >= 0
-    group = (torch.arange(t, device=device) // n).unsqueeze(1)
-    sentinel = e * g_count
-    # One key per (expert, group) buffer; the stable sort lists each buffer's slots in token
-    # order, and a slot's rank inside its key run is its position in the buffer.
-    key = torch.where(valid, expert_index * g_count + group, sentinel).reshape(-1)
-    sorted_key, order = torch.sort(key, stable=True)
-    run_start = torch.searchsorted(sorted_key, sorted_key)
-    position = torch.arange(t * s, device=device) - run_start
-    keep = (sorted_key < sentinel) & (position < c)
-    dest = torch.where(keep, sorted_key * c + position, rows)  # row `rows` is a trash row
-    token = torch.div(order, s, rounding_mode="floor")
-    weight = _masked_weights(expert_index, combine_weights).reshape(-1)[order]
-    # Empty rows hold some real token (spread over tokens so the final scatter-add has no
-    # hot spot) at weight 0: their output is exactly 0, and nothing reads uninitialised data.
+    # A slot's position in its (expert, group) buffer is its rank among the group's earlier
+    # slots (token order, then slot order) on the same expert.
+    key = torch.where(valid, expert_index, e).reshape(g_count, -1)
+    position, _ = _positions(key, e)
+    keep = valid.reshape(g_count, -1) & (position < c)
+    group = torch.arange(g_count, device=device).unsqueeze(1)
+    dest = torch.where(keep, (key * g_count + group) * c + position, rows).reshape(-1)
+    token = torch.arange(t * s, device=device) // s
+    weight = _masked_weights(expert_index, combine_weights).reshape(-1)
+    # Empty rows hold some real token (spread over tokens) at weight 0: their output is
+    # exactly 0, and nothing reads uninitialised memory. Row `rows` is a trash row for the
+    # slots that get none; it is cut off.
     filler = torch.arange(rows + 1, device=device) % t
     source_token = filler.scatter(0, dest, token)[:rows]
     row_weight = weight.new_zeros(rows + 1).scatter(0, dest, weight)[:rows]
-    return DispatchPlan(source_token, row_weight, e, rows_per_expert=g_count * c)
+    slot_row = torch.where(keep.view(t, s), dest.view(t, s), -1)
+    return DispatchPlan(source_token, row_weight, e, rows_per_expert=g_count * c, slot_row=slot_row)
 
 
 def grouped_dispatch_plan(
     expert_index: Tensor, combine_weights: Tensor, num_experts: int
 ) -> DispatchPlan:
     """Plan for the grouped path (``R = T * S`` rows sorted by expert, no capacity)."""
-    s = expert_index.shape[1]
+    t, s = expert_index.shape
     e = num_experts
+    device = expert_index.device
     valid = expert_index >= 0
     # Empty slots join the last expert's rows at weight 0 (see the module docstring).
-    key = torch.where(valid, expert_index, e - 1).reshape(-1)
-    sorted_key, order = torch.sort(key, stable=True)
-    group_end = torch.searchsorted(
-        sorted_key, torch.arange(e, device=key.device, dtype=sorted_key.dtype), right=True
-    ).to(torch.int32)
-    token = torch.div(order, s, rounding_mode="floor")
-    weight = _masked_weights(expert_index, combine_weights).reshape(-1)[order]
-    return DispatchPlan(token, weight, e, rows_per_expert=None, group_end=group_end)
+    key = torch.where(valid, expert_index, e - 1).reshape(1, -1)
+    position, counts = _positions(key, e)
+    counts = counts[0, :e]
+    ends = counts.cumsum(0)
+    flat_key = key.view(-1)
+    row = (ends - counts)[flat_key] + position.view(-1)
+    token = torch.arange(t * s, device=device) // s
+    weight = _masked_weights(expert_index, combine_weights).reshape(-1)
+    source_token = torch.empty_like(token).scatter_(0, row, token)  # every row exactly once
+    row_weight = weight.new_zeros(t * s).scatter(0, row, weight)
+    return DispatchPlan(
+        source_token,
+        row_weight,
+        e,
+        rows_per_expert=None,
+        group_end=ends.to(torch.int32),
+        slot_row=torch.where(valid, row.view(t, s), -1),
+    )
+
+
+# Triton gather-sum: out[t] = sum over t's slots of src[slot_row[t, s]] in one pass, fp32
+# accumulation, deterministic (embedding_bag did the same ~6x slower at these shapes).
+try:  # pragma: no cover - exercised on GPU machines (and with TRITON_INTERPRET=1)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _sum_slot_rows_kernel(
+        src_ptr, row_ptr, out_ptr, d, slots: tl.constexpr, block: tl.constexpr
+    ):
+        tok = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * block + tl.arange(0, block)
+        in_row = cols < d
+        acc = tl.zeros([block], dtype=tl.float32)
+        for slot in tl.static_range(slots):
+            r = tl.load(row_ptr + tok * slots + slot)
+            v = tl.load(src_ptr + r * d + cols, mask=in_row & (r >= 0), other=0.0)
+            acc += v.to(tl.float32)
+        tl.store(out_ptr + tok * d + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+
+    _HAVE_TRITON = True
+except Exception:  # no Triton: the torch fallback below
+    _HAVE_TRITON = False
+
+
+def _sum_slot_rows(src: Tensor, slot_row: Tensor) -> Tensor:
+    """``out[t] = sum_{s: slot_row[t, s] >= 0} src[slot_row[t, s]]`` (``[R, D] -> [T, D]``)."""
+    t, s = slot_row.shape
+    use_triton = _HAVE_TRITON and (src.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    if use_triton and os.environ.get("MAXSCORE_TRITON", "1") != "0":
+        src = src.contiguous()
+        d = src.shape[-1]
+        out = src.new_empty(t, d)
+        block = 256
+        _sum_slot_rows_kernel[(t, triton.cdiv(d, block))](
+            src, slot_row.contiguous(), out, d, slots=s, block=block, num_warps=1
+        )
+        return out
+    valid = (slot_row >= 0).unsqueeze(-1).to(src.dtype)
+    rows = src.index_select(0, slot_row.clamp(min=0).reshape(-1)).view(t, s, -1)
+    return (rows * valid).sum(dim=1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[T, D] -> x[source_token]``; backward sums each token's slot rows (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, source_token: Tensor, slot_row: Tensor):  # type: ignore[override]
+        ctx.save_for_backward(slot_row)
+        return x.index_select(0, source_token)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (slot_row,) = ctx.saved_tensors
+        # Rows no slot owns hold a filler token at weight 0: their input gradient is exactly 0
+        # (d gate_up = dh * w * ... = 0), so leaving them out is exact.
+        return _sum_slot_rows(grad, slot_row), None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """Eq. (1)'s sum over slots, ``[R, D] -> [T, D]``; backward is a gather (no atomics)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, source_token: Tensor, slot_row: Tensor):  # type: ignore[override]
+        ctx.save_for_backward(source_token)
+        return _sum_slot_rows(out, slot_row)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        (source_token,) = ctx.saved_tensors
+        # A row no slot owns gets its filler token's gradient instead of 0; harmless and exact:
+        # its activation h is 0 (weight 0), so it adds nothing to the down-projection gradient,
+        # its gate_up gradient is 0, and its weight gradient lands on a constant.
+        return grad.index_select(0, source_token), None, None
 
 
 def gather_rows(x: Tensor, plan: DispatchPlan) -> Tensor:
-    """``x[T, D] -> [R, D]``: each buffer row's token (backward: scatter-add to the tokens)."""
-    return x.index_select(0, plan.source_token)
+    """``x[T, D] -> [R, D]``: each buffer row's token."""
+    if plan.slot_row is None:
+        return x.index_select(0, plan.source_token)
+    return _GatherRows.apply(x, plan.source_token, plan.slot_row)
 
 
 def combine_rows(out: Tensor, plan: DispatchPlan, num_tokens: int) -> Tensor:
-    """Eq. (1)'s sum: scatter-add the weighted expert outputs ``[R, D]`` back to ``[T, D]``."""
-    y = out.new_zeros(num_tokens, out.shape[-1])
-    return y.index_add_(0, plan.source_token, out)
+    """Eq. (1)'s sum: add each token's weighted expert-output rows, ``[R, D] -> [T, D]``."""
+    if plan.slot_row is None:  # a plan built by hand: scatter-add (atomics)
+        y = out.new_zeros(num_tokens, out.shape[-1])
+        return y.index_add_(0, plan.source_token, out)
+    return _CombineRows.apply(out, plan.source_token, plan.slot_row)
 
 
 def _native_grouped_mm_ok(a: Tensor, b: Tensor) -> bool:
     if not (a.is_cuda and hasattr(torch, "_grouped_mm")):
         return False
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        return False
+    if a.shape[-1] % 8 or b.shape[-1] % 8:  # the kernel needs 16-byte aligned rows
         return False
     major, _ = torch.cuda.get_device_capability(a.device)
     return major >= 9  # the CUTLASS grouped GEMM is built for sm90 / sm100

@@ -109,9 +109,7 @@ class RouterConfig:
         if self.drop_policy not in ("position", "score"):
             raise ValueError(f"drop_policy must be 'position' or 'score', got {self.drop_policy!r}")
         if self.group not in ("sequence", "tokens", "batch"):
-            raise ValueError(
-                f"group must be 'sequence', 'tokens' or 'batch', got {self.group!r}"
-            )
+            raise ValueError(f"group must be 'sequence', 'tokens' or 'batch', got {self.group!r}")
         if self.group == "tokens" and (self.group_size is None or self.group_size < 1):
             raise ValueError("group='tokens' needs group_size >= 1 (tokens per routing group)")
         if self.aux_loss not in ("gshard", "eq9", "none"):

@@ -63,7 +63,9 @@ def compare(
         raise ConfigError("--routers is empty; give comma-separated router presets")
     unknown = [r for r in routers if r not in ROUTER_PRESETS]
     if unknown:
-        raise ConfigError(f"unknown router preset(s) {unknown}; available: {sorted(ROUTER_PRESETS)}")
+        raise ConfigError(
+            f"unknown router preset(s) {unknown}; available: {sorted(ROUTER_PRESETS)}"
+        )
     if len(set(routers)) != len(routers):
         raise ConfigError(f"--routers lists a router twice: {routers}")
     out = Path(output_dir)
@@ -158,9 +160,13 @@ def plot_loss_curves(runs: dict[str, Path], path: Path) -> None:
     for i, (name, run_dir) in enumerate(runs.items()):
         color = f"C{i}"
         records = read_metrics(run_dir)
-        train = [(r["step"], r["loss"]) for r in records if r.get("type") == "train" and "loss" in r]
+        train = [
+            (r["step"], r["loss"]) for r in records if r.get("type") == "train" and "loss" in r
+        ]
         evals = [
-            (r["step"], r["eval_loss"]) for r in records if r.get("type") == "eval" and "eval_loss" in r
+            (r["step"], r["eval_loss"])
+            for r in records
+            if r.get("type") == "eval" and "eval_loss" in r
         ]
         if train:
             ax.plot(*zip(*train), color=color, label=f"{name} train")

@@ -95,7 +95,7 @@ class TrainConfig:
     seq_len: int = 128
     batch_size: int = 8
     grad_accum: int = 1
-    max_steps: int = 300
+    max_steps: int = 250
     max_tokens: int | None = None
     lr: float = 2e-3
     weight_decay: float = 0.1
@@ -114,8 +114,8 @@ class TrainConfig:
     precision: Precision = "auto"
     gradient_checkpointing: bool = False
     output_dir: str | None = None
-    eval_steps: int = 100
-    save_steps: int = 100
+    eval_steps: int = 125
+    save_steps: int = 125
     logging_steps: int = 10
     save_total_limit: int = 2
     save_final: bool = True
@@ -149,7 +149,9 @@ class TrainConfig:
         if self.lr <= 0:
             raise ConfigError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
-            raise ConfigError(f"betas must be in [0, 1), got ({self.adam_beta1}, {self.adam_beta2})")
+            raise ConfigError(
+                f"betas must be in [0, 1), got ({self.adam_beta1}, {self.adam_beta2})"
+            )
         if self.precision not in ("auto", "bf16", "fp16", "fp32"):
             raise ConfigError(f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
         if self.lr_schedule not in ("wsd", "cosine", "linear", "constant"):
@@ -157,7 +159,9 @@ class TrainConfig:
                 f"lr_schedule must be wsd, cosine, linear or constant, got {self.lr_schedule!r}"
             )
         if self.decay_shape not in ("linear", "cosine", "1-sqrt"):
-            raise ConfigError(f"decay_shape must be linear, cosine or 1-sqrt, got {self.decay_shape!r}")
+            raise ConfigError(
+                f"decay_shape must be linear, cosine or 1-sqrt, got {self.decay_shape!r}"
+            )
         for name in ("warmup_ratio", "decay_ratio", "validation_fraction", "min_lr_ratio"):
             value = getattr(self, name)
             if not 0 <= value <= 1:
@@ -168,7 +172,9 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other; pick one")
         if self.report_to not in ("auto", "tensorboard", "none"):
-            raise ConfigError(f"report_to must be auto, tensorboard or none, got {self.report_to!r}")
+            raise ConfigError(
+                f"report_to must be auto, tensorboard or none, got {self.report_to!r}"
+            )
         if self.recipe not in (None, "paper"):
             raise ConfigError(f"unknown recipe {self.recipe!r}; known recipes: paper")
 
@@ -269,7 +275,9 @@ PAPER_RECIPE: dict[str, Any] = {
 PAPER_GLOBAL_BATCH = 688
 
 
-def apply_recipe(config: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()) -> TrainConfig:
+def apply_recipe(
+    config: TrainConfig, explicit: set[str] | frozenset[str] = frozenset()
+) -> TrainConfig:
     """Fill ``config`` with its recipe's values, except fields named in ``explicit``.
 
     ``explicit`` holds the fields the user set on the command line / in code, which win over the

@@ -246,7 +246,9 @@ def _read_local(path: Path, text_field: str) -> list[str]:
             text = file.read_text(encoding="utf-8", errors="replace")
             docs.extend(d.strip() for d in text.split("\n\n") if d.strip())
         else:
-            raise DataError(f"unsupported file type {file.suffix!r} for {str(file)!r}: use .txt or .jsonl")
+            raise DataError(
+                f"unsupported file type {file.suffix!r} for {str(file)!r}: use .txt or .jsonl"
+            )
     return docs
 
 
@@ -296,7 +298,8 @@ def _hf_source(config: TrainConfig) -> TextSplits:
                 "use a non-streaming load (--no-streaming) to hold documents out"
             )
         val_docs = [
-            str(row[field]) for _, row in zip(range(max(64, 4 * config.max_eval_blocks)), validation)
+            str(row[field])
+            for _, row in zip(range(max(64, 4 * config.max_eval_blocks)), validation)
         ]
 
         def factory(seed: int) -> Iterable[str]:

@@ -41,7 +41,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from maxscore.training import checkpoint as ckpt
-from maxscore.training.config import RUNTIME_FIELDS, ConfigError, TrainConfig
+from maxscore.training.config import PAPER_GLOBAL_BATCH, RUNTIME_FIELDS, ConfigError, TrainConfig
 from maxscore.training.data import TrainingData, build_training_data, load_tokenizer
 
 METRICS_FILE = "metrics.jsonl"
@@ -57,7 +57,8 @@ DEEPSPEED_CONFIGS = {
 
 #: What a line of ``metrics.jsonl`` holds (every key optional except ``type`` and ``step``).
 METRICS_SCHEMA: dict[str, str] = {
-    "type": '"train" (training log), "eval" (validation) or "final" (end-of-run summary)',
+    "type": '"train" (training log), "eval" (validation), "end" (the Trainer\'s runtime '
+    'summary) or "final" (end-of-run summary: the fields of summary.json)',
     "step": "optimizer step (global)",
     "epoch": "fractional epoch",
     "loss": "training loss (LM loss plus aux losses as the model returns it), mean since last log",
@@ -230,8 +231,12 @@ class FinalCheckpointCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
         stop = self.interrupted
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Every process must take the same decision, or the collective save would hang.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        at_check = state.global_step % max(args.logging_steps, 1) == 0
+        if distributed and at_check:
+            # Every process must take the same decision, or the collective save would hang; the
+            # all-reduce is a host sync, so it only runs at logging steps (Ctrl-C then saves at
+            # the next logging step).
             flag = torch.tensor(
                 [1.0 if stop else 0.0],
                 device="cuda" if torch.cuda.is_available() else "cpu",
@@ -239,6 +244,8 @@ class FinalCheckpointCallback(TrainerCallback):
             torch.distributed.all_reduce(flag)
             stop = bool(flag.item() > 0)
             self.interrupted = stop
+        elif distributed:
+            stop = False
         if stop:
             control.should_save = True
             control.should_training_stop = True
@@ -492,6 +499,11 @@ def prepare_run_dir(config: TrainConfig) -> tuple[Path, Path | None]:
     is not writable.
     """
     run_dir = config.run_dir
+    if not is_main_process():
+        # Process 0 checks and owns the run directory; the others must not race it (it may be
+        # writing config.json or deleting the folder for --overwrite). A refusal there stops
+        # the whole launch.
+        return run_dir, (ckpt.last_checkpoint(run_dir) if config.resume else None)
     resume_from: Path | None = None
     stored_path = run_dir / CONFIG_FILE
     if run_dir.exists() and not run_dir.is_dir():
@@ -499,8 +511,7 @@ def prepare_run_dir(config: TrainConfig) -> tuple[Path, Path | None]:
     has_content = run_dir.is_dir() and any(run_dir.iterdir())
     if has_content:
         if config.overwrite:
-            if is_main_process():
-                shutil.rmtree(run_dir)
+            shutil.rmtree(run_dir)
         elif stored_path.is_file():
             stored = TrainConfig.from_file(stored_path)
             diff = config.differences(stored)
@@ -541,8 +552,7 @@ def prepare_run_dir(config: TrainConfig) -> tuple[Path, Path | None]:
         probe.unlink()
     except OSError as err:
         raise ConfigError(f"output dir {str(run_dir)!r} is not writable: {err}") from err
-    if is_main_process():
-        ckpt.remove_stale_staging(run_dir)
+    ckpt.remove_stale_staging(run_dir)
     return run_dir, resume_from
 
 
@@ -623,6 +633,13 @@ def prepare(config: TrainConfig) -> PreparedRun:
     run_dir, resume_from = prepare_run_dir(config)
     total_steps = config.total_steps(ws)
     global_batch = config.batch_size * config.grad_accum * ws
+    if config.recipe == "paper" and global_batch != PAPER_GLOBAL_BATCH and is_main_process():
+        print(
+            f"maxscore: global batch is {global_batch} sequences ({config.batch_size} x "
+            f"{config.grad_accum} x {ws} GPUs), the paper's is {PAPER_GLOBAL_BATCH}; set "
+            "--batch-size / --grad-accum to match",
+            file=sys.stderr,
+        )
     data = build_training_data(
         config,
         tokenizer,
@@ -686,11 +703,16 @@ def _training_arguments(run: PreparedRun) -> TrainingArguments:
         bf16=run.precision == "bf16",
         fp16=run.precision == "fp16",
         gradient_checkpointing=cfg.gradient_checkpointing,
+        # Fused AdamW on GPUs (one kernel for all parameters); the reference loop on CPU.
+        optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
+        tf32=True if torch.cuda.is_available() else None,
         seed=cfg.seed,
         data_seed=cfg.seed,
         report_to="none",  # TensorBoard is added explicitly, to write into <run>/tensorboard
         dataloader_num_workers=cfg.num_workers,
         dataloader_pin_memory=torch.cuda.is_available(),
+        # Without a GPU, torchrun-launched processes only form a (gloo) DDP group with use_cpu.
+        use_cpu=not torch.cuda.is_available(),
         disable_tqdm=cfg.quiet,
         remove_unused_columns=False,
         prediction_loss_only=True,
@@ -709,7 +731,9 @@ def _mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
     try:
         from deepspeed.utils import set_z3_leaf_modules
     except ImportError as err:
-        raise ConfigError("--deepspeed needs the deepspeed package (pip install deepspeed)") from err
+        raise ConfigError(
+            "--deepspeed needs the deepspeed package (pip install deepspeed)"
+        ) from err
     from maxscore.moe import MoE
 
     set_z3_leaf_modules(model, [MoE])
@@ -840,7 +864,8 @@ def train(
             json.dumps(result.to_dict(), indent=2, default=str) + "\n"
         )
         with (run.run_dir / METRICS_FILE).open("a") as handle:
-            handle.write(json.dumps({"type": "final", **result.to_dict()}, default=str) + "\n")
+            record = {"type": "final", "step": result.steps, **result.to_dict()}
+            handle.write(json.dumps(record, default=str) + "\n")
     return result
 
 

@@ -35,8 +35,16 @@ def _clean_hellaswag(text: str) -> str:
     return text.replace("  ", " ")
 
 
+# lm-eval calls process_docs each time it asks for the documents (several times per run);
+# HellaSwag has 10k of them, so the processed dataset is kept per source fingerprint.
+_PROCESSED: dict[str, Any] = {}
+
+
 def hellaswag_docs(dataset: Any) -> Any:
     """``process_docs`` for HellaSwag: build the query, the cleaned endings and the gold index."""
+    key = getattr(dataset, "_fingerprint", None)
+    if key is not None and key in _PROCESSED:
+        return _PROCESSED[key]
 
     def build(doc: dict[str, Any]) -> dict[str, Any]:
         context = f"{doc['ctx_a']} {doc['ctx_b'].capitalize()}"
@@ -46,4 +54,7 @@ def hellaswag_docs(dataset: Any) -> Any:
             "gold": int(doc["label"]),
         }
 
-    return dataset.map(build)
+    processed = dataset.map(build)
+    if key is not None:
+        _PROCESSED[key] = processed
+    return processed

@@ -40,6 +40,8 @@ and small problems, not a training-time router (use ``"two-stage-sinkhorn"`` or 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -142,7 +144,7 @@ def solve_exact_numpy(
                 raise RuntimeError("exact flow solver: cycle in the shortest-path tree")
         path.reverse()
         moves = []
-        for src, dst in zip(path[:-1], path[1:]):
+        for src, dst in itertools.pairwise(path):
             on_src = np.flatnonzero(x[:, src])
             tok = on_src[np.argmin(a[on_src, src] + enter[on_src, dst])]
             moves.append((tok, src, dst))
@@ -185,7 +187,7 @@ def _warm_start(
     alternative. Prices only rise and a raised expert ends exactly full, and it can only gain
     tokens afterwards, so no expert with a positive price is ever spare. Cost ``O(n k e)`` a sweep.
     """
-    n, e = a.shape
+    e = a.shape[1]
     v = np.where(ok, a, -np.inf)
     x = _top_k_mask(v, k_tok)
     best_overload, stalled = np.inf, 0

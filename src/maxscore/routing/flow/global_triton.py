@@ -1,0 +1,321 @@
+"""Fused Triton kernel of the global solver (Eq. 7-8): one program per routing group.
+
+The same four phases as :mod:`.global_solver` (prices, rounding, repair, cycle cancelling), with
+the group's ``n x e`` affinities and its 0/1 assignment ``P`` kept in registers for the whole
+solve, so a call is one launch instead of ~1,700 small PyTorch kernels. Differences from the
+PyTorch path, all for speed and all still with a fixed number of steps:
+
+- prices: the ``(c_j+1)``-th largest threshold is found by bisection (a count per step) rather
+  than by sorting the column; the first Jacobi step bisects the full range, later ones a window
+  around the current price;
+- repair: each overloaded expert evicts one token per round (its cheapest move to an expert with
+  spare capacity), each receiving expert accepts the cheapest arrivals up to its spare capacity;
+- repair and cycle rounds stop early, per group and on the device, once a round moves nothing
+  (the remaining rounds would be no-ops); the round counts stay bounded, nothing reaches the host;
+- a group still over capacity after every round (never seen on random instances with enough
+  capacity) gets the round-robin assignment, which is always feasible; with total capacity short
+  of ``n k`` that is also what it returns (a maximum number of filled slots, affinities ignored).
+
+Fast path only: CUDA, ``n`` and ``e`` powers of two, ``n * e <= 8192``, ``k < e``. Triton is
+optional: :data:`AVAILABLE` is False when it cannot be imported, and :mod:`.global_solver` then
+uses the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+try:  # Triton is optional: the CPU path and machines without it use PyTorch only.
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - depends on the environment
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "solve_triton", "supported"]
+
+MAX_ELEMENTS = 8192
+
+
+def supported(affinities: Tensor, k: int) -> bool:
+    """Whether the fused kernel handles this shape and device."""
+    if not AVAILABLE or affinities.dim() != 3:
+        return False
+    _, n, e = affinities.shape
+    pow2 = (n & (n - 1) == 0) and (e & (e - 1) == 0)
+    return (
+        (affinities.is_cuda or _interpreting())
+        and pow2
+        and n >= 16
+        and e >= 2
+        and n * e <= MAX_ELEMENTS
+        and 1 <= k < e
+    )
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _thresholds(a, p, col, N: tl.constexpr, E: tl.constexpr, K: tl.constexpr):
+        """t_ij = A_ij - (k-th best of A_i - p over the experts other than j)."""
+        work = a - p[None, :]
+        in_top = tl.zeros([N, E], dtype=tl.int1)
+        vk = tl.zeros([N], dtype=tl.float32)
+        vk1 = tl.zeros([N], dtype=tl.float32)
+        for r in tl.static_range(K + 1):
+            m, am = tl.max(work, axis=1, return_indices=True)
+            sel = col == am[:, None]
+            if r < K:
+                in_top = in_top | sel
+            if r == K - 1:
+                vk = m
+            if r == K:
+                vk1 = m
+            work = tl.where(sel, -1.0e30, work)
+        return a - tl.where(in_top, vk1[:, None], vk[:, None])
+
+    @triton.jit
+    def _global_kernel(
+        a_ptr,
+        cap_ptr,
+        out_ptr,
+        N: tl.constexpr,
+        E: tl.constexpr,
+        V: tl.constexpr,
+        K: tl.constexpr,
+        PRICE_IT: tl.constexpr,
+        BISECT0: tl.constexpr,
+        BISECT: tl.constexpr,
+        REPAIR: tl.constexpr,
+        CYCLES: tl.constexpr,
+        BF: tl.constexpr,
+        JUMPS: tl.constexpr,
+        WINDOW: tl.constexpr,
+        NO_FALLBACK: tl.constexpr = False,
+        EARLY_EXIT: tl.constexpr = True,
+        PACKED: tl.constexpr = False,
+    ):
+        NEG: tl.constexpr = -1.0e30
+        BIG: tl.constexpr = 1.0e30
+        g = tl.program_id(0)
+        rn = tl.arange(0, N)
+        re = tl.arange(0, E)
+        rv = tl.arange(0, V)
+        a = tl.load(a_ptr + g * N * E + rn[:, None] * E + re[None, :])
+        cap = tl.load(cap_ptr + g * E + re)  # int32, clamped to [0, n] by the caller
+        col = re[None, :] + 0 * rn[:, None]  # [N, E] expert id
+        row = rn[:, None] + 0 * re[None, :]  # [N, E] token id
+        spread = tl.maximum(
+            tl.max(tl.max(a, axis=1), axis=0) - tl.min(tl.min(a, axis=1), axis=0), 1e-30
+        )
+        unbounded = cap >= N
+
+        # ---- Phase 1: Jacobi prices (Eq. 8's dual), thresholds selected by bisection. The first
+        # step bisects the full range, later ones a window of +-spread/16 around the price.
+        p = tl.zeros([E], dtype=tl.float32)
+        thr = _thresholds(a, p, col, N, E, K)
+        lo = tl.min(thr, axis=0) - spread
+        hi = tl.max(thr, axis=0)
+        for _b in range(BISECT0):
+            mid = 0.5 * (lo + hi)
+            up = tl.sum((thr > mid[None, :]).to(tl.int32), axis=0) > cap
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(up, hi, mid)
+        p = tl.where(unbounded, 0.0, tl.maximum(hi, 0.0))
+        for _it in range(PRICE_IT - 1):
+            thr = _thresholds(a, p, col, N, E, K)
+            lo = p - spread * WINDOW
+            hi = p + spread * WINDOW
+            for _b in range(BISECT):
+                mid = 0.5 * (lo + hi)
+                up = tl.sum((thr > mid[None, :]).to(tl.int32), axis=0) > cap
+                lo = tl.where(up, mid, lo)
+                hi = tl.where(up, hi, mid)
+            p = tl.where(unbounded, 0.0, tl.maximum(hi, 0.0))
+
+        # ---- Phase 2: rounding, each token takes its top-k of A - p (as a 0/1 matrix).
+        work = a - p[None, :]
+        held = tl.zeros([N, E], dtype=tl.int1)
+        for _r in tl.static_range(K):
+            _m, am = tl.max(work, axis=1, return_indices=True)
+            sel = col == am[:, None]
+            held = held | sel
+            work = tl.where(sel, NEG, work)
+
+        # ---- Phase 3: repair, one eviction per overloaded expert per round.
+        # A round that moves nothing would repeat forever: stop the group there (no host sync, the
+        # bound REPAIR still holds).
+        rep = tl.zeros([], dtype=tl.int32)
+        go = rep < REPAIR
+        while go:
+            load = tl.sum(held.to(tl.int32), axis=0)
+            over = load > cap
+            spare = load < cap
+            open_dest = (~held) & spare[None, :]
+            dval, dest = tl.max(tl.where(open_dest, a, NEG), axis=1, return_indices=True)
+            has_dest = dval > 0.5 * NEG
+            loss = tl.where(held & over[None, :] & has_dest[:, None], a - dval[:, None], BIG)
+            _tmin, tsrc = tl.min(loss, axis=1, return_indices=True)
+            loss = tl.where(col == tsrc[:, None], loss, BIG)  # one eviction per token
+            emin, etok = tl.min(loss, axis=0, return_indices=True)  # per expert
+            evicting = emin < 0.5 * BIG
+            # destination of each expert's evicted token
+            pick = (row == etok[None, :]) & evicting[None, :]
+            edest = tl.sum(tl.where(pick, dest[:, None], 0), axis=0)
+            # each destination accepts its cheapest arrivals, up to its spare capacity
+            same = (edest[:, None] == edest[None, :]) & evicting[None, :]  # [a, a'] same target
+            ahead = (emin[None, :] < emin[:, None]) | (
+                (emin[None, :] == emin[:, None]) & (re[None, :] < re[:, None])
+            )
+            rank = tl.sum(tl.where(same & ahead, 1, 0), axis=1)
+            room = tl.sum(tl.where(edest[:, None] == re[None, :], (cap - load)[None, :], 0), axis=1)
+            won = evicting & (rank < room)
+            move_tok = tl.sum(tl.where(pick & won[None, :], 1, 0), axis=1) > 0  # [N]
+            move_dst = tl.sum(tl.where(pick & won[None, :], edest[None, :], 0), axis=1)
+            move_src = tl.sum(tl.where(pick & won[None, :], col, 0), axis=1)
+            held = tl.where(move_tok[:, None] & (col == move_src[:, None]), False, held)
+            held = tl.where(move_tok[:, None] & (col == move_dst[:, None]), True, held)
+            rep += 1
+            go = (rep < REPAIR) & ((tl.sum(move_tok.to(tl.int32), axis=0) > 0) | (not EARLY_EXIT))
+
+        # ---- Phase 4: cycle cancelling on the (e + 1)-node expert graph (node E = sink).
+        penalty = (E + 1) * spread
+        tol = 1.0e-6 * (E + 2) * spread
+        vrow = rv[:, None] + 0 * rv[None, :]
+        vcol = rv[None, :] + 0 * rv[:, None]
+        cyc = tl.zeros([], dtype=tl.int32)
+        go = cyc < CYCLES
+        while go:
+            load = tl.sum(held.to(tl.int32), axis=0)
+            w = tl.full([V, V], NEG, dtype=tl.float32)
+            tok = tl.zeros([V, V], dtype=tl.int32)
+            for src in range(E):
+                on_src = tl.sum(tl.where(held & (col == src), 1, 0), axis=1) > 0  # [N]
+                a_src = tl.sum(tl.where(col == src, a, 0.0), axis=1)  # [N]
+                gain = tl.where(on_src[:, None] & (~held), a - a_src[:, None], NEG)
+                if PACKED:
+                    # One max over (ordered float bits << 32 | token) instead of an argmax pair.
+                    bits = gain.to(tl.int32, bitcast=True)
+                    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                    packed = (bits.to(tl.int64) << 32) | row.to(tl.int64)
+                    top = tl.max(packed, axis=0)
+                    btok = (top & 0xFFFFFFFF).to(tl.int32)
+                    hi_bits = (top >> 32).to(tl.int32)
+                    hi_bits = tl.where(hi_bits < 0, hi_bits ^ 0x7FFFFFFF, hi_bits)
+                    best = hi_bits.to(tl.float32, bitcast=True)
+                else:
+                    best, btok = tl.max(gain, axis=0, return_indices=True)  # [E]
+                best_v = tl.sum(tl.where(re[:, None] == rv[None, :], best[:, None], 0.0), axis=0)
+                btok_v = tl.sum(tl.where(re[:, None] == rv[None, :], btok[:, None], 0), axis=0)
+                is_exp = rv < E
+                w = tl.where((vrow == src) & is_exp[None, :], best_v[None, :], w)
+                tok = tl.where((vrow == src) & is_exp[None, :], btok_v[None, :], tok)
+            load_v = tl.sum(tl.where(re[:, None] == rv[None, :], load[:, None], 0), axis=0)
+            cap_v = tl.sum(tl.where(re[:, None] == rv[None, :], cap[:, None], 0), axis=0)
+            is_exp_v = rv < E
+            # sink edges: b -> S if b has spare capacity; S -> a, rewarded if a is overloaded
+            to_sink = tl.where(is_exp_v & (load_v < cap_v), 0.0, NEG)
+            from_sink = tl.where(is_exp_v, tl.where(load_v > cap_v, penalty, 0.0), NEG)
+            w = tl.where((vcol == E) & (vrow < E), to_sink[:, None], w)
+            w = tl.where(vrow == E, from_sink[None, :], w)
+            w = tl.where(vrow == vcol, 0.0, w - tol)
+            # Bellman-Ford (longest paths) with predecessor tracking
+            dist = tl.zeros([V], dtype=tl.float32)
+            pred = tl.full([V], -1, dtype=tl.int32)
+            for _i in range(BF):
+                cand = dist[:, None] + w
+                dist, arg = tl.max(cand, axis=0, return_indices=True)
+                pred = tl.where(arg != rv, arg.to(tl.int32), pred)
+            # nodes on cycles of the predecessor graph: the image of pred^(2^m), 2^m >= V
+            jump = tl.where(pred >= 0, pred, rv)
+            for _j in range(JUMPS):
+                jump = tl.sum(tl.where(jump[:, None] == vcol, jump[None, :] + 0 * vrow, 0), axis=1)
+            hit = tl.sum(tl.where(jump[:, None] == vcol, 1, 0), axis=0) > 0
+            on_cycle = hit & (pred >= 0)
+            # edges pred[v] -> v between experts, with their tokens
+            apply = on_cycle & (pred < E) & (rv < E)
+            t_v = tl.sum(tl.where(vrow == pred[None, :], tok, 0), axis=0)  # tok[pred[v], v]
+            # per expert: the out-edge's token (each node has at most one successor on a cycle)
+            out_e = (pred[None, :] == re[:, None]) & apply[None, :]  # [E, V]
+            has_out = tl.sum(tl.where(out_e, 1, 0), axis=1) > 0
+            out_tok = tl.sum(tl.where(out_e, t_v[None, :], 0), axis=1)
+            in_e = (rv[None, :] == re[:, None]) & apply[None, :]
+            has_in = tl.sum(tl.where(in_e, 1, 0), axis=1) > 0
+            in_tok = tl.sum(tl.where(in_e, t_v[None, :], 0), axis=1)
+            remove = has_out[None, :] & (row == out_tok[None, :])
+            add = has_in[None, :] & (row == in_tok[None, :])
+            held = (held & ~remove) | add
+            cyc += 1
+            go = (cyc < CYCLES) & ((tl.sum(apply.to(tl.int32), axis=0) > 0) | (not EARLY_EXIT))
+
+        # ---- Output: slots by decreasing affinity; round-robin fallback if still infeasible.
+        load = tl.sum(held.to(tl.int32), axis=0)
+        bad = (tl.sum(tl.where(load > cap, 1, 0), axis=0) > 0) & (not NO_FALLBACK)
+        bound = tl.cumsum(cap, axis=0)
+        work = tl.where(held, a, NEG)
+        for r in tl.static_range(K):
+            _m, am = tl.max(work, axis=1, return_indices=True)
+            work = tl.where(col == am[:, None], NEG, work)
+            pos = r * N + rn
+            rr = tl.sum(tl.where(bound[None, :] <= pos[:, None], 1, 0), axis=1)
+            rr = tl.where(rr < E, rr, -1)
+            choice = tl.where(bad, rr, am.to(tl.int32))
+            tl.store(out_ptr + g * N * K + rn * K + r, choice.to(tl.int64))
+
+
+def solve_triton(
+    affinities: Tensor,
+    k: int,
+    capacity: Tensor,
+    *,
+    price_iterations: int,
+    repair_rounds: int,
+    cycle_rounds: int,
+    bf_iterations: int,
+    bisect0: int = 16,
+    bisect: int = 8,
+    window: float = 0.0625,
+    early_exit: bool = True,
+    packed: bool = False,
+    num_warps: int = 8,
+) -> Tensor:
+    """Run the fused kernel; ``capacity`` is the ``[G, e]`` effective capacity (<= n).
+
+    Slots come out in decreasing affinity (ties: lower expert index first).
+    """
+    groups, n, e = affinities.shape
+    a = affinities.float().contiguous()
+    cap = capacity.to(torch.int32).contiguous()
+    out = torch.empty(groups, n, k, dtype=torch.long, device=a.device)
+    v = 1 << math.ceil(math.log2(e + 1))
+    _global_kernel[(groups,)](
+        a,
+        cap,
+        out,
+        N=n,
+        E=e,
+        V=v,
+        K=k,
+        PRICE_IT=price_iterations,
+        BISECT0=bisect0,
+        BISECT=bisect,
+        REPAIR=repair_rounds,
+        CYCLES=cycle_rounds,
+        BF=bf_iterations,
+        JUMPS=max(1, math.ceil(math.log2(v))),
+        WINDOW=window,
+        EARLY_EXIT=early_exit,
+        PACKED=packed,
+        num_warps=num_warps,
+    )
+    return out
