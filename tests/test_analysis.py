@@ -209,6 +209,11 @@ def test_plotted_bars_and_lines_equal_the_metrics(runs: list[Path]) -> None:
     plots.plt.close(fig)
 
 
+def test_a_compare_directory_stands_for_its_runs(runs: list[Path], tmp_path: Path) -> None:
+    result = analyze([tmp_path], tmp_path / "out")  # the fixture's runs live in tmp_path
+    assert set(result.data["runs"]) == {"gshard", "maxscore"}
+
+
 def test_window_averages_the_last_logs(runs: list[Path]) -> None:
     run = load_run(runs[0])
     records = [r for r in run.records if r.get("routing")]

@@ -7,12 +7,9 @@ layer's padded (capacity) and grouped (dropless) paths must match it in value an
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from maxscore.moe import (
     DenseMLP,
@@ -30,61 +27,6 @@ from maxscore.routing.types import RoutingResult
 
 ATOL = 1e-5
 RTOL = 1e-5
-
-
-# --------------------------------------------------------------------------------------------
-# Stand-in router, used only while maxscore.routing.router does not exist yet.
-# --------------------------------------------------------------------------------------------
-
-
-def _standin_router_module() -> types.ModuleType:
-    from maxscore.routing.groups import expert_capacity
-    from maxscore.routing.presets import get_router_config
-    from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES
-
-    class Router(nn.Module):
-        def __init__(self, hidden_size: int, num_experts: int, top_k: int, config) -> None:
-            super().__init__()
-            self.config = get_router_config(config) if isinstance(config, str) else config
-            self.e, self.k = num_experts, top_k
-            self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-
-        def forward(self, x: Tensor) -> RoutingResult:
-            b, length, _ = x.shape
-            t = b * length
-            g = b if self.config.group == "sequence" else 1
-            n = t // g
-            logits = self.gate(x.reshape(t, -1).float())
-            aff = logits.softmax(-1)
-            spec = ASSIGNMENT_STRATEGIES[self.config.strategy]
-            cap = None
-            if spec.uses_capacity:
-                c = expert_capacity(
-                    n, self.e, self.k, self.config.capacity_factor, self.config.min_capacity
-                )
-                cap = torch.full((self.e,), c, dtype=torch.long)
-            with torch.no_grad():
-                idx = spec.assign(aff.detach().view(g, n, -1), self.k, cap, self.config)
-            idx = idx.reshape(t, -1)
-            w = torch.where(idx >= 0, aff.gather(1, idx.clamp(min=0)), 0.0)
-            zero = logits.sum() * 0
-            return RoutingResult(idx, w, cap, g, logits, aff, zero, zero, {"load": zero})
-
-    def build_router(cfg, hidden_size, num_experts, top_k, **overrides):
-        if isinstance(cfg, str):
-            cfg = get_router_config(cfg, **overrides)
-        return Router(hidden_size, num_experts, top_k, cfg)
-
-    mod = types.ModuleType("maxscore.routing.router")
-    mod.Router = Router  # type: ignore[attr-defined]
-    mod.build_router = build_router  # type: ignore[attr-defined]
-    return mod
-
-
-try:
-    import maxscore.routing.router  # noqa: F401
-except ImportError:
-    sys.modules["maxscore.routing.router"] = _standin_router_module()
 
 
 # --------------------------------------------------------------------------------------------

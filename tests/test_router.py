@@ -139,12 +139,13 @@ def test_preset_table_matches_paper() -> None:
     ms = get_router_config("maxscore")
     assert (ms.operator, ms.strategy, ms.group) == ("softtopk", "min-cost-flow", "sequence")
     assert get_router_config("gshard").group == "batch"
-    from maxscore.routing import FLOW_SOLVERS
+    from maxscore.routing.strategies import resolve_flow_method
 
     for name in ("maxscore", "gshard-m"):
-        method = get_router_config(name).flow_method
-        assert method in FLOW_SOLVERS
-        assert method == ("global" if "global" in FLOW_SOLVERS else "two-stage-sinkhorn")
+        assert get_router_config(name).flow_method == "auto"
+    assert resolve_flow_method("auto", torch.device("cpu")) == "exact"
+    assert resolve_flow_method("auto", torch.device("cuda")) == "global"
+    assert resolve_flow_method("two-stage-sinkhorn", torch.device("cuda")) == "two-stage-sinkhorn"
     assert get_router_config("deepseek").aux_loss_coef == 1e-3
     assert get_router_config("gshard").aux_loss_coef == 1e-2
     v3 = get_router_config("deepseek-v3")

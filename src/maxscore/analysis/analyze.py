@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from maxscore.analysis import plots
-from maxscore.analysis.runs import RoutingSnapshot, RunData, RunError, load_run, unique_names
+from maxscore.analysis.runs import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    RoutingSnapshot,
+    RunData,
+    RunError,
+    load_run,
+    unique_names,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +87,20 @@ def _snapshot(
     )
 
 
+def expand_run_dirs(paths: list[str | Path]) -> list[str | Path]:
+    """Replace a ``maxscore compare`` output directory by the run directories inside it."""
+    out: list[str | Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        is_run = (path / METRICS_FILE).is_file() or (path / CONFIG_FILE).is_file()
+        children = sorted(p for p in path.glob(f"*/{METRICS_FILE}")) if path.is_dir() else []
+        if not is_run and children:
+            out.extend(child.parent for child in children)
+        else:
+            out.append(raw)
+    return out
+
+
 def analyze(
     run_dirs: list[str | Path],
     output_dir: str | Path,
@@ -94,7 +116,8 @@ def analyze(
     """Analyse runs side by side and write figures, ``analysis.json`` and ``analysis.md``.
 
     Args:
-        run_dirs: run directories (outputs of ``maxscore train`` / ``compare``).
+        run_dirs: run directories (outputs of ``maxscore train``); a ``maxscore compare``
+            output directory stands for the runs inside it.
         output_dir: where to write.
         layer: decoder layer of the expert-load figure (default: the middle MoE layer).
         names: labels, one per run (default: the router preset, else the directory name).
@@ -109,6 +132,7 @@ def analyze(
     Raises:
         RunError: a bad run directory, a layer that is not an MoE layer, or nothing to analyse.
     """
+    run_dirs = expand_run_dirs(run_dirs)
     if not run_dirs:
         raise RunError("no run directories given")
     if names is not None and len(names) != len(run_dirs):

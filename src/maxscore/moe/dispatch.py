@@ -83,13 +83,15 @@ def _positions(key: Tensor, num_keys: int) -> tuple[Tensor, Tensor]:
     """Rank of each entry among the earlier entries of its row with the same key, and counts.
 
     ``key [G, m]`` in ``[0, num_keys]`` (``num_keys`` = "no key"); returns ``position [G, m]``
-    and ``counts [G, num_keys + 1]``. A running count over a one-hot (one cumsum, no sort)
-    while that stays small; a stable sort otherwise (e.g. expert choice with many experts).
+    and ``counts [G, num_keys + 1]``. On the CPU a running count over a one-hot (one cumsum)
+    while that stays small. On a GPU always a stable sort: torch's cumsum along a
+    non-innermost dimension runs one thread per column, serial along the tokens (measured on
+    an H100: 5.7 ms per layer step for ``[1, 32768, 17]``, against ~0.1 ms for the sort).
     """
     g, m = key.shape
     k1 = num_keys + 1
     device = key.device
-    if g * m * k1 <= _ONE_HOT_LIMIT:
+    if not key.is_cuda and g * m * k1 <= _ONE_HOT_LIMIT:
         hit = key.unsqueeze(-1) == torch.arange(k1, device=device)
         running = hit.cumsum(1, dtype=torch.int32)
         position = running.gather(2, key.unsqueeze(-1)).squeeze(-1).long() - 1

@@ -69,7 +69,8 @@ class RouterConfig:
             (DeepSeek-V3 style); the paper's routers do not.
         sinkhorn_iterations: iterations of Sinkhorn (SBASE and the two-stage flow solver).
         flow_method: min-cost-flow solver used by the ``"min-cost-flow"`` strategy
-            (``maxscore.routing.flow.FLOW_SOLVERS``).
+            (``maxscore.routing.flow.FLOW_SOLVERS``), or ``"auto"``: the GPU global solver on
+            CUDA, the exact solver on the CPU.
         num_expert_groups / topk_groups: group-limited routing (DeepSeek): experts are split
             into ``num_expert_groups`` groups and each token may only use its ``topk_groups``
             best groups.
@@ -93,7 +94,7 @@ class RouterConfig:
     temperature: TemperatureScheduleConfig = field(default_factory=TemperatureScheduleConfig)
     normalize_weights: bool = False
     sinkhorn_iterations: int = 8
-    flow_method: str = "two-stage-sinkhorn"
+    flow_method: str = "auto"
     num_expert_groups: int = 1
     topk_groups: int = 1
     bias_update_rate: float = 0.0

@@ -31,17 +31,15 @@ class RouterPreset:
 
 
 def default_flow_method() -> str:
-    """The min-cost-flow solver the flow presets use: the GPU global solver when registered.
+    """The min-cost-flow solver the flow presets use: ``"auto"``.
 
-    ``"global"`` (issue 3) reaches the optimum of Eq. 8 within a small gap; until it is in
-    ``maxscore.routing.flow.FLOW_SOLVERS`` the presets use the paper's Algorithm 1
-    (``"two-stage-sinkhorn"``).
+    ``"auto"`` resolves per call (``strategies.resolve_flow_method``): the GPU global solver
+    (``"global"``, issue 3: the optimum of Eq. 8 within a measured gap, no host sync) on CUDA,
+    the exact successive-shortest-path solver on the CPU. The paper's Algorithm 1 stays
+    available as ``flow_method="two-stage-sinkhorn"``, the authors' variant as
+    ``"two-stage-exact"``.
     """
-    try:
-        from maxscore.routing.flow import FLOW_SOLVERS
-    except ImportError:  # flow/ not importable (partial install): Algorithm 1 is the fallback
-        return "two-stage-sinkhorn"
-    return "global" if "global" in FLOW_SOLVERS else "two-stage-sinkhorn"
+    return "auto"
 
 
 _PAPER_AUX = 1e-2  # λ of Eq. 9 for every router but DeepSeek (Sec. 4, "Hyperparameters")

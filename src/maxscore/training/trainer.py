@@ -134,7 +134,9 @@ def find_temperature_schedule(model: Any) -> Any | None:
 # ------------------------------------------------------------------------------------------------
 # model
 # ------------------------------------------------------------------------------------------------
-def build_model_config(config: TrainConfig, vocab_size: int) -> Any:
+def build_model_config(
+    config: TrainConfig, vocab_size: int, special_tokens: dict[str, int | None] | None = None
+) -> Any:
     """The :class:`LlamaMoEConfig` of a model preset + router preset + overrides.
 
     Raises ConfigError for unknown presets or invalid overrides (before any training).
@@ -152,6 +154,11 @@ def build_model_config(config: TrainConfig, vocab_size: int) -> Any:
         )
     overrides = dict(config.model_overrides)
     overrides.setdefault("vocab_size", vocab_size)
+    # The tokenizer's BOS/EOS/PAD ids go into the model (and generation) config, so checkpoints
+    # generate and pad correctly.
+    for key, value in (special_tokens or {}).items():
+        if value is not None:
+            overrides.setdefault(key, value)
     if config.router_overrides:
         overrides["router_config"] = {
             **(overrides.get("router_config") or {}),
@@ -171,13 +178,20 @@ def build_model_config(config: TrainConfig, vocab_size: int) -> Any:
     return model_config
 
 
-def build_model(model_config: Any, seed: int) -> Any:
-    """A freshly initialised :class:`LlamaMoEForCausalLM` (seeded)."""
+def build_model(model_config: Any, seed: int, on_gpu: bool = False) -> Any:
+    """A freshly initialised :class:`LlamaMoEForCausalLM` (seeded).
+
+    With ``on_gpu`` the weights are created and initialised directly on this process's GPU
+    (``cuda:LOCAL_RANK``): initialising a Base-size model on the CPU first costs several seconds.
+    """
     from transformers import set_seed
 
     from maxscore.models import LlamaMoEForCausalLM
 
     set_seed(seed)
+    if on_gpu and torch.cuda.is_available():
+        with torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"):
+            return LlamaMoEForCausalLM(model_config)
     return LlamaMoEForCausalLM(model_config)
 
 
@@ -624,7 +638,17 @@ def prepare(config: TrainConfig) -> PreparedRun:
     if config.deepspeed is not None:
         _deepspeed_config_path(config.deepspeed)
     tokenizer = load_tokenizer(config.tokenizer)
-    model_config = build_model_config(config, vocab_size=len(tokenizer))
+    model_config = build_model_config(
+        config,
+        vocab_size=len(tokenizer),
+        special_tokens={
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id
+            if tokenizer.pad_token_id is not None
+            else tokenizer.eos_token_id,
+        },
+    )
     if len(tokenizer) > model_config.vocab_size:
         raise ConfigError(
             f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's "
@@ -795,7 +819,8 @@ def train(
     run = prepared or prepare(config)
     cfg = run.config
     write_resolved_config(run)
-    model = build_model(run.model_config, cfg.seed)
+    # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
+    model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     _mark_zero3_leaf_modules(model, cfg.deepspeed)

@@ -8,12 +8,14 @@ cost 0). Its min-cost maximum flow is the assignment ``P`` that maximises ``sum_
 
 Algorithm (exact; the paper's "SPFA" family, adapted to the graph's shape):
 
-1. Start from the pseudoflow in which every token takes its top-``k`` experts and no capacity is
-   checked. Every residual cycle is a sequence of moves "token ``i`` leaves expert ``a`` for
-   expert ``b``" of cost ``A_ia - A_ib >= 0`` (``a`` is in ``i``'s top-k, ``b`` is not), so the
-   pseudoflow has no negative cycle: it is optimal for its node imbalances. Its only violations are
-   experts loaded above ``c_j``; their overload is the supply that the successive shortest paths
-   must route away.
+1. Start from a pseudoflow in which every token takes its top-``k`` experts of ``A - p`` and no
+   capacity is checked, for expert prices ``p >= 0`` found by a few sweeps of an ascending
+   auction (``p = 0`` gives plain top-k). Every residual cycle is a sequence of moves "token ``i``
+   leaves expert ``a`` for expert ``b``" whose cost ``A_ia - A_ib`` sums to the same as the
+   reduced costs ``(A_ia - p_a) - (A_ib - p_b) >= 0``, so the pseudoflow has no negative cycle:
+   it is optimal for its node imbalances (see :func:`_warm_start` for cycles through the sink).
+   Its only violations are experts loaded above ``c_j``; their overload is the supply that the
+   successive shortest paths must route away. The prices only shrink that supply.
 2. Each augmentation takes one unit of overload along a shortest residual path to an expert with
    spare capacity (then to the sink). Such a path alternates expert -> token -> expert, so we run
    Bellman–Ford on the ``e``-node *expert graph* whose edge ``a -> b`` costs
@@ -30,9 +32,13 @@ Algorithm (exact; the paper's "SPFA" family, adapted to the graph's shape):
    ``M`` (so the number of dropped slots is minimised first, i.e. the flow is maximum); paths to
    real spare capacity, when they exist, are always shorter, and dropping never creates new ones.
 
-Complexity: with ``F <= n * k`` units of initial overload, ``O(F * (n k e + e^3))`` time and
-``O(n e)`` memory, vectorised with NumPy per augmentation. On balanced affinities the overload is a
-small fraction of ``n * k``; a 512 x 16, k = 2 group takes a few tens of milliseconds.
+Complexity: the warm start costs ``O(n k e)`` per sweep (at most 32 sweeps); each of the ``F``
+remaining units of overload then costs a Bellman–Ford (``O(e^3)``) plus the rebuild of the
+expert-graph rows that the moved tokens touch (``O(n k e)`` at worst, usually a few rows of
+``O(n k)``). ``F <= n k`` in the worst case (``O(n^2 k^2 e)`` overall); in practice the warm start
+leaves ``F`` in the tens. Memory ``O(n e)``. Measured on one CPU thread: 5–8 ms for a 512 x 16,
+k = 2 group, ~0.05 s for 512 x 64, k = 6, 4 s for 16,384 x 64, k = 6
+(``benchmarks/flow_gap.md``).
 
 This module computes on the host (NumPy, float64) and synchronises; it is the reference for tests
 and small problems, not a training-time router (use ``"two-stage-sinkhorn"`` or ``"global"``).
@@ -94,23 +100,15 @@ def solve_exact_numpy(
     tol = 1e-12 * max(1.0, float(np.abs(a).max()))
     arange_e = np.arange(e)
 
+    # Cost of moving token i onto expert b: -A_ib if allowed and i is not already on b.
+    enter = np.where(x | ~ok, np.inf, -a)
+    # Expert graph w[a, b] (cheapest move a -> b) and drop[a] (cheapest token to drop from a).
+    w, drop = _expert_graph(a, x, enter)
+
     while True:
         excess = load - cap
         if not (excess > 0).any():
             break
-        # Cost of moving token i onto expert b: -A_ib if allowed and i is not already on b.
-        enter = np.where(x | ~ok, np.inf, -a)
-        # Expert graph: w[a, b] = min over tokens i on a of (A_ia - A_ib); a segmented min over
-        # the (expert, token) pairs, grouped by expert (nonzero of x.T is sorted by expert).
-        pair_e, pair_t = np.nonzero(x.T)
-        w = np.full((e, e), np.inf)
-        drop = np.full(e, np.inf)
-        if pair_e.size:
-            vals = a[pair_t, pair_e][:, None] + enter[pair_t]
-            starts = np.flatnonzero(np.r_[True, pair_e[1:] != pair_e[:-1]])
-            present = pair_e[starts]
-            w[present] = np.minimum.reduceat(vals, starts, axis=0)
-            drop[present] = np.minimum.reduceat(a[pair_t, pair_e], starts)
 
         # Bellman–Ford from all overloaded experts at once (a super-source with 0-cost edges).
         dist = np.where(excess > 0, 0.0, np.inf)
@@ -152,6 +150,8 @@ def solve_exact_numpy(
             # The dropped token is one that was on the target before the moves, as planned.
             on_t = np.flatnonzero(x[:, target])
             moves.append((on_t[np.argmin(a[on_t, target])], target, -1))
+        moved = np.unique([tok for tok, _, _ in moves])
+        touched = x[moved].any(axis=0)  # experts the moved tokens were on ...
         for tok, src, dst in moves:
             x[tok, src] = False
             if dst >= 0:
@@ -159,7 +159,38 @@ def solve_exact_numpy(
         load[path[0]] -= 1
         if not dropping:
             load[target] += 1
+        # ... and are on now: only these rows of the expert graph depend on the moved tokens,
+        # so only they are recomputed (the same values as a full rebuild, at a fraction of it).
+        touched |= x[moved].any(axis=0)
+        enter[moved] = np.where(x[moved] | ~ok[moved], np.inf, -a[moved])
+        rows = np.flatnonzero(touched)
+        if 2 * rows.size > e:
+            w, drop = _expert_graph(a, x, enter)
+        else:
+            for r in rows:
+                on = np.flatnonzero(x[:, r])
+                w[r] = (a[on, r][:, None] + enter[on]).min(axis=0) if on.size else np.inf
+                drop[r] = a[on, r].min() if on.size else np.inf
     return x
+
+
+def _expert_graph(a: np.ndarray, x: np.ndarray, enter: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w[a, b] = min over tokens i on a of (A_ia + enter_ib)`` and ``drop[a] = min A_ia``.
+
+    A segmented min over the (expert, token) pairs, grouped by expert (``nonzero`` of ``x.T`` is
+    sorted by expert); ``O(n k e)``.
+    """
+    e = a.shape[1]
+    pair_e, pair_t = np.nonzero(x.T)
+    w = np.full((e, e), np.inf)
+    drop = np.full(e, np.inf)
+    if pair_e.size:
+        vals = a[pair_t, pair_e][:, None] + enter[pair_t]
+        starts = np.flatnonzero(np.r_[True, pair_e[1:] != pair_e[:-1]])
+        present = pair_e[starts]
+        w[present] = np.minimum.reduceat(vals, starts, axis=0)
+        drop[present] = np.minimum.reduceat(a[pair_t, pair_e], starts)
+    return w, drop
 
 
 def _top_k_mask(values: np.ndarray, k_tok: np.ndarray) -> np.ndarray:
