@@ -207,13 +207,18 @@ def kernel_variants(e: int) -> dict[str, dict]:
         "cycle_rounds": b.cycle_rounds,
         "bf_iterations": b.bf_iterations,
     }
+    old = {"onepass": False, "bf_alt": False, "multiprobe": False}
     return {
-        "fused-no-early-exit": {**base, "early_exit": False},
-        "fused-packed": {**base, "packed": True},
+        # The previous kernel (e x e edges by e column arg-maxes, plain BF, bisection).
+        "fused-v1": {**base, **old},
+        "fused-v1+onepass": {**base, **old, "onepass": True},
+        "fused-v1+onepass+bfalt": {**base, **old, "onepass": True, "bf_alt": True},
+        "fused-chunk16": {**base, "chunk": 16},
+        "fused-chunk64": {**base, "chunk": 64},
         "fused-w4": {**base, "num_warps": 4},
         "fused-c8": {**base, "cycle_rounds": 8},
         "fused-c12-bf6": {**base, "cycle_rounds": 12, "bf_iterations": 6},
-        "fused-p8-c8-packed": {**base, "price_iterations": 8, "cycle_rounds": 8, "packed": True},
+        "fused-c0 (no cycles)": {**base, "cycle_rounds": 0},
     }
 
 
@@ -291,8 +296,9 @@ def bench_config(c: dict, ref: dict, device: torch.device, reps: int, sets: int)
     opt = torch.tensor(ref[key(c)]["optimum"], dtype=torch.float64) if key(c) in ref else None
     rows = []
     fused = global_triton.supported(affs[0], k)
+    hybrid = not fused and global_triton.cycle_supported(affs[0], k)
     solvers = solvers_for(k, cap)
-    if not fused:
+    if not fused and not hybrid:
         del solvers["global-torch"]  # "global" is the PyTorch path already
     if fused and (e, k) == (16, 2) and g == 32 and c["bias"] == 1.0:
         # Speed / gap trade-offs of the fused kernel (see flow_solver_notes.md).
@@ -302,7 +308,7 @@ def bench_config(c: dict, ref: dict, device: torch.device, reps: int, sets: int)
         inputs = logits if name == "megatron-sinkhorn" else affs
         row: dict = {**c, "method": name}
         if name == "global":
-            row["backend"] = "triton" if fused else "torch"
+            row["backend"] = "triton" if fused else ("torch + triton cycles" if hybrid else "torch")
         try:
             index = solver(inputs[0])
             sync(device)

@@ -8,7 +8,8 @@ For T = 16,384 tokens (32 sequences of 512), E = 16 experts, k = 2, bf16, at D =
 FFN 1536) and D = 2048 (FFN 4096) it times, in one process on one card:
 
 * the maxscore MoE layer with the routers gshard, dropless, expert-choice, sbase, maxscore
-  (router fp32, experts bf16), plus the router alone;
+  (router fp32, experts bf16), plus the router alone; routing statistics are lazy (not computed
+  unless read), and one extra row reads them every step (``maxscore + stats read``);
 * a dense SwiGLU MLP with the same active FLOPs (intermediate size k * F);
 * transformers' MixtralSparseMoeBlock of the same shape with its experts implementations
   ``eager`` (the default of a stand-alone block), ``batched_mm`` and ``grouped_mm``.
@@ -275,6 +276,33 @@ def bench_shape(
             moe.buffer_capacity = lambda result: None  # type: ignore[method-assign]
             record("maxscore/gshard grouped-path", "moe", moe, {"router": router})
             del moe.buffer_capacity
+        if router == "maxscore":
+            # Statistics are lazy (evaluated when read): this row reads them every step, as the
+            # trainer's routing callback does, to show what they cost when used.
+            inner = make_step(moe, x, grad, "moe")
+
+            def stats_step(m: MoE = moe, inner: Callable[[], None] = inner) -> None:
+                inner()
+                _ = m.last_stats
+
+            try:
+                ms, _ = timed(stats_step, warmup, iters)
+                rows.append(
+                    {
+                        "name": "maxscore/maxscore + stats read",
+                        "ms": ms,
+                        "tflops": flops / ms / 1e9,
+                        "peak_mb": peak_extra_mb(stats_step),
+                        "router": router,
+                        "D": d,
+                        "F": f,
+                    }
+                )
+                log(f"  {'maxscore/maxscore + stats read':28s} {ms:8.3f} ms")
+            except Exception:
+                traceback.print_exc()
+            moe.zero_grad(set_to_none=True)
+            x.grad = None
         if router in ("gshard", "maxscore") and profile_dir:
             profile(moe, make_step(moe, x, grad, "moe"), f"{profile_dir}/profile_{router}_{d}.txt")
         del moe

@@ -121,8 +121,13 @@ def run_throughput(args: argparse.Namespace) -> None:
         tokens = timer.steps * args.batch_size * args.seq_len
         seconds = timer.t1 - timer.t0
         tps = tokens / seconds
+        rc = dict(getattr(timer.model.config, "router_config", None) or {})
         row = {
             "router": router,
+            "router_setup": {
+                k: rc.get(k)
+                for k in ("operator", "strategy", "capacity_factor", "group", "flow_method")
+            },
             "model": model_preset,
             "activated_matmul_params": n_active,
             "flops_per_token": fpt,
@@ -182,6 +187,10 @@ def run_throughput(args: argparse.Namespace) -> None:
             f"| {r['router']} | {r['model']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "
             f"{ratio} | {r['tflops']:.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} | {drop} |"
         )
+    lines += ["", "Router setups (routing group = where capacity is defined):", ""]
+    for r in results:
+        setup = ", ".join(f"{k} {v}" for k, v in r["router_setup"].items() if v is not None)
+        lines.append(f"- {r['router']}: {setup}")
     (out / "train_throughput.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -267,3 +267,105 @@ def test_fused_kernel_on_gpu(e: int, k: int) -> None:
     _check_constraints(index.cpu(), k, capacity.cpu(), e)
     gaps = _gaps(affinities.cpu(), index.cpu(), k, capacity.cpu())
     assert gaps.max() <= WORST_GAP, gaps
+
+
+def _triton_device() -> str | None:
+    """``"cuda"`` with a GPU, ``"cpu"`` under Triton's interpreter, else None (skip)."""
+    import os
+
+    from maxscore.routing.flow import global_triton
+
+    if not global_triton.AVAILABLE:
+        return None
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+@pytest.mark.parametrize(
+    ("n", "e", "k", "unequal"), [(1000, 16, 2, False), (300, 8, 3, True), (4096, 16, 2, False)]
+)
+def test_triton_cycle_kernel_any_n(n: int, e: int, k: int, unequal: bool) -> None:
+    """Phase 4 as one Triton launch (groups too large for the fused kernel, any n): same
+    constraints and gap bound as the PyTorch path; runs on a GPU or under TRITON_INTERPRET=1."""
+    from maxscore.routing.flow import global_triton
+
+    device = _triton_device()
+    if device is None:
+        pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
+    if device == "cpu" and n > 1000:
+        pytest.skip("too slow for the interpreter")
+    affinities = _instances(31 + n + e, 2, n, e, 1.0)
+    capacity = torch.full((e,), -(-k * n // e), dtype=torch.long)
+    if unequal:
+        capacity = capacity + torch.arange(e) % 3 * 7 - 7
+        capacity[0] = 0
+        capacity[1] += k * n
+    x = affinities.to(device)
+    assert global_triton.cycle_supported(x, k) and not global_triton.supported(x, k)
+    index = solve_global(x, k, capacity.to(device)).cpu()
+    _check_constraints(index, k, capacity, e)
+    gaps = _gaps(affinities, index, k, capacity)
+    assert gaps.min() >= -1e-9
+    assert np.median(gaps) <= MEDIAN_GAP and gaps.max() <= WORST_GAP, gaps
+
+
+def test_fused_kernel_variants_agree() -> None:
+    """The fused kernel's one-pass edges, alternating Bellman-Ford and multi-probe selection give
+    the same assignment as the previous column-by-column kernel (GPU or TRITON_INTERPRET=1)."""
+    from maxscore.routing.flow import global_triton
+    from maxscore.routing.flow.global_solver import default_budget
+
+    device = _triton_device()
+    if device is None:
+        pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
+    e, k = 16, 2
+    affinities = _instances(41, 4, 256, e, 1.0).to(device)
+    cap = torch.full((4, e), 32, device=device)
+    b = default_budget(e)
+    base = {
+        "price_iterations": b.price_iterations,
+        "repair_rounds": 2 * b.repair_rounds,
+        "cycle_rounds": b.cycle_rounds,
+        "bf_iterations": b.bf_iterations,
+    }
+    new = global_triton.solve_triton(affinities, k, cap, **base)
+    old = global_triton.solve_triton(
+        affinities, k, cap, onepass=False, bf_alt=False, multiprobe=False, **base
+    )
+    _check_constraints(new.cpu(), k, cap[0].cpu(), e)
+    gap_new = _gaps(affinities.cpu(), new.cpu(), k, cap[0].cpu())
+    gap_old = _gaps(affinities.cpu(), old.cpu(), k, cap[0].cpu())
+    assert gap_new.max() <= WORST_GAP and gap_old.max() <= WORST_GAP
+    one = global_triton.solve_triton(affinities, k, cap, multiprobe=False, **base)
+    assert torch.equal(
+        one, global_triton.solve_triton(affinities, k, cap, onepass=False, multiprobe=False, **base)
+    )
+
+
+@pytest.mark.gpu
+def test_hybrid_path_cuda_graph() -> None:
+    """One large group (PyTorch phases + the Triton cycle kernel) replays from a CUDA graph."""
+    device = "cuda"
+    affinities = _instances(6, 1, 16384, 16, 1.0, device)
+    capacity = torch.full((16,), 2048, device=device)
+    eager = solve_global(affinities, 2, capacity)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        solve_global(affinities, 2, capacity)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    static_in = affinities.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        solve_global(static_in, 2, capacity)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = solve_global(static_in, 2, capacity)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, eager)
+    _check_constraints(static_out.cpu(), 2, capacity.cpu(), 16)

@@ -180,3 +180,21 @@ def test_two_stage_sinkhorn_no_host_sync_and_cuda_graph() -> None:
     assert torch.equal(out, expected)
     assert_feasible(out.cpu(), cap.cpu(), 2)
     np.testing.assert_array_equal(out.cpu().numpy(), expected.cpu().numpy())
+
+
+def test_swap_repair_fills_slots_a_maximal_greedy_leaves() -> None:
+    """Tokens 0 and 3 need a second expert but already hold the only one with capacity left
+    (expert 0); donors 1 and 2 hold experts 1 and 2. Each fix moves a donor to expert 0 and gives
+    its expert to the needy token; conflicts (same donor, capacity of 0) resolve over rounds."""
+    from maxscore.routing.flow.two_stage import _swap_repair
+
+    a = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.5, 0.3], [0.6, 0.1, 0.3]])
+    assigned = torch.tensor(
+        [[True, False, False], [False, True, True], [False, True, True], [True, False, False]]
+    )
+    need = torch.tensor([[1, 0, 0, 1]])
+    cap_left = torch.tensor([[2, 0, 0]])
+    out, need_out, cap_out = _swap_repair(a[None], assigned[None], need, cap_left, rounds=4)
+    assert need_out.tolist() == [[0, 0, 0, 0]] and cap_out.tolist() == [[0, 0, 0]]
+    assert (out.sum(-1) == 2).all()
+    assert out.sum(1).tolist() == [[4, 2, 2]]  # loads: 2 before + 2 moved onto expert 0

@@ -57,6 +57,27 @@ def test_loss_gradient_reaches_affinities() -> None:
     torch.testing.assert_close(a.grad, torch.tensor([[[1.0, 0.0], [1.0, 0.0]]]))
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_gshard_gather_form_equals_one_hot_form(ties: bool) -> None:
+    """The gather form of the GShard loss equals e · sum_j mean_i(A_ij) · f_j (one-hot f)."""
+    torch.manual_seed(0)
+    a = torch.rand(3, 40, 8)
+    if ties:  # rounded affinities: many ties, argmax takes the lower index
+        a = (a * 4).round() / 4
+    a.requires_grad_(True)
+    idx = torch.randint(-1, 8, (3, 40, 2))
+    top1 = torch.nn.functional.one_hot(a.detach().argmax(-1), 8).float()
+    reference = (8 * (a.mean(dim=1) * top1.mean(dim=1)).sum(dim=-1)).mean()
+    (grad_ref,) = torch.autograd.grad(reference, a)
+    loss = load_balancing_loss(a, idx, "gshard")
+    (grad,) = torch.autograd.grad(loss, a)
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(grad, grad_ref)
+    torch.testing.assert_close(load_balancing_loss(a, idx, "gshard", scale=0.01), 0.01 * loss)
+    eq9 = load_balancing_loss(a, idx, "eq9")
+    torch.testing.assert_close(load_balancing_loss(a, idx, "eq9", scale=0.5), 0.5 * eq9)
+
+
 def test_router_z_loss_by_hand() -> None:
     logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
     # logsumexp = log 2, log 4

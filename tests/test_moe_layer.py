@@ -245,6 +245,54 @@ def test_last_stats_detached_and_defaults() -> None:
     assert all(not v.requires_grad for v in moe.last_stats.values())
 
 
+def test_last_stats_are_computed_on_first_read() -> None:
+    from maxscore.routing.statistics import routing_statistics
+
+    moe = MoE(hidden_size=16, num_experts=4, top_k=2, router="maxscore")
+    assert moe.last_stats == {}
+    _, result = moe(torch.randn(2, 8, 16))
+    assert not moe._last_stats.computed  # the forward issued no statistics kernels
+    stats = moe.last_stats
+    assert (
+        moe._last_stats.computed
+        and moe.last_stats["tokens_per_expert"] is stats["tokens_per_expert"]
+    )
+    g = result.num_groups
+    expected = routing_statistics(
+        result.affinities.reshape(g, -1, 4),
+        result.expert_index.reshape(g, -1, 2),
+        result.capacity,
+        2,
+    )
+    assert set(stats) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(stats[key], value, rtol=0, atol=0)
+    moe.last_stats = {}
+    assert moe.last_stats == {}
+
+
+def test_cached_index_constants_match_fresh_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans built with the cached aranges (GPU sort path) equal plans built under inference
+    mode (fresh constants) and the one-hot path."""
+    monkeypatch.setattr(dispatch_mod, "_ONE_HOT_LIMIT", 0)  # the sort path the GPU uses
+    torch.manual_seed(0)
+    idx = torch.randint(-1, 6, (24, 2))
+    w = torch.rand(24, 2)
+    for _ in range(2):  # second round reads the cache
+        cached = [padded_dispatch_plan(idx, w, 6, 3, 3), grouped_dispatch_plan(idx, w, 6)]
+    with torch.inference_mode():
+        fresh = [padded_dispatch_plan(idx, w, 6, 3, 3), grouped_dispatch_plan(idx, w, 6)]
+    monkeypatch.setattr(dispatch_mod, "_ONE_HOT_LIMIT", 1 << 25)
+    one_hot = [padded_dispatch_plan(idx, w, 6, 3, 3), grouped_dispatch_plan(idx, w, 6)]
+    for a, b, c in zip(cached, fresh, one_hot):
+        for name in ("source_token", "row_weight", "slot_row", "group_end"):
+            va, vb, vc = getattr(a, name), getattr(b, name), getattr(c, name)
+            if va is None:
+                assert vb is None and vc is None
+                continue
+            assert torch.equal(va, vb) and torch.equal(va, vc), name
+
+
 def test_dense_preset_and_config_router() -> None:
     with pytest.raises(ValueError, match="DenseMLP"):
         MoE(hidden_size=16, num_experts=4, top_k=2, router="dense")

@@ -18,7 +18,7 @@ from maxscore.routing import (
     router_z_loss,
 )
 from maxscore.routing.router import LOGIT_BOUND
-from maxscore.routing.statistics import STAT_KEYS
+from maxscore.routing.statistics import STAT_KEYS, LazyRoutingStatistics, routing_statistics
 from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES
 
 ROUTED_PRESETS = [name for name in ROUTER_PRESETS if name != "dense"]
@@ -376,6 +376,75 @@ def test_state_dict_keys_stable_and_schedule_saved() -> None:
     assert float(a.temperature()) == pytest.approx(3.0 * (1 - 123 / 30_000))
 
 
+# ---------------------------------------------------------------------------------------------
+# launch-overhead measures: lazy statistics, cached t and capacity
+
+
+@pytest.mark.parametrize("preset", ["maxscore", "gshard", "dropless", "expert-choice"])
+def test_statistics_are_lazy_and_equal_the_eager_ones(preset: str) -> None:
+    router = make(preset)
+    res = router(torch.randn(2, 12, 8))
+    assert isinstance(res.stats, LazyRoutingStatistics) and not res.stats.computed
+    assert set(res.stats) == set(STAT_KEYS) and len(res.stats) == len(STAT_KEYS)
+    assert "tokens_per_expert" in res.stats and not res.stats.computed  # keys cost nothing
+    g = res.num_groups
+    expected = routing_statistics(
+        res.affinities.reshape(g, -1, 16),
+        res.expert_index.reshape(g, -1, res.expert_index.shape[-1]),
+        res.capacity,
+        2,
+    )
+    got = dict(res.stats)
+    assert res.stats.computed and set(got) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0)
+        assert not got[key].requires_grad
+    extra = res.stats.with_extra(aux_loss=res.aux_loss.detach())
+    assert (
+        set(extra) == {*STAT_KEYS, "aux_loss"} and extra["load_imbalance"] is got["load_imbalance"]
+    )
+    with pytest.raises(KeyError):
+        res.stats["nope"]
+    assert build_router("gshard", 8, 16, 2, compute_stats=False)(torch.randn(2, 4, 8)).stats == {}
+
+
+def test_cached_temperature_follows_the_schedule() -> None:
+    router = make("maxscore")
+    h = torch.randn(2, 6, 8)
+    logits = router.gate(h).reshape(2, 6, 16)
+
+    def expected() -> torch.Tensor:
+        return router.operator(logits, 2, router.schedule.value()).reshape(12, 16)
+
+    torch.testing.assert_close(router(h).affinities, expected(), rtol=0, atol=0)
+    router.advance_schedule(10_000)  # t: 3 -> 2
+    torch.testing.assert_close(router(h).affinities, expected(), rtol=0, atol=0)
+    other = make("maxscore")
+    other.advance_schedule(20_000)
+    router.load_state_dict(other.state_dict())  # copy_ into the step buffer
+    torch.testing.assert_close(router(h).affinities, expected(), rtol=0, atol=0)
+    router.schedule.step.fill_(0)
+    torch.testing.assert_close(router(h).affinities, expected(), rtol=0, atol=0)
+    router.schedule.config.start = 5.0  # settings are part of the cache key
+    torch.testing.assert_close(router(h).affinities, expected(), rtol=0, atol=0)
+    router.to(torch.float64)  # new buffers after a cast
+    torch.testing.assert_close(
+        router(h.double()).affinities.float(), expected(), rtol=1e-6, atol=1e-6
+    )
+
+
+def test_inference_mode_does_not_poison_cached_tensors() -> None:
+    router = make("maxscore")
+    h = torch.randn(2, 6, 8)
+    with torch.inference_mode():
+        ref = router(h)
+    res = router(h)  # training forward after an inference-mode one: backward must work
+    (res.combine_weights.sum() + res.aux_loss).backward()
+    assert router.gate.weight.grad is not None
+    torch.testing.assert_close(res.combine_weights.detach(), ref.combine_weights.clone())
+    assert res.capacity is not None and int(res.capacity[0]) == 1  # ceil(2 * 6 / 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ROUTED_PRESETS)
 def test_forward_has_no_host_sync_on_gpu(preset: str) -> None:
@@ -390,6 +459,7 @@ def test_forward_has_no_host_sync_on_gpu(preset: str) -> None:
             res = router(h)
             router.advance_schedule()
             res.combine_weights.sum().backward()
+            dict(res.stats)  # the (lazy) statistics are sync-free too
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_valid(res, 16, 2, token_choice=res.expert_index.shape[1] == 2)

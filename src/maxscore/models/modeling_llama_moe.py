@@ -34,6 +34,7 @@ imports its configuration relatively and ``maxscore`` absolutely.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.utils import can_return_tuple
 
 from maxscore.moe import DenseMLP, MoE
+from maxscore.routing.statistics import with_extra_statistics
 
 from .configuration_llama_moe import LlamaMoEConfig
 
@@ -217,7 +219,7 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
             self.mlp = DenseMLP(
                 config.hidden_size, config.intermediate_size, init_std=config.initializer_range
             )
-        self.last_routing_stats: dict[str, Tensor] = {}
+        self.last_routing_stats: Mapping[str, Tensor] = {}
 
     def forward(
         self,
@@ -237,10 +239,10 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
             return h + self.mlp(normed), None, None, None
         y, routing = self.mlp(normed)
         # Detached device tensors only: reading them later is the caller's (single) host sync.
-        stats = {name: value.detach() for name, value in routing.stats.items()}
-        stats["aux_loss"] = routing.aux_loss.detach()
-        stats["z_loss"] = routing.z_loss.detach()
-        self.last_routing_stats = stats
+        # The routing statistics are lazy (evaluated when routing_statistics() reads them).
+        self.last_routing_stats = with_extra_statistics(
+            routing.stats, aux_loss=routing.aux_loss.detach(), z_loss=routing.z_loss.detach()
+        )
         return h + y.to(h.dtype), routing.logits, routing.aux_loss, routing.z_loss
 
 

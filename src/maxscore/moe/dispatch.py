@@ -69,21 +69,62 @@ class DispatchPlan:
         return self.source_token.shape[0]
 
 
-def _masked_weights(expert_index: Tensor, combine_weights: Tensor) -> Tensor:
+def _masked_weights(valid: Tensor, combine_weights: Tensor) -> Tensor:
     # The RoutingResult contract already has weight 0 on empty slots; the mask makes "dropped
     # contributes nothing" hold even for a router that leaves a stale weight there.
-    return torch.where(expert_index >= 0, combine_weights.float(), 0.0)
+    return torch.where(valid, combine_weights.float(), 0.0)
+
+
+# Index constants (aranges and simple functions of them) reused across calls: each one is a
+# kernel launch per call otherwise, and the plans are launch-bound at training sizes. Keyed by
+# name, sizes and device; never handed out for in-place use (every use below is out of place).
+_CONSTANTS: dict[tuple[object, ...], Tensor] = {}
+_CONSTANTS_LIMIT = 64
+
+
+def _constant(name: str, sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    """A cached index tensor (see ``_build_constant``); fresh under inference mode / tracing."""
+    if torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
+        return _build_constant(name, sizes, device)
+    key = (name, sizes, device)
+    value = _CONSTANTS.get(key)
+    if value is None:
+        if len(_CONSTANTS) >= _CONSTANTS_LIMIT:
+            _CONSTANTS.clear()
+        with torch.no_grad():
+            value = _build_constant(name, sizes, device)
+        _CONSTANTS[key] = value
+    return value
+
+
+def _build_constant(name: str, sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    if name == "arange":  # [m]: 0 .. m-1
+        (m,) = sizes
+        return torch.arange(m, device=device)
+    if name == "div":  # [m]: i // s (the token of flat slot i)
+        m, s = sizes
+        return torch.arange(m, device=device) // s
+    if name == "mod":  # [m]: i % t (filler tokens of empty rows)
+        m, t = sizes
+        return torch.arange(m, device=device) % t
+    if name == "column":  # [g, 1]: i * step (per-row offsets)
+        g, step = sizes
+        return (torch.arange(g, device=device) * step).unsqueeze(1)
+    raise KeyError(name)
 
 
 #: Above this many one-hot entries (``T * S * (e + 1)``) positions come from a sort instead.
 _ONE_HOT_LIMIT = 1 << 25
 
 
-def _positions(key: Tensor, num_keys: int) -> tuple[Tensor, Tensor]:
+def _positions(
+    key: Tensor, num_keys: int, with_counts: bool = True
+) -> tuple[Tensor, Tensor | None]:
     """Rank of each entry among the earlier entries of its row with the same key, and counts.
 
     ``key [G, m]`` in ``[0, num_keys]`` (``num_keys`` = "no key"); returns ``position [G, m]``
-    and ``counts [G, num_keys + 1]``. On the CPU a running count over a one-hot (one cumsum)
+    and ``counts [G, num_keys + 1]`` (``None`` on the GPU path when ``with_counts`` is False,
+    saving three kernels). On the CPU a running count over a one-hot (one cumsum)
     while that stays small. On a GPU always a stable sort: torch's cumsum along a
     non-innermost dimension runs one thread per column, serial along the tokens (measured on
     an H100: 5.7 ms per layer step for ``[1, 32768, 17]``, against ~0.1 ms for the sort).
@@ -96,10 +137,12 @@ def _positions(key: Tensor, num_keys: int) -> tuple[Tensor, Tensor]:
         running = hit.cumsum(1, dtype=torch.int32)
         position = running.gather(2, key.unsqueeze(-1)).squeeze(-1).long() - 1
         return position, running[:, -1].long()
-    flat = (key + torch.arange(g, device=device).unsqueeze(1) * k1).reshape(-1)
+    flat = (key + _constant("column", (g, k1), device)).reshape(-1) if g > 1 else key.reshape(-1)
     sorted_key, order = torch.sort(flat, stable=True)
-    rank = torch.arange(flat.numel(), device=device) - torch.searchsorted(sorted_key, sorted_key)
+    rank = _constant("arange", (flat.numel(),), device) - torch.searchsorted(sorted_key, sorted_key)
     position = torch.empty_like(rank).scatter_(0, order, rank).view(g, m)
+    if not with_counts:
+        return position, None
     counts = torch.zeros(g * k1, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     return position, counts.view(g, k1)
@@ -131,16 +174,19 @@ def padded_dispatch_plan(
     # A slot's position in its (expert, group) buffer is its rank among the group's earlier
     # slots (token order, then slot order) on the same expert.
     key = torch.where(valid, expert_index, e).reshape(g_count, -1)
-    position, _ = _positions(key, e)
+    position, _ = _positions(key, e, with_counts=False)
     keep = valid.reshape(g_count, -1) & (position < c)
-    group = torch.arange(g_count, device=device).unsqueeze(1)
-    dest = torch.where(keep, (key * g_count + group) * c + position, rows).reshape(-1)
-    token = torch.arange(t * s, device=device) // s
-    weight = _masked_weights(expert_index, combine_weights).reshape(-1)
+    # (j*G + g) * c + position, as j*(G*c) + g*c + position (the g*c column is a constant).
+    row = key * (g_count * c) + position
+    if g_count > 1:
+        row = row + _constant("column", (g_count, c), device)
+    dest = torch.where(keep, row, rows).reshape(-1)
+    token = _constant("div", (t * s, s), device)
+    weight = _masked_weights(valid, combine_weights).reshape(-1)
     # Empty rows hold some real token (spread over tokens) at weight 0: their output is
     # exactly 0, and nothing reads uninitialised memory. Row `rows` is a trash row for the
     # slots that get none; it is cut off.
-    filler = torch.arange(rows + 1, device=device) % t
+    filler = _constant("mod", (rows + 1, t), device)
     source_token = filler.scatter(0, dest, token)[:rows]
     row_weight = weight.new_zeros(rows + 1).scatter(0, dest, weight)[:rows]
     slot_row = torch.where(keep.view(t, s), dest.view(t, s), -1)
@@ -157,13 +203,14 @@ def grouped_dispatch_plan(
     valid = expert_index >= 0
     # Empty slots join the last expert's rows at weight 0 (see the module docstring).
     key = torch.where(valid, expert_index, e - 1).reshape(1, -1)
-    position, counts = _positions(key, e)
-    counts = counts[0, :e]
+    position, all_counts = _positions(key, e)
+    assert all_counts is not None
+    counts = all_counts[0, :e]
     ends = counts.cumsum(0)
     flat_key = key.view(-1)
     row = (ends - counts)[flat_key] + position.view(-1)
-    token = torch.arange(t * s, device=device) // s
-    weight = _masked_weights(expert_index, combine_weights).reshape(-1)
+    token = _constant("div", (t * s, s), device)
+    weight = _masked_weights(valid, combine_weights).reshape(-1)
     source_token = torch.empty_like(token).scatter_(0, row, token)  # every row exactly once
     row_weight = weight.new_zeros(t * s).scatter(0, row, weight)
     return DispatchPlan(

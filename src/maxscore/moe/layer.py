@@ -7,6 +7,7 @@ where ``P`` is the router's 0/1 assignment and ``w`` its combine weights. Droppe
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
@@ -63,8 +64,11 @@ class MoE(nn.Module):
 
     ``forward(x[B, L, D]) -> (y[B, L, D], RoutingResult)``. Capacity routers run the padded
     path (``[e, G*c, D]`` buffers, ``bmm``), routings with ``capacity is None`` the grouped path
-    (``torch._grouped_mm``). ``last_stats`` holds the last call's routing statistics as detached
-    device tensors (reading them is the only host sync).
+    (``torch._grouped_mm``). ``last_stats`` is the last call's routing statistics, a dict of
+    detached device tensors (reading them is the only host sync). They are computed when
+    ``last_stats`` is first read after a forward (then cached), not in the forward itself: the
+    layer keeps the router's :class:`~maxscore.routing.statistics.LazyRoutingStatistics`, which
+    holds detached references to the call's affinities and assignment until then.
     """
 
     def __init__(
@@ -100,7 +104,20 @@ class MoE(nn.Module):
         if num_shared_experts > 0:
             width = shared_intermediate_size or self.intermediate_size
             self.shared_experts = DenseMLP(hidden_size, num_shared_experts * width, init_std)
-        self.last_stats: dict[str, Tensor] = {}
+        self._last_stats: Mapping[str, Tensor] = {}
+
+    @property
+    def last_stats(self) -> dict[str, Tensor]:
+        """Routing statistics of the last forward (``routing_statistics`` keys, detached).
+
+        Evaluated on first access after a forward (a few dozen small kernels, no host sync) and
+        cached, so forwards whose statistics are never read do not pay for them.
+        """
+        return dict(self._last_stats)  # computed under no_grad: already detached
+
+    @last_stats.setter
+    def last_stats(self, value: Mapping[str, Tensor]) -> None:
+        self._last_stats = {name: tensor.detach() for name, tensor in value.items()}
 
     def buffer_capacity(self, result: RoutingResult) -> int | None:
         """Rows per expert per group for the padded path, as a Python int (no host sync).
@@ -131,7 +148,7 @@ class MoE(nn.Module):
         y = self.experts(tokens, plan)
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
-        self.last_stats = {name: value.detach() for name, value in result.stats.items()}
+        self._last_stats = result.stats  # lazy: evaluated when last_stats is read
         return y.view(shape), result
 
     def extra_repr(self) -> str:

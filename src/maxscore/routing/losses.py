@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["assignment_matrix", "load_balancing_loss", "router_z_loss"]
@@ -30,19 +29,23 @@ def load_balancing_loss(
     affinities: Tensor,
     expert_index: Tensor,
     form: Literal["gshard", "eq9", "none"] = "gshard",
+    scale: float = 1.0,
 ) -> Tensor:
-    """Load-balancing auxiliary loss, per routing group and averaged over groups (unscaled).
+    """Load-balancing auxiliary loss, per routing group and averaged over groups (times ``scale``).
 
     Args:
         affinities: ``[G, n, e]`` (or ``[n, e]``) affinities ``A`` (carry the gradient).
         expert_index: ``[G, n, S]`` (or ``[n, S]``) final assignment, ``-1`` = empty slot.
         form: which loss.
+        scale: multiplies the result (the router passes λ, saving a kernel per call; for the
+            gshard form with ``e`` a power of two the product is bitwise the same as ``λ · L``).
 
     Forms:
 
     * ``"gshard"`` (default; the authors' code, GShard / Switch / fairseq):
       ``L = e · sum_j mean_i(A_ij) · f_j`` with ``f_j`` the fraction of the group's tokens whose
-      top-1 choice (argmax of ``A``, before any capacity drop) is expert ``j``.
+      top-1 choice (argmax of ``A``, before any capacity drop) is expert ``j``. Computed as
+      ``L = e · mean_i mean_A[argmax_i]`` (the same sum grouped by token; one gather).
     * ``"eq9"``, the paper's Eq. (9) as printed (without λ):
       ``L = (1/e) · sum_j mean_i(A_ij) · mean_i(P_ij)`` with ``P`` the final assignment
       (Eq. 7), i.e. every kept slot, after capacity.
@@ -66,14 +69,17 @@ def load_balancing_loss(
     e = affinities.shape[-1]
     mean_affinity = affinities.mean(dim=1)  # [G, e]
     if form == "gshard":
-        top1 = F.one_hot(affinities.detach().argmax(dim=-1), e).to(affinities.dtype)
-        per_group = e * (mean_affinity * top1.mean(dim=1)).sum(dim=-1)
-    elif form == "eq9":
+        # sum_j mean_i(A_ij) f_j with f_j = (1/n) #{i: argmax_i = j} is the mean over tokens of
+        # mean_A[argmax_i]: one gather instead of a one-hot, its mean and a product-sum (same
+        # value up to fp32 summation order; every group has n tokens, so the mean over groups
+        # is the mean over all G*n entries).
+        top1 = affinities.detach().argmax(dim=-1)  # [G, n]
+        return mean_affinity.gather(1, top1).mean() * (e * scale)
+    if form == "eq9":
         load = assignment_matrix(expert_index, e, affinities.dtype).mean(dim=1)  # [G, e]
-        per_group = (mean_affinity * load).sum(dim=-1) / e
-    else:
-        raise ValueError(f"unknown aux loss form {form!r}; use 'gshard', 'eq9' or 'none'")
-    return per_group.mean()
+        loss = ((mean_affinity * load).sum(dim=-1) / e).mean()
+        return loss * scale if scale != 1.0 else loss
+    raise ValueError(f"unknown aux loss form {form!r}; use 'gshard', 'eq9' or 'none'")
 
 
 def router_z_loss(logits: Tensor) -> Tensor:

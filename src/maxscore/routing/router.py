@@ -10,6 +10,13 @@ One call routes the ``T = B·L`` tokens of a ``[B, L, D]`` input::
 plus the load-balancing loss (Eq. 9 / GShard form), the z-loss and device-side statistics, all
 returned in one :class:`~maxscore.routing.types.RoutingResult`.
 
+Launch overhead. At the benchmark's sizes the router issues kernels far faster than it can
+launch them (hundreds of microseconds of Python and dispatch for tens of microseconds of GPU
+work), so the forward issues as few kernels as it can: the statistics are lazy
+(:class:`~maxscore.routing.statistics.LazyRoutingStatistics`, evaluated when first read), the
+SoftTopk ``t`` and the capacity vector are cached on the device until the schedule's step
+changes, and the aux loss uses the gather form of the GShard loss (``losses``).
+
 Non-finite logits. Checking for NaN/inf would be a host sync, so the hot path instead replaces
 them: NaN -> 0 and ±inf -> ±``LOGIT_BOUND`` (``torch.nan_to_num`` in fp32). A token with a NaN
 logit is thus routed as if that logit were 0; assignments stay in range and duplicate-free and
@@ -19,6 +26,7 @@ ValueError instead.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,7 +39,7 @@ from maxscore.routing.losses import assignment_matrix, load_balancing_loss, rout
 from maxscore.routing.operators import AFFINITY_OPERATORS, OPERATORS_USING_TEMPERATURE
 from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
 from maxscore.routing.schedule import TemperatureSchedule
-from maxscore.routing.statistics import routing_statistics
+from maxscore.routing.statistics import LazyRoutingStatistics
 from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec
 from maxscore.routing.types import RoutingResult
 
@@ -108,7 +116,10 @@ class Router(nn.Module):
             (for gradcheck-style tests); assignment always ranks fp32 scores.
         check_finite: debug aid: raise ValueError on NaN/inf logits (a host sync per call)
             instead of sanitising them.
-        compute_stats: fill ``RoutingResult.stats`` (device tensors, no sync).
+        compute_stats: fill ``RoutingResult.stats`` with the call's routing statistics: a
+            :class:`~maxscore.routing.statistics.LazyRoutingStatistics`, evaluated on the
+            device (no sync) when first read, so an unread result costs no kernels. ``False``
+            leaves it an empty dict.
 
     Submodules / buffers: ``gate`` (``Linear(D, e, bias=False)``), ``schedule``
     (:class:`TemperatureSchedule`, always present so state-dict keys do not depend on the
@@ -165,6 +176,9 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("expert_load_step", torch.zeros((), dtype=torch.long))
+        # Device-side constants reused across calls (see _temperature / _capacity_vector).
+        self._t_cache: tuple[tuple[Any, ...], Tensor] | None = None
+        self._capacity_cache: dict[tuple[Any, ...], Tensor] = {}
 
     # ----------------------------------------------------------------------------------------
     # dtype handling: the balancing bias is accumulated in tiny steps and must stay fp32
@@ -205,6 +219,48 @@ class Router(nn.Module):
         return self.schedule.value()
 
     # ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _cacheable() -> bool:
+        # Tensors made under inference mode must not leak into autograd-recorded code, and a
+        # torch.compile trace should see the plain computation.
+        return not torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()
+
+    def _temperature(self) -> Tensor:
+        """``schedule.value()``, recomputed only when the step buffer changed.
+
+        The key is the step buffer itself (by identity) and its version counter: ``advance``
+        (``add_``), ``load_state_dict`` (``copy_``) and any other in-place write bump the
+        version, and ``.to()`` replaces the tensor, so a stale ``t`` is never returned. Saves
+        the 4-5 small kernels of the schedule formula per call. No host sync.
+        """
+        step = self.schedule.step
+        if not self._cacheable():
+            return self.schedule.value()
+        c = self.schedule.config
+        # The step tensor itself is part of the key (compared by identity and kept alive, so
+        # its id cannot be reused), with its version counter and the schedule's settings.
+        key = (step._version, step.data_ptr(), c.start, c.end, c.steps, c.shape)
+        cached = self._t_cache
+        if cached is None or cached[0][0] is not step or cached[0][1:] != key:
+            with torch.no_grad():
+                value = self.schedule.value()
+            self._t_cache = ((step, *key), value)
+            return value
+        return cached[1]
+
+    def _capacity_vector(self, c: int, device: torch.device) -> Tensor:
+        """``[e]`` long tensor filled with ``c`` (cached per value and device; no H2D copy)."""
+        if not self._cacheable():
+            return torch.full((self.num_experts,), c, dtype=torch.long, device=device)
+        key = (c, device)
+        cap = self._capacity_cache.get(key)
+        if cap is None:
+            if len(self._capacity_cache) > 16:
+                self._capacity_cache.clear()
+            cap = torch.full((self.num_experts,), c, dtype=torch.long, device=device)
+            self._capacity_cache[key] = cap
+        return cap
+
     def _gate_logits(self, hidden: Tensor) -> Tensor:
         if hidden.dim() not in (2, 3):
             raise ValueError(
@@ -238,7 +294,7 @@ class Router(nn.Module):
         g = batch * seq // n
         logits = logits.reshape(g, n, e)
 
-        t = self.schedule.value() if self.uses_temperature else 0.0
+        t = self._temperature() if self.uses_temperature else 0.0
         affinities = self.operator(logits, k, t)
 
         # Selection scores: the affinities, plus the DeepSeek-V3 bias, which steers selection
@@ -256,19 +312,20 @@ class Router(nn.Module):
         capacity = None
         if spec.uses_capacity:
             c = expert_capacity(n, e, k, cfg.capacity_factor, cfg.min_capacity)
-            capacity = torch.full((e,), c, dtype=torch.long, device=logits.device)
+            capacity = self._capacity_vector(c, logits.device)
         expert_index = spec.assign(scores, k, capacity, cfg)
 
-        valid = expert_index >= 0
         gathered = affinities.gather(-1, expert_index.clamp_min(0))
-        weights = torch.where(valid, gathered, torch.zeros_like(gathered))
+        weights = torch.where(expert_index >= 0, gathered, 0.0)
         if cfg.normalize_weights:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
 
         zero = logits.new_zeros(())
         aux = zero
         if cfg.aux_loss != "none" and cfg.aux_loss_coef != 0:
-            aux = cfg.aux_loss_coef * load_balancing_loss(affinities, expert_index, cfg.aux_loss)
+            aux = load_balancing_loss(
+                affinities, expert_index, cfg.aux_loss, scale=cfg.aux_loss_coef
+            )
         z = cfg.z_loss_coef * router_z_loss(logits) if cfg.z_loss_coef != 0 else zero
 
         if balancing:
@@ -276,9 +333,10 @@ class Router(nn.Module):
                 load = assignment_matrix(expert_index, e, torch.float32).sum(dim=(0, 1))
                 self.expert_load.add_(load)
 
-        stats: dict[str, Tensor] = {}
+        # Statistics are evaluated when first read (no kernels here).
+        stats: Mapping[str, Tensor] = {}
         if self.compute_stats:
-            stats = routing_statistics(affinities, expert_index, capacity, k)
+            stats = LazyRoutingStatistics(affinities, expert_index, capacity, k)
 
         num_tokens, slots = g * n, expert_index.shape[-1]
         return RoutingResult(

@@ -4,16 +4,26 @@ These are the quantities the paper plots (Fig. 2: drop rate and mean affinity of
 choice; Fig. 8: per-expert load over capacity) plus the metrics SPEC §3 asks for (unused experts,
 load imbalance). Every statistic is computed per routing group and averaged over groups; the
 result is a dict of device tensors, so reading one (``.item()``) is the caller's only sync.
+
+Off the hot path: the router does not compute them in its forward. It returns a
+:class:`LazyRoutingStatistics`, a read-only mapping with the same keys that keeps detached
+references to what the statistics need (affinities, assignment, capacity, ``k``) and runs
+:func:`routing_statistics` once, on the first access of a value (``stats["tokens_per_expert"]``,
+``dict(stats)``, ``.items()``, ``.values()``), then caches the result. Listing the keys
+(``set(stats)``, ``len(stats)``, ``key in stats``) computes nothing. A forward therefore issues
+no statistics kernels unless someone reads them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
 
 from maxscore.routing.losses import assignment_matrix
 
-__all__ = ["STAT_KEYS", "routing_statistics"]
+__all__ = ["STAT_KEYS", "LazyRoutingStatistics", "routing_statistics", "with_extra_statistics"]
 
 #: The keys of :func:`routing_statistics`' result.
 STAT_KEYS: tuple[str, ...] = (
@@ -75,3 +85,97 @@ def routing_statistics(
         "load_imbalance": imbalance.mean(),
         "mean_affinity_by_rank": mean_affinity_by_rank,
     }
+
+
+class _PendingStatistics:
+    """The inputs of one :func:`routing_statistics` call, evaluated at most once."""
+
+    __slots__ = ("affinities", "capacity", "expert_index", "k", "result")
+
+    def __init__(
+        self, affinities: Tensor, expert_index: Tensor, capacity: Tensor | None, k: int
+    ) -> None:
+        self.affinities: Tensor | None = affinities.detach()
+        self.expert_index: Tensor | None = expert_index.detach()
+        self.capacity = None if capacity is None else capacity.detach()
+        self.k = k
+        self.result: dict[str, Tensor] | None = None
+
+    def get(self) -> dict[str, Tensor]:
+        if self.result is None:
+            assert self.affinities is not None and self.expert_index is not None
+            self.result = routing_statistics(
+                self.affinities, self.expert_index, self.capacity, self.k
+            )
+            # The inputs are no longer needed: let them be freed.
+            self.affinities = self.expert_index = self.capacity = None
+        return self.result
+
+
+class LazyRoutingStatistics(Mapping[str, Tensor]):
+    """:func:`routing_statistics` of one call, computed on first value access and cached.
+
+    A read-only mapping with the keys :data:`STAT_KEYS` (plus any ``extra`` entries, e.g. a
+    layer's ``aux_loss``), whose values equal ``routing_statistics(affinities, expert_index,
+    capacity, k)``. Construction issues no kernels; it only keeps detached references to the
+    inputs (``[G, n, e]`` fp32 affinities and ``[G, n, S]`` long indices of one call), which are
+    released once the statistics have been computed. Key listing never computes. Values are
+    device tensors without gradient, as before (reading them is the caller's only host sync).
+    """
+
+    __slots__ = ("_extra", "_pending")
+
+    def __init__(
+        self,
+        affinities: Tensor,
+        expert_index: Tensor,
+        capacity: Tensor | None,
+        k: int,
+        extra: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        self._pending = _PendingStatistics(affinities, expert_index, capacity, k)
+        self._extra: dict[str, Tensor] = dict(extra or {})
+
+    @property
+    def computed(self) -> bool:
+        """Whether the statistics have been evaluated already."""
+        return self._pending.result is not None
+
+    def with_extra(self, **extra: Tensor) -> LazyRoutingStatistics:
+        """A mapping with additional entries that shares this one's (single) evaluation."""
+        other = LazyRoutingStatistics.__new__(LazyRoutingStatistics)
+        other._pending = self._pending
+        other._extra = {**self._extra, **extra}
+        return other
+
+    def __getitem__(self, key: str) -> Tensor:
+        if key in self._extra:
+            return self._extra[key]
+        if key not in STAT_KEYS:
+            raise KeyError(key)
+        return self._pending.get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from STAT_KEYS
+        yield from (key for key in self._extra if key not in STAT_KEYS)
+
+    def __len__(self) -> int:
+        return len(STAT_KEYS) + sum(key not in STAT_KEYS for key in self._extra)
+
+    def __contains__(self, key: object) -> bool:
+        return key in STAT_KEYS or key in self._extra
+
+    def __repr__(self) -> str:
+        state = "computed" if self.computed else "pending"
+        return f"LazyRoutingStatistics({state}, keys={list(self)})"
+
+
+def with_extra_statistics(stats: Mapping[str, Tensor], **extra: Tensor) -> Mapping[str, Tensor]:
+    """``stats`` plus ``extra`` entries, without evaluating lazy statistics.
+
+    For a :class:`LazyRoutingStatistics` the result shares its single evaluation; any other
+    mapping is copied into a dict of detached tensors.
+    """
+    if isinstance(stats, LazyRoutingStatistics):
+        return stats.with_extra(**extra)
+    return {**{name: value.detach() for name, value in stats.items()}, **extra}

@@ -8,6 +8,7 @@ strategy ran.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,8 @@ class RoutingResult:
             coefficient (0 when the preset uses none).
         z_loss: scalar, the router z-loss, already multiplied by its coefficient.
         stats: per-call routing statistics as device tensors (see
-            :mod:`maxscore.routing.statistics`); reading them is the only host sync.
+            :mod:`maxscore.routing.statistics`); reading them is the only host sync. The
+            router fills a lazy mapping, evaluated on first read; empty without statistics.
     """
 
     expert_index: Tensor
@@ -52,7 +54,7 @@ class RoutingResult:
     affinities: Tensor
     aux_loss: Tensor
     z_loss: Tensor
-    stats: dict[str, Tensor] = field(default_factory=dict)
+    stats: Mapping[str, Tensor] = field(default_factory=dict)
 
     @property
     def num_experts(self) -> int:

@@ -348,10 +348,19 @@ def solve_global(
             expert_index = _repair_round(scores, expert_index, cap)
         # Scale of the group's affinities: sets the overload reward and the float tolerance.
         spread = (scores.amax(dim=(-2, -1)) - scores.amin(dim=(-2, -1))).clamp_min(1e-30)
-        penalty = (e + 1) * spread
-        tol = 1e-6 * (e + 2) * spread
-        for _ in range(cycle_rounds):
-            expert_index = _cancel_round(scores, expert_index, cap, penalty, tol, relaxations)
+        if backend == "auto" and cycle_rounds > 0 and global_triton.cycle_supported(scores, k):
+            # Phase 4 in one Triton launch (any n): the same rounds, the assignment as a mask.
+            held = _held_mask(expert_index, e).to(torch.int8).contiguous()
+            held = global_triton.cancel_cycles(
+                scores, held, cap, spread, cycle_rounds=cycle_rounds, bf_iterations=relaxations
+            )
+            masked = torch.where(held.bool(), scores, -math.inf)
+            expert_index = masked.topk(k, dim=-1).indices
+        else:
+            penalty = (e + 1) * spread
+            tol = 1e-6 * (e + 2) * spread
+            for _ in range(cycle_rounds):
+                expert_index = _cancel_round(scores, expert_index, cap, penalty, tol, relaxations)
     out = _finalize(scores, expert_index, cap)
     return out[0] if single else out
 

@@ -36,7 +36,7 @@ try:  # Triton is optional: the CPU path and machines without it use PyTorch onl
 except ImportError:  # pragma: no cover - depends on the environment
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "solve_triton", "supported"]
+__all__ = ["AVAILABLE", "cancel_cycles", "cycle_supported", "solve_triton", "supported"]
 
 MAX_ELEMENTS = 8192
 
@@ -85,10 +85,39 @@ if AVAILABLE:
         return a - tl.where(in_top, vk1[:, None], vk[:, None])
 
     @triton.jit
+    def _select(thr, lo, hi, cap, STEPS: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr):
+        """Narrow ``(lo, hi]`` around each column's ``(cap+1)``-th largest ``thr`` (Eq. 8's dual).
+
+        Each step counts ``thr > probe`` for ``M`` evenly spaced probes at once: the ``M`` counts
+        (each at most ``N < 2**BITS``) are packed into one int32, so a step costs one block-wide
+        reduction and shrinks the interval ``M + 1`` times (bisection: twice).
+        """
+        for _b in range(STEPS):
+            h = (hi - lo) / (M + 1)
+            packed = tl.zeros(thr.shape, dtype=tl.int32)
+            for m in tl.static_range(M):
+                probe = lo + h * (m + 1)
+                packed += (thr > probe[None, :]).to(tl.int32) << (BITS * m)
+            tot = tl.sum(packed, axis=0)
+            new_lo = lo
+            new_hi = hi
+            for m in tl.static_range(M):
+                probe = lo + h * (m + 1)
+                up = ((tot >> (BITS * m)) & ((1 << BITS) - 1)) > cap
+                new_lo = tl.where(up, probe, new_lo)  # probes ascend: the last "up" is the max
+                new_hi = tl.where(up, new_hi, tl.minimum(new_hi, probe))
+            lo = new_lo
+            hi = new_hi
+        return lo, hi
+
+    @triton.jit
     def _global_kernel(
         a_ptr,
         cap_ptr,
         out_ptr,
+        held_ptr,
+        edge_w_ptr,
+        edge_t_ptr,
         N: tl.constexpr,
         E: tl.constexpr,
         V: tl.constexpr,
@@ -104,6 +133,13 @@ if AVAILABLE:
         NO_FALLBACK: tl.constexpr = False,
         EARLY_EXIT: tl.constexpr = True,
         PACKED: tl.constexpr = False,
+        ONEPASS: tl.constexpr = True,
+        CHUNK: tl.constexpr = 32,
+        BF_ALT: tl.constexpr = True,
+        PROBES: tl.constexpr = 1,
+        BITS: tl.constexpr = 16,
+        STEPS0: tl.constexpr = 8,
+        STEPS: tl.constexpr = 4,
     ):
         NEG: tl.constexpr = -1.0e30
         BIG: tl.constexpr = 1.0e30
@@ -126,21 +162,27 @@ if AVAILABLE:
         thr = _thresholds(a, p, col, N, E, K)
         lo = tl.min(thr, axis=0) - spread
         hi = tl.max(thr, axis=0)
-        for _b in range(BISECT0):
-            mid = 0.5 * (lo + hi)
-            up = tl.sum((thr > mid[None, :]).to(tl.int32), axis=0) > cap
-            lo = tl.where(up, mid, lo)
-            hi = tl.where(up, hi, mid)
+        if PROBES > 1:
+            lo, hi = _select(thr, lo, hi, cap, STEPS0, PROBES, BITS)
+        else:
+            for _b in range(BISECT0):
+                mid = 0.5 * (lo + hi)
+                up = tl.sum((thr > mid[None, :]).to(tl.int32), axis=0) > cap
+                lo = tl.where(up, mid, lo)
+                hi = tl.where(up, hi, mid)
         p = tl.where(unbounded, 0.0, tl.maximum(hi, 0.0))
         for _it in range(PRICE_IT - 1):
             thr = _thresholds(a, p, col, N, E, K)
             lo = p - spread * WINDOW
             hi = p + spread * WINDOW
-            for _b in range(BISECT):
-                mid = 0.5 * (lo + hi)
-                up = tl.sum((thr > mid[None, :]).to(tl.int32), axis=0) > cap
-                lo = tl.where(up, mid, lo)
-                hi = tl.where(up, hi, mid)
+            if PROBES > 1:
+                lo, hi = _select(thr, lo, hi, cap, STEPS, PROBES, BITS)
+            else:
+                for _b in range(BISECT):
+                    mid = 0.5 * (lo + hi)
+                    up = tl.sum((thr > mid[None, :]).to(tl.int32), axis=0) > cap
+                    lo = tl.where(up, mid, lo)
+                    hi = tl.where(up, hi, mid)
             p = tl.where(unbounded, 0.0, tl.maximum(hi, 0.0))
 
         # ---- Phase 2: rounding, each token takes its top-k of A - p (as a 0/1 matrix).
@@ -195,31 +237,75 @@ if AVAILABLE:
         vcol = rv[None, :] + 0 * rv[:, None]
         cyc = tl.zeros([], dtype=tl.int32)
         go = cyc < CYCLES
+        # One-pass edge weights: the group's held mask goes to a scratch buffer, then one sweep over
+        # token chunks keeps a running (max gain, token) per (source, chunk row, destination) in a
+        # [E, CHUNK, E] register tile; a single reduction over the chunk rows gives all e x e edges.
+        ra3 = tl.arange(0, E)[:, None, None]  # source expert
+        ri3 = tl.arange(0, CHUNK)[None, :, None]  # token within the chunk
+        rb3 = tl.arange(0, E)[None, None, :]  # destination expert
+        a_base = a_ptr + g * N * E
+        h_base = held_ptr + g * N * E
+        h_ptrs = h_base + rn[:, None] * E + re[None, :]
+        ee_r = tl.arange(0, E)[:, None]
+        ee_c = tl.arange(0, E)[None, :]
+        ew_ptrs = edge_w_ptr + g * E * E + ee_r * E + ee_c
+        et_ptrs = edge_t_ptr + g * E * E + ee_r * E + ee_c
+        vmask = (vrow < E) & (vcol < E)
+        vw_ptrs = edge_w_ptr + g * E * E + vrow * E + vcol
+        vt_ptrs = edge_t_ptr + g * E * E + vrow * E + vcol
+        ew_base = edge_w_ptr + g * E * E
         while go:
             load = tl.sum(held.to(tl.int32), axis=0)
-            w = tl.full([V, V], NEG, dtype=tl.float32)
-            tok = tl.zeros([V, V], dtype=tl.int32)
-            for src in range(E):
-                on_src = tl.sum(tl.where(held & (col == src), 1, 0), axis=1) > 0  # [N]
-                a_src = tl.sum(tl.where(col == src, a, 0.0), axis=1)  # [N]
-                gain = tl.where(on_src[:, None] & (~held), a - a_src[:, None], NEG)
-                if PACKED:
-                    # One max over (ordered float bits << 32 | token) instead of an argmax pair.
-                    bits = gain.to(tl.int32, bitcast=True)
-                    bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-                    packed = (bits.to(tl.int64) << 32) | row.to(tl.int64)
-                    top = tl.max(packed, axis=0)
-                    btok = (top & 0xFFFFFFFF).to(tl.int32)
-                    hi_bits = (top >> 32).to(tl.int32)
-                    hi_bits = tl.where(hi_bits < 0, hi_bits ^ 0x7FFFFFFF, hi_bits)
-                    best = hi_bits.to(tl.float32, bitcast=True)
-                else:
-                    best, btok = tl.max(gain, axis=0, return_indices=True)  # [E]
-                best_v = tl.sum(tl.where(re[:, None] == rv[None, :], best[:, None], 0.0), axis=0)
-                btok_v = tl.sum(tl.where(re[:, None] == rv[None, :], btok[:, None], 0), axis=0)
-                is_exp = rv < E
-                w = tl.where((vrow == src) & is_exp[None, :], best_v[None, :], w)
-                tok = tl.where((vrow == src) & is_exp[None, :], btok_v[None, :], tok)
+            if ONEPASS:
+                tl.debug_barrier()  # the previous round's readers of the scratch are done
+                tl.store(h_ptrs, held.to(tl.int8))
+                tl.debug_barrier()
+                acc = tl.full([E, CHUNK, E], NEG, dtype=tl.float32)
+                tacc = tl.zeros([E, CHUNK, E], dtype=tl.int32)
+                for c in range(N // CHUNK):
+                    t3 = c * CHUNK + ri3
+                    a_src = tl.load(a_base + t3 * E + ra3)  # [E, CHUNK, 1]
+                    h_src = tl.load(h_base + t3 * E + ra3, cache_modifier=".cg")
+                    a_dst = tl.load(a_base + t3 * E + rb3)  # [1, CHUNK, E]
+                    h_dst = tl.load(h_base + t3 * E + rb3, cache_modifier=".cg")
+                    ok = (h_src != 0) & (h_dst == 0)
+                    gain3 = tl.where(ok, a_dst - a_src, NEG)
+                    better = gain3 > acc
+                    acc = tl.where(better, gain3, acc)
+                    tacc = tl.where(better, t3, tacc)
+                best2, brow = tl.max(acc, axis=1, return_indices=True)  # [E, E]
+                btok2 = tl.sum(tl.where(ri3 == brow[:, None, :], tacc, 0), axis=1)
+                tl.store(ew_ptrs, best2)
+                tl.store(et_ptrs, btok2)
+                tl.debug_barrier()
+                w = tl.load(vw_ptrs, mask=vmask, other=NEG, cache_modifier=".cg")
+                tok = tl.load(vt_ptrs, mask=vmask, other=0, cache_modifier=".cg")
+            else:
+                w = tl.full([V, V], NEG, dtype=tl.float32)
+                tok = tl.zeros([V, V], dtype=tl.int32)
+                for src in range(E):
+                    on_src = tl.sum(tl.where(held & (col == src), 1, 0), axis=1) > 0  # [N]
+                    a_src = tl.sum(tl.where(col == src, a, 0.0), axis=1)  # [N]
+                    gain = tl.where(on_src[:, None] & (~held), a - a_src[:, None], NEG)
+                    if PACKED:
+                        # One max over (ordered float bits << 32 | token) instead of an argmax pair.
+                        bits = gain.to(tl.int32, bitcast=True)
+                        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                        packed = (bits.to(tl.int64) << 32) | row.to(tl.int64)
+                        top = tl.max(packed, axis=0)
+                        btok = (top & 0xFFFFFFFF).to(tl.int32)
+                        hi_bits = (top >> 32).to(tl.int32)
+                        hi_bits = tl.where(hi_bits < 0, hi_bits ^ 0x7FFFFFFF, hi_bits)
+                        best = hi_bits.to(tl.float32, bitcast=True)
+                    else:
+                        best, btok = tl.max(gain, axis=0, return_indices=True)  # [E]
+                    best_v = tl.sum(
+                        tl.where(re[:, None] == rv[None, :], best[:, None], 0.0), axis=0
+                    )
+                    btok_v = tl.sum(tl.where(re[:, None] == rv[None, :], btok[:, None], 0), axis=0)
+                    is_exp = rv < E
+                    w = tl.where((vrow == src) & is_exp[None, :], best_v[None, :], w)
+                    tok = tl.where((vrow == src) & is_exp[None, :], btok_v[None, :], tok)
             load_v = tl.sum(tl.where(re[:, None] == rv[None, :], load[:, None], 0), axis=0)
             cap_v = tl.sum(tl.where(re[:, None] == rv[None, :], cap[:, None], 0), axis=0)
             is_exp_v = rv < E
@@ -230,12 +316,36 @@ if AVAILABLE:
             w = tl.where(vrow == E, from_sink[None, :], w)
             w = tl.where(vrow == vcol, 0.0, w - tol)
             # Bellman-Ford (longest paths) with predecessor tracking
-            dist = tl.zeros([V], dtype=tl.float32)
-            pred = tl.full([V], -1, dtype=tl.int32)
-            for _i in range(BF):
-                cand = dist[:, None] + w
-                dist, arg = tl.max(cand, axis=0, return_indices=True)
-                pred = tl.where(arg != rv, arg.to(tl.int32), pred)
+            if ONEPASS and BF_ALT:
+                # The same relaxations, alternating between w (reduce over rows) and its transpose
+                # (reduce over columns), so dist never changes register layout between steps.
+                wt = tl.load(ew_base + vcol * E + vrow, mask=vmask, other=NEG, cache_modifier=".cg")
+                wt = tl.where((vrow == E) & (vcol < E), to_sink[None, :], wt)
+                wt = tl.where(vcol == E, from_sink[:, None], wt)
+                wt = tl.where(vrow == vcol, 0.0, wt - tol)
+                dist_c = tl.zeros([V], dtype=tl.float32)
+                pred_r = tl.full([V], -1, dtype=tl.int32)
+                pred_c = tl.full([V], -1, dtype=tl.int32)
+                last_r = tl.zeros([V], dtype=tl.int32)
+                last_c = tl.zeros([V], dtype=tl.int32)
+                for _i in tl.static_range((BF + 1) // 2):
+                    dist_r, arg_r = tl.max(dist_c[:, None] + w, axis=0, return_indices=True)
+                    upd_r = arg_r != rv
+                    pred_r = tl.where(upd_r, arg_r.to(tl.int32), pred_r)
+                    last_r = tl.where(upd_r, 2 * _i + 1, last_r)
+                    if 2 * _i + 1 < BF:
+                        dist_c, arg_c = tl.max(dist_r[None, :] + wt, axis=1, return_indices=True)
+                        upd_c = arg_c != rv
+                        pred_c = tl.where(upd_c, arg_c.to(tl.int32), pred_c)
+                        last_c = tl.where(upd_c, 2 * _i + 2, last_c)
+                pred = tl.where(last_r > last_c, pred_r, pred_c)
+            else:
+                dist = tl.zeros([V], dtype=tl.float32)
+                pred = tl.full([V], -1, dtype=tl.int32)
+                for _i in range(BF):
+                    cand = dist[:, None] + w
+                    dist, arg = tl.max(cand, axis=0, return_indices=True)
+                    pred = tl.where(arg != rv, arg.to(tl.int32), pred)
             # nodes on cycles of the predecessor graph: the image of pred^(2^m), 2^m >= V
             jump = tl.where(pred >= 0, pred, rv)
             for _j in range(JUMPS):
@@ -272,6 +382,156 @@ if AVAILABLE:
             choice = tl.where(bad, rr, am.to(tl.int32))
             tl.store(out_ptr + g * N * K + rn * K + r, choice.to(tl.int64))
 
+    @triton.jit
+    def _cycle_moves(
+        ew_base,
+        et_base,
+        load,
+        cap,
+        spread,
+        E: tl.constexpr,
+        V: tl.constexpr,
+        BF: tl.constexpr,
+        JUMPS: tl.constexpr,
+    ):
+        """One cycle-cancelling search on the (e + 1)-node expert graph (node E = sink).
+
+        Reads the e x e best-move gains and tokens from the scratch at ``ew_base`` / ``et_base``;
+        returns, per expert, the token that leaves it and the token that joins it on the cycles of
+        the Bellman-Ford predecessor graph (the same rules as the fused kernel's phase 4).
+        """
+        NEG: tl.constexpr = -1.0e30
+        re = tl.arange(0, E)
+        rv = tl.arange(0, V)
+        vrow = rv[:, None] + 0 * rv[None, :]
+        vcol = rv[None, :] + 0 * rv[:, None]
+        vmask = (vrow < E) & (vcol < E)
+        penalty = (E + 1) * spread
+        tol = 1.0e-6 * (E + 2) * spread
+        w = tl.load(ew_base + vrow * E + vcol, mask=vmask, other=NEG, cache_modifier=".cg")
+        wt = tl.load(ew_base + vcol * E + vrow, mask=vmask, other=NEG, cache_modifier=".cg")
+        tok = tl.load(et_base + vrow * E + vcol, mask=vmask, other=0, cache_modifier=".cg")
+        load_v = tl.sum(tl.where(re[:, None] == rv[None, :], load[:, None], 0), axis=0)
+        cap_v = tl.sum(tl.where(re[:, None] == rv[None, :], cap[:, None], 0), axis=0)
+        is_exp_v = rv < E
+        to_sink = tl.where(is_exp_v & (load_v < cap_v), 0.0, NEG)
+        from_sink = tl.where(is_exp_v, tl.where(load_v > cap_v, penalty, 0.0), NEG)
+        w = tl.where((vcol == E) & (vrow < E), to_sink[:, None], w)
+        w = tl.where(vrow == E, from_sink[None, :], w)
+        w = tl.where(vrow == vcol, 0.0, w - tol)
+        wt = tl.where((vrow == E) & (vcol < E), to_sink[None, :], wt)
+        wt = tl.where(vcol == E, from_sink[:, None], wt)
+        wt = tl.where(vrow == vcol, 0.0, wt - tol)
+        # Bellman-Ford (longest paths), alternating w / w^T so dist keeps its layout.
+        dist_c = tl.zeros([V], dtype=tl.float32)
+        pred_r = tl.full([V], -1, dtype=tl.int32)
+        pred_c = tl.full([V], -1, dtype=tl.int32)
+        last_r = tl.zeros([V], dtype=tl.int32)
+        last_c = tl.zeros([V], dtype=tl.int32)
+        for _i in tl.static_range((BF + 1) // 2):
+            dist_r, arg_r = tl.max(dist_c[:, None] + w, axis=0, return_indices=True)
+            upd_r = arg_r != rv
+            pred_r = tl.where(upd_r, arg_r.to(tl.int32), pred_r)
+            last_r = tl.where(upd_r, 2 * _i + 1, last_r)
+            if 2 * _i + 1 < BF:
+                dist_c, arg_c = tl.max(dist_r[None, :] + wt, axis=1, return_indices=True)
+                upd_c = arg_c != rv
+                pred_c = tl.where(upd_c, arg_c.to(tl.int32), pred_c)
+                last_c = tl.where(upd_c, 2 * _i + 2, last_c)
+        pred = tl.where(last_r > last_c, pred_r, pred_c)
+        # nodes on cycles of the predecessor graph: the image of pred^(2^m), 2^m >= V
+        jump = tl.where(pred >= 0, pred, rv)
+        for _j in range(JUMPS):
+            jump = tl.sum(tl.where(jump[:, None] == vcol, jump[None, :] + 0 * vrow, 0), axis=1)
+        hit = tl.sum(tl.where(jump[:, None] == vcol, 1, 0), axis=0) > 0
+        apply = hit & (pred >= 0) & (pred < E) & (rv < E)
+        t_v = tl.sum(tl.where(vrow == pred[None, :], tok, 0), axis=0)  # tok[pred[v], v]
+        out_e = (pred[None, :] == re[:, None]) & apply[None, :]  # [E, V]
+        has_out = tl.sum(tl.where(out_e, 1, 0), axis=1) > 0
+        out_tok = tl.sum(tl.where(out_e, t_v[None, :], 0), axis=1)
+        in_e = (rv[None, :] == re[:, None]) & apply[None, :]
+        has_in = tl.sum(tl.where(in_e, 1, 0), axis=1) > 0
+        in_tok = tl.sum(tl.where(in_e, t_v[None, :], 0), axis=1)
+        return has_out, out_tok, has_in, in_tok, tl.sum(apply.to(tl.int32), axis=0)
+
+    @triton.jit
+    def _cycle_kernel(
+        a_ptr,
+        held_ptr,
+        cap_ptr,
+        spread_ptr,
+        edge_w_ptr,
+        edge_t_ptr,
+        N: tl.constexpr,
+        E: tl.constexpr,
+        V: tl.constexpr,
+        CHUNK: tl.constexpr,
+        ROWS: tl.constexpr,
+        CYCLES: tl.constexpr,
+        BF: tl.constexpr,
+        JUMPS: tl.constexpr,
+    ):
+        """Phase 4 for a group of any size ``N``: the assignment lives in ``held`` (int8, global).
+
+        One program per group; each round sweeps the group's tokens in chunks (affinities and the
+        mask from L2), reduces the e x e best moves once, searches cycles in registers and writes
+        the moved tokens back. Stops per group once a round moves nothing (at most CYCLES rounds).
+        """
+        NEG: tl.constexpr = -1.0e30
+        g = tl.program_id(0).to(tl.int64)
+        re = tl.arange(0, E)
+        cap = tl.load(cap_ptr + g * E + re)
+        spread = tl.load(spread_ptr + g)
+        a_base = a_ptr + g * N * E
+        h_base = held_ptr + g * N * E
+        ew_base = edge_w_ptr + g * E * E
+        et_base = edge_t_ptr + g * E * E
+        ee_r = tl.arange(0, E)[:, None]
+        ee_c = tl.arange(0, E)[None, :]
+        # loads
+        rr = tl.arange(0, ROWS)
+        lacc = tl.zeros([ROWS, E], dtype=tl.int32)
+        for c in range(0, N, ROWS):
+            t = c + rr
+            h = tl.load(h_base + t[:, None] * E + re[None, :], mask=t[:, None] < N, other=0)
+            lacc += h.to(tl.int32)
+        load = tl.sum(lacc, axis=0)
+        ra3 = tl.arange(0, E)[:, None, None]
+        ri3 = tl.arange(0, CHUNK)[None, :, None]
+        rb3 = tl.arange(0, E)[None, None, :]
+        cyc = tl.zeros([], dtype=tl.int32)
+        go = cyc < CYCLES
+        while go:
+            acc = tl.full([E, CHUNK, E], NEG, dtype=tl.float32)
+            tacc = tl.zeros([E, CHUNK, E], dtype=tl.int32)
+            for c in range(0, N, CHUNK):
+                t3 = c + ri3
+                inside = t3 < N
+                a_src = tl.load(a_base + t3 * E + ra3, mask=inside, other=0.0)
+                h_src = tl.load(h_base + t3 * E + ra3, mask=inside, other=0, cache_modifier=".cg")
+                a_dst = tl.load(a_base + t3 * E + rb3, mask=inside, other=0.0)
+                h_dst = tl.load(h_base + t3 * E + rb3, mask=inside, other=1, cache_modifier=".cg")
+                gain3 = tl.where((h_src != 0) & (h_dst == 0), a_dst - a_src, NEG)
+                better = gain3 > acc
+                acc = tl.where(better, gain3, acc)
+                tacc = tl.where(better, t3, tacc)
+            best2, brow = tl.max(acc, axis=1, return_indices=True)  # [E, E]
+            btok2 = tl.sum(tl.where(ri3 == brow[:, None, :], tacc, 0), axis=1)
+            tl.store(ew_base + ee_r * E + ee_c, best2)
+            tl.store(et_base + ee_r * E + ee_c, btok2)
+            tl.debug_barrier()
+            has_out, out_tok, has_in, in_tok, moved = _cycle_moves(
+                ew_base, et_base, load, cap, spread, E, V, BF, JUMPS
+            )
+            tl.debug_barrier()  # every read of this round's held / edges is done
+            zero = tl.zeros([E], dtype=tl.int8)
+            tl.store(h_base + out_tok.to(tl.int64) * E + re, zero, mask=has_out)
+            tl.store(h_base + in_tok.to(tl.int64) * E + re, zero + 1, mask=has_in)
+            load = load + has_in.to(tl.int32) - has_out.to(tl.int32)
+            tl.debug_barrier()
+            cyc += 1
+            go = (cyc < CYCLES) & (moved > 0)
+
 
 def solve_triton(
     affinities: Tensor,
@@ -287,6 +547,10 @@ def solve_triton(
     window: float = 0.0625,
     early_exit: bool = True,
     packed: bool = False,
+    onepass: bool = True,
+    chunk: int | None = None,
+    bf_alt: bool = True,
+    multiprobe: bool = True,
     num_warps: int = 8,
 ) -> Tensor:
     """Run the fused kernel; ``capacity`` is the ``[G, e]`` effective capacity (<= n).
@@ -298,10 +562,24 @@ def solve_triton(
     cap = capacity.to(torch.int32).contiguous()
     out = torch.empty(groups, n, k, dtype=torch.long, device=a.device)
     v = 1 << math.ceil(math.log2(e + 1))
+    if chunk is None:
+        chunk = max(1, min(n, 8192 // (e * e)))
+    # Multi-probe selection: as many n-bit counts as fit in an int32, same resolution as bisection.
+    bits = n.bit_length()
+    probes = max(1, 31 // bits) if multiprobe else 1
+    halvings = math.log2(probes + 1)
+    steps0 = math.ceil(bisect0 / halvings - 1e-9)
+    steps = math.ceil(bisect / halvings - 1e-9)
+    held = torch.empty(groups, n, e, dtype=torch.int8, device=a.device)
+    edge_w = torch.empty(groups, e, e, dtype=torch.float32, device=a.device)
+    edge_t = torch.empty(groups, e, e, dtype=torch.int32, device=a.device)
     _global_kernel[(groups,)](
         a,
         cap,
         out,
+        held,
+        edge_w,
+        edge_t,
         N=n,
         E=e,
         V=v,
@@ -316,6 +594,70 @@ def solve_triton(
         WINDOW=window,
         EARLY_EXIT=early_exit,
         PACKED=packed,
+        ONEPASS=onepass,
+        CHUNK=chunk,
+        BF_ALT=bf_alt,
+        PROBES=probes,
+        BITS=bits,
+        STEPS0=steps0,
+        STEPS=steps,
         num_warps=num_warps,
     )
     return out
+
+
+CYCLE_MAX_EXPERTS = 32
+
+
+def cycle_supported(affinities: Tensor, k: int) -> bool:
+    """Whether :func:`cancel_cycles` (phase 4 for groups of any size) applies."""
+    if not AVAILABLE or affinities.dim() != 3:
+        return False
+    e = affinities.shape[-1]
+    return (
+        (affinities.is_cuda or _interpreting())
+        and (e & (e - 1) == 0)
+        and 2 <= e <= CYCLE_MAX_EXPERTS
+        and 1 <= k < e
+    )
+
+
+def cancel_cycles(
+    affinities: Tensor,
+    held: Tensor,
+    capacity: Tensor,
+    spread: Tensor,
+    *,
+    cycle_rounds: int,
+    bf_iterations: int,
+    num_warps: int = 8,
+) -> Tensor:
+    """Phase 4 (cycle cancelling, Eq. 8) in one launch, one program per group, any ``n``.
+
+    ``held`` is the ``[G, n, e]`` 0/1 assignment as int8 (updated in place and returned),
+    ``capacity`` the ``[G, e]`` effective capacity, ``spread`` the ``[G]`` affinity range.
+    """
+    groups, n, e = affinities.shape
+    a = affinities.float().contiguous()
+    v = 1 << math.ceil(math.log2(e + 1))
+    edge_w = torch.empty(groups, e, e, dtype=torch.float32, device=a.device)
+    edge_t = torch.empty(groups, e, e, dtype=torch.int32, device=a.device)
+    chunk = max(1, 8192 // (e * e))
+    _cycle_kernel[(groups,)](
+        a,
+        held,
+        capacity.to(torch.int32).contiguous(),
+        spread.float().contiguous(),
+        edge_w,
+        edge_t,
+        N=n,
+        E=e,
+        V=v,
+        CHUNK=chunk,
+        ROWS=max(1, 4096 // e),
+        CYCLES=cycle_rounds,
+        BF=bf_iterations,
+        JUMPS=max(1, math.ceil(math.log2(v))),
+        num_warps=num_warps,
+    )
+    return held

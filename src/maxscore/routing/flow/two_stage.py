@@ -22,12 +22,12 @@ with ``k_i = 1`` — with Sinkhorn. Two registered solvers implement it:
 3. *Rounding.* ``e + k`` rounds of a parallel greedy on the plan: every token that still needs
    an expert proposes its best remaining expert by plan value, and every expert accepts its
    best proposers up to its remaining capacity. A round either serves every proposer or fills an
-   expert, so ``e + k`` rounds reach a maximal assignment; then ``2k + 4`` rounds of a one-swap
-   repair (a token short of an expert takes expert ``b`` from a token ``j`` that moves to a spare
-   expert; one token per group per round) fill the slots a maximal greedy leaves empty although
-   capacity remains (0–3 per 512-token group measured, all filled). A slot can still stay empty
-   if more are left, or if only a longer augmenting path would fill it: this solver is a
-   heuristic and does not guarantee a maximum flow.
+   expert, so ``e + k`` rounds reach a maximal assignment; then ``4k + 8`` rounds of a parallel
+   one-swap repair (a token short of an expert takes expert ``b`` from a token ``j`` that moves
+   to a spare expert) fill the slots a maximal greedy leaves empty although capacity remains
+   (0–3 per 512 x 16 group; 262 in one 16,384 x 64, k = 6 group with bias std 1, all filled in
+   16 rounds). A slot can still stay empty if only a longer augmenting path would fill it: this
+   solver is a heuristic and does not guarantee a maximum flow.
 
    For ``k > 2`` this is the same two stages with ``k - 1`` experts per token in the residual
    (Sinkhorn handles any row sum); the paper leaves ``k > 2`` open.
@@ -100,47 +100,75 @@ def _propose_accept(
     return assigned, need, cap_left
 
 
+def _first_per_column(proposal: Tensor, key: Tensor, limit: Tensor | int) -> Tensor:
+    """``[G, n, c]`` bool: the proposals each column keeps, its ``limit`` best by ``key``.
+
+    ``proposal`` is ``[G, n, c]`` bool with at most one True per row, ``key`` ``[G, n]``; ties go
+    to the lower row index (stable sort). ``limit`` is an int or a ``[G, c]`` tensor.
+    """
+    n = proposal.shape[1]
+    scored = torch.where(proposal, key.unsqueeze(-1), -torch.inf)
+    order = torch.sort(scored, dim=1, descending=True, stable=True).indices
+    positions = torch.arange(n, device=proposal.device).view(1, n, 1).expand_as(order)
+    rank = torch.empty_like(order).scatter_(1, order, positions)
+    bound = limit.unsqueeze(1) if isinstance(limit, Tensor) else limit
+    return proposal & (rank < bound)
+
+
 def _swap_repair(
     affinities: Tensor, assigned: Tensor, need: Tensor, cap_left: Tensor, rounds: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Fill slots a maximal greedy leaves empty although some expert has capacity left.
 
     After a maximal greedy, a needy token ``i`` already holds every expert ``x`` that has spare
-    capacity. One swap still helps: a token ``j`` holding some ``b`` that ``i`` lacks, and lacking
-    a spare ``x``, moves ``b -> x`` and ``i`` takes ``b`` (a length-2 augmenting path). Each round
-    fixes one slot per group, choosing the swap of best objective change
-    ``A_ib + A_jx - A_jb``; fixed number of rounds, no host sync.
+    capacity. One swap still helps: a donor token ``j`` (not needy) holding some ``b`` that ``i``
+    lacks, and lacking a spare ``x``, moves ``b -> x`` and ``i`` takes ``b`` (a length-2
+    augmenting path; objective change ``A_ib + A_jx - A_jb``). Each round, every needy token picks
+    its best such swap (the best donor per ``b`` is shared); conflicts are dropped so the swaps
+    applied together stay feasible: one needy token per ``b``, one swap per donor, and no more
+    swaps into ``x`` than its spare capacity. Fixed number of rounds, no host sync.
     """
-    g_idx = torch.arange(affinities.shape[0], device=affinities.device)
-    tokens = torch.arange(affinities.shape[1], device=affinities.device)
+    g, n, e = affinities.shape
+    tokens = torch.arange(n, device=affinities.device).expand(g, n)
+    experts = torch.arange(e, device=affinities.device)
     for _ in range(rounds):
-        i_star = (need > 0).to(torch.int8).argmax(dim=1)  # [G] first needy token (or 0)
-        active = need[g_idx, i_star] > 0
-        spare = cap_left > 0  # [G, e]
-        held_by_i = assigned[g_idx, i_star]  # [G, e]
-        # Best spare expert x for every token j: spare, not held by j.
-        x_ok = spare.unsqueeze(1) & ~assigned
+        needy = need > 0
+        # Donor side: token j's best spare expert x that it lacks, and for every b it holds the
+        # value of giving b up for x; the best donor of each expert b.
+        x_ok = (cap_left > 0).unsqueeze(1) & ~assigned
         x_val, x_arg = affinities.masked_fill(~x_ok, -torch.inf).max(dim=-1)  # [G, n]
-        # Candidate (j, b): j holds b, i* lacks b, j != i*.
-        not_i = tokens.unsqueeze(0) != i_star.unsqueeze(1)  # [G, n]
-        cand = assigned & ~held_by_i.unsqueeze(1) & not_i.unsqueeze(-1)
-        a_ib = affinities[g_idx, i_star].unsqueeze(1)  # [G, 1, e]
-        gain = (a_ib + x_val.unsqueeze(-1) - affinities).masked_fill(~cand, -torch.inf)
-        best_gain, flat = gain.flatten(1).max(dim=1)
-        do = active & (best_gain > -torch.inf)
-        j = flat // affinities.shape[-1]
-        b = flat % affinities.shape[-1]
-        x = x_arg[g_idx, j]
-        # Apply the swap only in groups where it exists (masked writes instead of indexing by a
-        # data-dependent subset, which would sync).
-        assigned = assigned.clone()
-        assigned[g_idx, j, b] = assigned[g_idx, j, b] & ~do
-        assigned[g_idx, j, x] = assigned[g_idx, j, x] | do
-        assigned[g_idx, i_star, b] = assigned[g_idx, i_star, b] | do
-        need = need.clone()
-        need[g_idx, i_star] -= do.long()
-        cap_left = cap_left.clone()
-        cap_left[g_idx, x] -= do.long()
+        donor_ok = assigned & ~needy.unsqueeze(-1) & (x_val > -torch.inf).unsqueeze(-1)
+        give = (x_val.unsqueeze(-1) - affinities).masked_fill(~donor_ok, -torch.inf)
+        best_give, donor = give.max(dim=1)  # [G, e]
+        # Needy side: the b (not held) with the best total change.
+        want = ~assigned & needy.unsqueeze(-1) & (best_give > -torch.inf).unsqueeze(1)
+        gain, b = (affinities + best_give.unsqueeze(1)).masked_fill(~want, -torch.inf).max(dim=-1)
+        active = needy & (gain > -torch.inf)
+        # 1. one needy token per b.
+        active = _first_per_column((b.unsqueeze(-1) == experts) & active.unsqueeze(-1), gain, 1)
+        active = active.any(dim=-1)
+        j = donor.gather(1, b)  # [G, n]
+        x = x_arg.gather(1, j)
+        # 2. one swap per donor j (several b can share a donor): the best gain, lowest index.
+        key = gain.masked_fill(~active, -torch.inf)
+        best_j = torch.full_like(key, -torch.inf).scatter_reduce(1, j, key, reduce="amax")
+        active = active & (key == best_j.gather(1, j))
+        first = torch.full_like(tokens, n).scatter_reduce(
+            1, j, torch.where(active, tokens, n), reduce="amin"
+        )
+        active = active & (tokens == first.gather(1, j))
+        # 3. no more swaps into x than its spare capacity.
+        into_x = (x.unsqueeze(-1) == experts) & active.unsqueeze(-1)
+        active = _first_per_column(into_x, gain, cap_left).any(dim=-1)
+        # Apply with scatter-adds (inactive rows add 0; no data-dependent indexing, no sync).
+        step = active.long()
+        delta = torch.zeros(g, n * e, dtype=torch.long, device=affinities.device)
+        delta.scatter_add_(1, tokens * e + b, step)  # i takes b
+        delta.scatter_add_(1, j * e + b, -step)  # j gives b up
+        delta.scatter_add_(1, j * e + x, step)  # j takes x
+        assigned = (assigned.long() + delta.view(g, n, e)) > 0
+        need = need - step
+        cap_left = cap_left.scatter_add(1, x, -step)
     return assigned, need, cap_left
 
 
@@ -214,7 +242,7 @@ def solve_two_stage_sinkhorn(
     assigned, need, cap_left = _stage_one(a, k, capacity)
     log_plan = _residual_sinkhorn(a, assigned, need, cap_left, iters, temperature)
     assigned, need, cap_left = _propose_accept(log_plan, assigned, need, cap_left, rounds=e + k)
-    assigned, need, cap_left = _swap_repair(a, assigned, need, cap_left, rounds=2 * k + 4)
+    assigned, need, cap_left = _swap_repair(a, assigned, need, cap_left, rounds=4 * k + 8)
     return mask_to_expert_index(assigned, a, k)
 
 
