@@ -263,6 +263,7 @@ def test_last_stats_are_computed_on_first_read() -> None:
         result.expert_index.reshape(g, -1, 2),
         result.capacity,
         2,
+        rank_scores=torch.softmax(result.logits.reshape(g, -1, 4), dim=-1),  # SoftTopk at t=0
     )
     assert set(stats) == set(expected)
     for key, value in expected.items():

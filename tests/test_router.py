@@ -393,6 +393,9 @@ def test_statistics_are_lazy_and_equal_the_eager_ones(preset: str) -> None:
         res.expert_index.reshape(g, -1, res.expert_index.shape[-1]),
         res.capacity,
         2,
+        # Choice ranks come from the selection scores: the softmax for every preset here
+        # (SoftTopk at t = 0 is the softmax).
+        rank_scores=torch.softmax(res.logits.reshape(g, -1, 16), dim=-1),
     )
     got = dict(res.stats)
     assert res.stats.computed and set(got) == set(expected)
@@ -463,3 +466,21 @@ def test_forward_has_no_host_sync_on_gpu(preset: str) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_valid(res, 16, 2, token_choice=res.expert_index.shape[1] == 2)
+
+
+@pytest.mark.parametrize("preset", ["gshard-s", "maxscore", "maxscore-i"])
+def test_softtopk_boost_shapes_weights_not_selection(preset: str) -> None:
+    """With room for everyone, SoftTopk routers pick each token's top-k logits, even at t = 3
+    where the boosted non-top-1 affinities (x4) exceed the top-1's; the weights carry the boost."""
+    torch.manual_seed(0)
+    router = build_router(preset, 8, 6, 2, capacity_factor=6.0)
+    router.train()
+    res = router(torch.randn(3, 10, 8) * 0.01)  # near-uniform logits: the case boosting flips
+    chosen = res.expert_index.sort(dim=-1).values
+    expected = res.logits.topk(2, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(chosen, expected)
+    probs = torch.softmax(res.logits, dim=-1)
+    top = res.logits.argmax(dim=-1, keepdim=True)
+    boost = torch.where(res.expert_index == top, 1.0, 1.0 + 3.0)  # t = 3 at step 0
+    torch.testing.assert_close(res.combine_weights, probs.gather(-1, res.expert_index) * boost)
+    assert float(res.stats["drop_rate_by_rank"].sum()) == 0.0

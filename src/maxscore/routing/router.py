@@ -4,8 +4,14 @@ One call routes the ``T = B·L`` tokens of a ``[B, L, D]`` input::
 
     logits      = x · W_g                                (fp32 matmul, autocast off)
     A           = operator(logits, k, t)                  (Table 2 / SoftTopk; Eq. 2 for softmax)
-    expert_index = strategy(A [+ bias], k, capacity)      (per routing group; Eq. 7-8 for flow)
+    A0          = operator(logits, k, 0)                  (selection scores; = A without a t)
+    expert_index = strategy(A0 [+ bias], k, capacity)     (per routing group; Eq. 7-8 for flow)
     weights     = A gathered at expert_index              (0 for empty slots; the R(x) of Eq. 1)
+
+For SoftTopk, ``A0`` is the softmax: the operator's boost ``t`` shapes the combine weights (and
+so the gradients), never which experts are chosen — as in the authors' code, which selects on
+the softmax and scales only the second expert's weight. The aux loss and the choice ranks of
+the statistics use ``A0`` too.
 
 plus the load-balancing loss (Eq. 9 / GShard form), the z-loss and device-side statistics, all
 returned in one :class:`~maxscore.routing.types.RoutingResult`.
@@ -296,13 +302,18 @@ class Router(nn.Module):
 
         t = self._temperature() if self.uses_temperature else 0.0
         affinities = self.operator(logits, k, t)
+        # Which experts a token prefers is the operator at t = 0 (for SoftTopk: the softmax,
+        # ranked like the logits). The boost t only reshapes the combine weights: boosted
+        # scores would rank every non-top-1 expert (x(1+t)) above the top-1 early in training,
+        # and the authors' code selects on the softmax and scales only the weights.
+        selection = self.operator(logits, k, 0.0) if self.uses_temperature else affinities
 
-        # Selection scores: the affinities, plus the DeepSeek-V3 bias, which steers selection
-        # only and never enters the weights. Strategies only pick, so they get a detached copy.
+        # Selection scores, plus the DeepSeek-V3 bias, which steers selection only and never
+        # enters the weights. Strategies only pick, so they get a detached copy.
         balancing = cfg.bias_update_rate > 0 and self.training
         if balancing:
             self._apply_pending_bias_update(only_if_new_step=True)
-        scores = affinities.detach().float()
+        scores = selection.detach().float()
         if cfg.bias_update_rate > 0:
             scores = scores + self.expert_bias
         _, spec = self.strategy_for_mode()
@@ -324,7 +335,7 @@ class Router(nn.Module):
         aux = zero
         if cfg.aux_loss != "none" and cfg.aux_loss_coef != 0:
             aux = load_balancing_loss(
-                affinities, expert_index, cfg.aux_loss, scale=cfg.aux_loss_coef
+                selection, expert_index, cfg.aux_loss, scale=cfg.aux_loss_coef
             )
         z = cfg.z_loss_coef * router_z_loss(logits) if cfg.z_loss_coef != 0 else zero
 
@@ -336,7 +347,9 @@ class Router(nn.Module):
         # Statistics are evaluated when first read (no kernels here).
         stats: Mapping[str, Tensor] = {}
         if self.compute_stats:
-            stats = LazyRoutingStatistics(affinities, expert_index, capacity, k)
+            stats = LazyRoutingStatistics(
+                affinities, expert_index, capacity, k, rank_scores=selection
+            )
 
         num_tokens, slots = g * n, expert_index.shape[-1]
         return RoutingResult(

@@ -38,7 +38,11 @@ STAT_KEYS: tuple[str, ...] = (
 
 @torch.no_grad()
 def routing_statistics(
-    affinities: Tensor, expert_index: Tensor, capacity: Tensor | None, k: int
+    affinities: Tensor,
+    expert_index: Tensor,
+    capacity: Tensor | None,
+    k: int,
+    rank_scores: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Routing statistics of one call, as fp32 device tensors (averaged over routing groups).
 
@@ -48,6 +52,9 @@ def routing_statistics(
         capacity: ``[e]`` per-expert capacity of one group, or ``None`` (dropless); then the
             reference capacity ``k·n/e`` is used for ``load_over_capacity`` (as in Fig. 8).
         k: experts per token (the number of choice ranks reported).
+        rank_scores: scores that define each token's choice ranks, shaped like ``affinities``
+            (the router passes its selection scores: for SoftTopk, the softmax, i.e. the
+            logits' order); ``None`` ranks by ``affinities``.
 
     Returns:
         ``drop_rate_by_rank[k]``: for rank ``r``, the fraction of tokens whose r-th
@@ -58,17 +65,20 @@ def routing_statistics(
         tokens per expert. ``mean_affinity_by_rank[k]``: mean of each token's r-th highest
         affinity (Fig. 2b).
     """
+    if rank_scores is None:
+        rank_scores = affinities
     if affinities.dim() == 2:
         affinities, expert_index = affinities.unsqueeze(0), expert_index.unsqueeze(0)
+        rank_scores = rank_scores.unsqueeze(0)
     a = affinities.detach().float()
     _, n, e = a.shape
     k = min(k, e)
     assigned = assignment_matrix(expert_index, e, torch.float32)  # [G, n, e]
 
-    top_val, top_idx = torch.topk(a, k, dim=-1, sorted=True)  # [G, n, k]
+    top_idx = torch.topk(rank_scores.detach().float(), k, dim=-1, sorted=True).indices
     kept = assigned.gather(-1, top_idx)  # 1 where the r-th choice was assigned
     drop_rate_by_rank = 1.0 - kept.mean(dim=(0, 1))
-    mean_affinity_by_rank = top_val.mean(dim=(0, 1))
+    mean_affinity_by_rank = a.gather(-1, top_idx).mean(dim=(0, 1))
 
     load = assigned.sum(dim=1)  # [G, e] tokens per expert in each group
     if capacity is None:
@@ -90,14 +100,20 @@ def routing_statistics(
 class _PendingStatistics:
     """The inputs of one :func:`routing_statistics` call, evaluated at most once."""
 
-    __slots__ = ("affinities", "capacity", "expert_index", "k", "result")
+    __slots__ = ("affinities", "capacity", "expert_index", "k", "rank_scores", "result")
 
     def __init__(
-        self, affinities: Tensor, expert_index: Tensor, capacity: Tensor | None, k: int
+        self,
+        affinities: Tensor,
+        expert_index: Tensor,
+        capacity: Tensor | None,
+        k: int,
+        rank_scores: Tensor | None = None,
     ) -> None:
         self.affinities: Tensor | None = affinities.detach()
         self.expert_index: Tensor | None = expert_index.detach()
         self.capacity = None if capacity is None else capacity.detach()
+        self.rank_scores = None if rank_scores is None else rank_scores.detach()
         self.k = k
         self.result: dict[str, Tensor] | None = None
 
@@ -105,10 +121,10 @@ class _PendingStatistics:
         if self.result is None:
             assert self.affinities is not None and self.expert_index is not None
             self.result = routing_statistics(
-                self.affinities, self.expert_index, self.capacity, self.k
+                self.affinities, self.expert_index, self.capacity, self.k, self.rank_scores
             )
             # The inputs are no longer needed: let them be freed.
-            self.affinities = self.expert_index = self.capacity = None
+            self.affinities = self.expert_index = self.capacity = self.rank_scores = None
         return self.result
 
 
@@ -132,8 +148,9 @@ class LazyRoutingStatistics(Mapping[str, Tensor]):
         capacity: Tensor | None,
         k: int,
         extra: Mapping[str, Tensor] | None = None,
+        rank_scores: Tensor | None = None,
     ) -> None:
-        self._pending = _PendingStatistics(affinities, expert_index, capacity, k)
+        self._pending = _PendingStatistics(affinities, expert_index, capacity, k, rank_scores)
         self._extra: dict[str, Tensor] = dict(extra or {})
 
     @property
