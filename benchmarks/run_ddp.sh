@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on 2 H100s: the same training (tiny preset, maxscore router, seq 512, global
+# One device call on 2 H100s or H200s (the 2026-11-26 results came from 2 H200s): the same training (tiny preset, maxscore router, seq 512, global
 # batch 32 sequences, 300 steps) on 1 GPU with micro-batch 32 and on 2 GPUs (torchrun, DDP) with
 # micro-batch 16 each; then compare their logged loss curves. Results go to $OUT.
 set -uo pipefail

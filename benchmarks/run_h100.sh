@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a single H100: the Base-preset training throughput of four routers, and, in
+# One device call on a single H100 or H200 (the 2026-11-26 results came from an H200): the Base-preset training throughput of four routers, and, in
 # parallel on two pinned CPU cores with the GPU hidden, the default `maxscore train` (to time the
 # "few minutes on a 2-core CPU" main job on an otherwise idle machine). Results go to $OUT.
 set -uo pipefail

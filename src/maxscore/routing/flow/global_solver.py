@@ -43,13 +43,15 @@ exists so the constraints hold exactly on any input). If ``sum_j min(c_j, n) < n
 must stay empty (``-1``); the solver then returns a feasible assignment that need not be a
 maximum flow.
 
-Two implementations of the same phases: pure PyTorch (CPU and CUDA, capturable in a CUDA graph;
-~1,700 small kernels per call) and, on CUDA for groups of ``n e <= 8192`` with ``n``, ``e``
-powers of two, one fused Triton kernel per call (:mod:`.global_triton`, one program per group,
-the group's state in registers). Measured (``benchmarks/flow_solver_notes.md``; 100 instances
-each, n=512, e=16, k=2, capacity 64): median gap 0 on balanced and skewed logits, worst 1.7e-7
-(balanced) and 2.2e-5 / 9.6e-6 (skewed; PyTorch / fused). Time per call on an H200, 32 x 512
-tokens, e=16, k=2: 0.64 ms fused (0.45 ms on balanced logits), 7.6 ms PyTorch in a CUDA graph.
+Three ways to run the same phases: pure PyTorch (CPU and CUDA, capturable in a CUDA graph;
+~1,700 small kernels per call); on CUDA for groups of ``n e <= 8192`` with ``n``, ``e`` powers
+of two, one fused Triton kernel per call (:mod:`.global_triton`, one program per group, the
+group's state in registers); and on CUDA for larger groups (``e`` a power of two, ``e <= 32``),
+PyTorch phases 1-3 with phase 4 as one Triton launch (:func:`.global_triton.cancel_cycles`).
+Measured (``benchmarks/flow_solver_notes.md``; 100 instances each, n=512, e=16, k=2, capacity
+64): median gap 0 on balanced and skewed logits, worst 1.7e-7 (balanced) and 2.2e-5 / 9.6e-6
+(skewed; PyTorch / fused). Time per call on an H200 in a CUDA graph, e=16, k=2: 32 x 512 tokens
+0.60 ms fused (7.6 ms PyTorch); one group of 16,384 tokens 9.75 ms (11.0 ms PyTorch).
 """
 
 from __future__ import annotations
@@ -305,8 +307,9 @@ def solve_global(
             cycle when one exists; fewer find the short ones).
         backend: ``"auto"`` runs the fused Triton kernel (:mod:`.global_triton`) where it applies
             (CUDA, Triton importable, ``n`` and ``e`` powers of two, ``n e <= 8192``, ``k < e``),
-            else the PyTorch path; ``"torch"`` / ``"triton"`` force one (``"triton"`` raises if
-            the kernel does not apply).
+            else the PyTorch path, with phase 4 as one Triton launch where that applies (CUDA,
+            ``e`` a power of two, ``e <= 32``, ``k < e``); ``"torch"`` forces pure PyTorch,
+            ``"triton"`` the fused kernel (it raises if the kernel does not apply).
 
     Returns:
         ``[G, n, k]`` long expert indices (``[n, k]`` for a 2-D input), each token's experts in

@@ -12,11 +12,18 @@ PyTorch path, all for speed and all still with a fixed number of steps:
   spare capacity), each receiving expert accepts the cheapest arrivals up to its spare capacity;
 - repair and cycle rounds stop early, per group and on the device, once a round moves nothing
   (the remaining rounds would be no-ops); the round counts stay bounded, nothing reaches the host;
+- cycle rounds build the ``e x e`` best-move matrix in one sweep: the assignment is written to
+  an int8 scratch, token chunks are read back as ``[e, chunk, e]`` tiles keeping a running
+  (max gain, token), and one reduction ends the round's sweep (instead of ``e`` column
+  arg-maxes); Bellman-Ford alternates between the matrix and its transpose so the distances
+  never change register layout. Both give the same assignments as the column-by-column version;
 - a group still over capacity after every round (never seen on random instances with enough
   capacity) gets the round-robin assignment, which is always feasible; with total capacity short
   of ``n k`` that is also what it returns (a maximum number of filled slots, affinities ignored).
 
-Fast path only: CUDA, ``n`` and ``e`` powers of two, ``n * e <= 8192``, ``k < e``. Triton is
+Fast path only: CUDA, ``n`` and ``e`` powers of two, ``n * e <= 8192``, ``k < e``. For larger
+groups :func:`cancel_cycles` runs phase 4 alone (same rules, one program per group, the mask in
+global memory, any ``n``); the PyTorch path does the other phases. Triton is
 optional: :data:`AVAILABLE` is False when it cannot be imported, and :mod:`.global_solver` then
 uses the PyTorch path.
 """
@@ -197,176 +204,190 @@ if AVAILABLE:
         # ---- Phase 3: repair, one eviction per overloaded expert per round.
         # A round that moves nothing would repeat forever: stop the group there (no host sync, the
         # bound REPAIR still holds).
-        rep = tl.zeros([], dtype=tl.int32)
-        go = rep < REPAIR
-        while go:
-            load = tl.sum(held.to(tl.int32), axis=0)
-            over = load > cap
-            spare = load < cap
-            open_dest = (~held) & spare[None, :]
-            dval, dest = tl.max(tl.where(open_dest, a, NEG), axis=1, return_indices=True)
-            has_dest = dval > 0.5 * NEG
-            loss = tl.where(held & over[None, :] & has_dest[:, None], a - dval[:, None], BIG)
-            _tmin, tsrc = tl.min(loss, axis=1, return_indices=True)
-            loss = tl.where(col == tsrc[:, None], loss, BIG)  # one eviction per token
-            emin, etok = tl.min(loss, axis=0, return_indices=True)  # per expert
-            evicting = emin < 0.5 * BIG
-            # destination of each expert's evicted token
-            pick = (row == etok[None, :]) & evicting[None, :]
-            edest = tl.sum(tl.where(pick, dest[:, None], 0), axis=0)
-            # each destination accepts its cheapest arrivals, up to its spare capacity
-            same = (edest[:, None] == edest[None, :]) & evicting[None, :]  # [a, a'] same target
-            ahead = (emin[None, :] < emin[:, None]) | (
-                (emin[None, :] == emin[:, None]) & (re[None, :] < re[:, None])
-            )
-            rank = tl.sum(tl.where(same & ahead, 1, 0), axis=1)
-            room = tl.sum(tl.where(edest[:, None] == re[None, :], (cap - load)[None, :], 0), axis=1)
-            won = evicting & (rank < room)
-            move_tok = tl.sum(tl.where(pick & won[None, :], 1, 0), axis=1) > 0  # [N]
-            move_dst = tl.sum(tl.where(pick & won[None, :], edest[None, :], 0), axis=1)
-            move_src = tl.sum(tl.where(pick & won[None, :], col, 0), axis=1)
-            held = tl.where(move_tok[:, None] & (col == move_src[:, None]), False, held)
-            held = tl.where(move_tok[:, None] & (col == move_dst[:, None]), True, held)
-            rep += 1
-            go = (rep < REPAIR) & ((tl.sum(move_tok.to(tl.int32), axis=0) > 0) | (not EARLY_EXIT))
+        if REPAIR > 0:  # a zero-trip loop here failed to compile (Triton 3.6, sm_90)
+            rep = tl.zeros([], dtype=tl.int32)
+            go = rep < REPAIR
+            while go:
+                load = tl.sum(held.to(tl.int32), axis=0)
+                over = load > cap
+                spare = load < cap
+                open_dest = (~held) & spare[None, :]
+                dval, dest = tl.max(tl.where(open_dest, a, NEG), axis=1, return_indices=True)
+                has_dest = dval > 0.5 * NEG
+                loss = tl.where(held & over[None, :] & has_dest[:, None], a - dval[:, None], BIG)
+                _tmin, tsrc = tl.min(loss, axis=1, return_indices=True)
+                loss = tl.where(col == tsrc[:, None], loss, BIG)  # one eviction per token
+                emin, etok = tl.min(loss, axis=0, return_indices=True)  # per expert
+                evicting = emin < 0.5 * BIG
+                # destination of each expert's evicted token
+                pick = (row == etok[None, :]) & evicting[None, :]
+                edest = tl.sum(tl.where(pick, dest[:, None], 0), axis=0)
+                # each destination accepts its cheapest arrivals, up to its spare capacity
+                same = (edest[:, None] == edest[None, :]) & evicting[None, :]  # [a, a'] same target
+                ahead = (emin[None, :] < emin[:, None]) | (
+                    (emin[None, :] == emin[:, None]) & (re[None, :] < re[:, None])
+                )
+                rank = tl.sum(tl.where(same & ahead, 1, 0), axis=1)
+                room = tl.sum(
+                    tl.where(edest[:, None] == re[None, :], (cap - load)[None, :], 0), axis=1
+                )
+                won = evicting & (rank < room)
+                move_tok = tl.sum(tl.where(pick & won[None, :], 1, 0), axis=1) > 0  # [N]
+                move_dst = tl.sum(tl.where(pick & won[None, :], edest[None, :], 0), axis=1)
+                move_src = tl.sum(tl.where(pick & won[None, :], col, 0), axis=1)
+                held = tl.where(move_tok[:, None] & (col == move_src[:, None]), False, held)
+                held = tl.where(move_tok[:, None] & (col == move_dst[:, None]), True, held)
+                rep += 1
+                go = (rep < REPAIR) & (
+                    (tl.sum(move_tok.to(tl.int32), axis=0) > 0) | (not EARLY_EXIT)
+                )
 
         # ---- Phase 4: cycle cancelling on the (e + 1)-node expert graph (node E = sink).
         penalty = (E + 1) * spread
         tol = 1.0e-6 * (E + 2) * spread
         vrow = rv[:, None] + 0 * rv[None, :]
         vcol = rv[None, :] + 0 * rv[:, None]
-        cyc = tl.zeros([], dtype=tl.int32)
-        go = cyc < CYCLES
-        # One-pass edge weights: the group's held mask goes to a scratch buffer, then one sweep over
-        # token chunks keeps a running (max gain, token) per (source, chunk row, destination) in a
-        # [E, CHUNK, E] register tile; a single reduction over the chunk rows gives all e x e edges.
-        ra3 = tl.arange(0, E)[:, None, None]  # source expert
-        ri3 = tl.arange(0, CHUNK)[None, :, None]  # token within the chunk
-        rb3 = tl.arange(0, E)[None, None, :]  # destination expert
-        a_base = a_ptr + g * N * E
-        h_base = held_ptr + g * N * E
-        h_ptrs = h_base + rn[:, None] * E + re[None, :]
-        ee_r = tl.arange(0, E)[:, None]
-        ee_c = tl.arange(0, E)[None, :]
-        ew_ptrs = edge_w_ptr + g * E * E + ee_r * E + ee_c
-        et_ptrs = edge_t_ptr + g * E * E + ee_r * E + ee_c
-        vmask = (vrow < E) & (vcol < E)
-        vw_ptrs = edge_w_ptr + g * E * E + vrow * E + vcol
-        vt_ptrs = edge_t_ptr + g * E * E + vrow * E + vcol
-        ew_base = edge_w_ptr + g * E * E
-        while go:
-            load = tl.sum(held.to(tl.int32), axis=0)
-            if ONEPASS:
-                tl.debug_barrier()  # the previous round's readers of the scratch are done
-                tl.store(h_ptrs, held.to(tl.int8))
-                tl.debug_barrier()
-                acc = tl.full([E, CHUNK, E], NEG, dtype=tl.float32)
-                tacc = tl.zeros([E, CHUNK, E], dtype=tl.int32)
-                for c in range(N // CHUNK):
-                    t3 = c * CHUNK + ri3
-                    a_src = tl.load(a_base + t3 * E + ra3)  # [E, CHUNK, 1]
-                    h_src = tl.load(h_base + t3 * E + ra3, cache_modifier=".cg")
-                    a_dst = tl.load(a_base + t3 * E + rb3)  # [1, CHUNK, E]
-                    h_dst = tl.load(h_base + t3 * E + rb3, cache_modifier=".cg")
-                    ok = (h_src != 0) & (h_dst == 0)
-                    gain3 = tl.where(ok, a_dst - a_src, NEG)
-                    better = gain3 > acc
-                    acc = tl.where(better, gain3, acc)
-                    tacc = tl.where(better, t3, tacc)
-                best2, brow = tl.max(acc, axis=1, return_indices=True)  # [E, E]
-                btok2 = tl.sum(tl.where(ri3 == brow[:, None, :], tacc, 0), axis=1)
-                tl.store(ew_ptrs, best2)
-                tl.store(et_ptrs, btok2)
-                tl.debug_barrier()
-                w = tl.load(vw_ptrs, mask=vmask, other=NEG, cache_modifier=".cg")
-                tok = tl.load(vt_ptrs, mask=vmask, other=0, cache_modifier=".cg")
-            else:
-                w = tl.full([V, V], NEG, dtype=tl.float32)
-                tok = tl.zeros([V, V], dtype=tl.int32)
-                for src in range(E):
-                    on_src = tl.sum(tl.where(held & (col == src), 1, 0), axis=1) > 0  # [N]
-                    a_src = tl.sum(tl.where(col == src, a, 0.0), axis=1)  # [N]
-                    gain = tl.where(on_src[:, None] & (~held), a - a_src[:, None], NEG)
-                    if PACKED:
-                        # One max over (ordered float bits << 32 | token) instead of an argmax pair.
-                        bits = gain.to(tl.int32, bitcast=True)
-                        bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-                        packed = (bits.to(tl.int64) << 32) | row.to(tl.int64)
-                        top = tl.max(packed, axis=0)
-                        btok = (top & 0xFFFFFFFF).to(tl.int32)
-                        hi_bits = (top >> 32).to(tl.int32)
-                        hi_bits = tl.where(hi_bits < 0, hi_bits ^ 0x7FFFFFFF, hi_bits)
-                        best = hi_bits.to(tl.float32, bitcast=True)
-                    else:
-                        best, btok = tl.max(gain, axis=0, return_indices=True)  # [E]
-                    best_v = tl.sum(
-                        tl.where(re[:, None] == rv[None, :], best[:, None], 0.0), axis=0
+        if CYCLES > 0:
+            cyc = tl.zeros([], dtype=tl.int32)
+            go = cyc < CYCLES
+            # One-pass edge weights: the group's held mask goes to a scratch buffer, then one sweep over
+            # token chunks keeps a running (max gain, token) per (source, chunk row, destination) in a
+            # [E, CHUNK, E] register tile; a single reduction over the chunk rows gives all e x e edges.
+            ra3 = tl.arange(0, E)[:, None, None]  # source expert
+            ri3 = tl.arange(0, CHUNK)[None, :, None]  # token within the chunk
+            rb3 = tl.arange(0, E)[None, None, :]  # destination expert
+            a_base = a_ptr + g * N * E
+            h_base = held_ptr + g * N * E
+            h_ptrs = h_base + rn[:, None] * E + re[None, :]
+            ee_r = tl.arange(0, E)[:, None]
+            ee_c = tl.arange(0, E)[None, :]
+            ew_ptrs = edge_w_ptr + g * E * E + ee_r * E + ee_c
+            et_ptrs = edge_t_ptr + g * E * E + ee_r * E + ee_c
+            vmask = (vrow < E) & (vcol < E)
+            vw_ptrs = edge_w_ptr + g * E * E + vrow * E + vcol
+            vt_ptrs = edge_t_ptr + g * E * E + vrow * E + vcol
+            ew_base = edge_w_ptr + g * E * E
+            while go:
+                load = tl.sum(held.to(tl.int32), axis=0)
+                if ONEPASS:
+                    tl.debug_barrier()  # the previous round's readers of the scratch are done
+                    tl.store(h_ptrs, held.to(tl.int8))
+                    tl.debug_barrier()
+                    acc = tl.full([E, CHUNK, E], NEG, dtype=tl.float32)
+                    tacc = tl.zeros([E, CHUNK, E], dtype=tl.int32)
+                    for c in range(N // CHUNK):
+                        t3 = c * CHUNK + ri3
+                        a_src = tl.load(a_base + t3 * E + ra3)  # [E, CHUNK, 1]
+                        h_src = tl.load(h_base + t3 * E + ra3, cache_modifier=".cg")
+                        a_dst = tl.load(a_base + t3 * E + rb3)  # [1, CHUNK, E]
+                        h_dst = tl.load(h_base + t3 * E + rb3, cache_modifier=".cg")
+                        ok = (h_src != 0) & (h_dst == 0)
+                        gain3 = tl.where(ok, a_dst - a_src, NEG)
+                        better = gain3 > acc
+                        acc = tl.where(better, gain3, acc)
+                        tacc = tl.where(better, t3, tacc)
+                    best2, brow = tl.max(acc, axis=1, return_indices=True)  # [E, E]
+                    btok2 = tl.sum(tl.where(ri3 == brow[:, None, :], tacc, 0), axis=1)
+                    tl.store(ew_ptrs, best2)
+                    tl.store(et_ptrs, btok2)
+                    tl.debug_barrier()
+                    w = tl.load(vw_ptrs, mask=vmask, other=NEG, cache_modifier=".cg")
+                    tok = tl.load(vt_ptrs, mask=vmask, other=0, cache_modifier=".cg")
+                else:
+                    w = tl.full([V, V], NEG, dtype=tl.float32)
+                    tok = tl.zeros([V, V], dtype=tl.int32)
+                    for src in range(E):
+                        on_src = tl.sum(tl.where(held & (col == src), 1, 0), axis=1) > 0  # [N]
+                        a_src = tl.sum(tl.where(col == src, a, 0.0), axis=1)  # [N]
+                        gain = tl.where(on_src[:, None] & (~held), a - a_src[:, None], NEG)
+                        if PACKED:
+                            # One max over (ordered float bits << 32 | token) instead of an argmax pair.
+                            bits = gain.to(tl.int32, bitcast=True)
+                            bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                            packed = (bits.to(tl.int64) << 32) | row.to(tl.int64)
+                            top = tl.max(packed, axis=0)
+                            btok = (top & 0xFFFFFFFF).to(tl.int32)
+                            hi_bits = (top >> 32).to(tl.int32)
+                            hi_bits = tl.where(hi_bits < 0, hi_bits ^ 0x7FFFFFFF, hi_bits)
+                            best = hi_bits.to(tl.float32, bitcast=True)
+                        else:
+                            best, btok = tl.max(gain, axis=0, return_indices=True)  # [E]
+                        best_v = tl.sum(
+                            tl.where(re[:, None] == rv[None, :], best[:, None], 0.0), axis=0
+                        )
+                        btok_v = tl.sum(
+                            tl.where(re[:, None] == rv[None, :], btok[:, None], 0), axis=0
+                        )
+                        is_exp = rv < E
+                        w = tl.where((vrow == src) & is_exp[None, :], best_v[None, :], w)
+                        tok = tl.where((vrow == src) & is_exp[None, :], btok_v[None, :], tok)
+                load_v = tl.sum(tl.where(re[:, None] == rv[None, :], load[:, None], 0), axis=0)
+                cap_v = tl.sum(tl.where(re[:, None] == rv[None, :], cap[:, None], 0), axis=0)
+                is_exp_v = rv < E
+                # sink edges: b -> S if b has spare capacity; S -> a, rewarded if a is overloaded
+                to_sink = tl.where(is_exp_v & (load_v < cap_v), 0.0, NEG)
+                from_sink = tl.where(is_exp_v, tl.where(load_v > cap_v, penalty, 0.0), NEG)
+                w = tl.where((vcol == E) & (vrow < E), to_sink[:, None], w)
+                w = tl.where(vrow == E, from_sink[None, :], w)
+                w = tl.where(vrow == vcol, 0.0, w - tol)
+                # Bellman-Ford (longest paths) with predecessor tracking
+                if ONEPASS and BF_ALT:
+                    # The same relaxations, alternating between w (reduce over rows) and its transpose
+                    # (reduce over columns), so dist never changes register layout between steps.
+                    wt = tl.load(
+                        ew_base + vcol * E + vrow, mask=vmask, other=NEG, cache_modifier=".cg"
                     )
-                    btok_v = tl.sum(tl.where(re[:, None] == rv[None, :], btok[:, None], 0), axis=0)
-                    is_exp = rv < E
-                    w = tl.where((vrow == src) & is_exp[None, :], best_v[None, :], w)
-                    tok = tl.where((vrow == src) & is_exp[None, :], btok_v[None, :], tok)
-            load_v = tl.sum(tl.where(re[:, None] == rv[None, :], load[:, None], 0), axis=0)
-            cap_v = tl.sum(tl.where(re[:, None] == rv[None, :], cap[:, None], 0), axis=0)
-            is_exp_v = rv < E
-            # sink edges: b -> S if b has spare capacity; S -> a, rewarded if a is overloaded
-            to_sink = tl.where(is_exp_v & (load_v < cap_v), 0.0, NEG)
-            from_sink = tl.where(is_exp_v, tl.where(load_v > cap_v, penalty, 0.0), NEG)
-            w = tl.where((vcol == E) & (vrow < E), to_sink[:, None], w)
-            w = tl.where(vrow == E, from_sink[None, :], w)
-            w = tl.where(vrow == vcol, 0.0, w - tol)
-            # Bellman-Ford (longest paths) with predecessor tracking
-            if ONEPASS and BF_ALT:
-                # The same relaxations, alternating between w (reduce over rows) and its transpose
-                # (reduce over columns), so dist never changes register layout between steps.
-                wt = tl.load(ew_base + vcol * E + vrow, mask=vmask, other=NEG, cache_modifier=".cg")
-                wt = tl.where((vrow == E) & (vcol < E), to_sink[None, :], wt)
-                wt = tl.where(vcol == E, from_sink[:, None], wt)
-                wt = tl.where(vrow == vcol, 0.0, wt - tol)
-                dist_c = tl.zeros([V], dtype=tl.float32)
-                pred_r = tl.full([V], -1, dtype=tl.int32)
-                pred_c = tl.full([V], -1, dtype=tl.int32)
-                last_r = tl.zeros([V], dtype=tl.int32)
-                last_c = tl.zeros([V], dtype=tl.int32)
-                for _i in tl.static_range((BF + 1) // 2):
-                    dist_r, arg_r = tl.max(dist_c[:, None] + w, axis=0, return_indices=True)
-                    upd_r = arg_r != rv
-                    pred_r = tl.where(upd_r, arg_r.to(tl.int32), pred_r)
-                    last_r = tl.where(upd_r, 2 * _i + 1, last_r)
-                    if 2 * _i + 1 < BF:
-                        dist_c, arg_c = tl.max(dist_r[None, :] + wt, axis=1, return_indices=True)
-                        upd_c = arg_c != rv
-                        pred_c = tl.where(upd_c, arg_c.to(tl.int32), pred_c)
-                        last_c = tl.where(upd_c, 2 * _i + 2, last_c)
-                pred = tl.where(last_r > last_c, pred_r, pred_c)
-            else:
-                dist = tl.zeros([V], dtype=tl.float32)
-                pred = tl.full([V], -1, dtype=tl.int32)
-                for _i in range(BF):
-                    cand = dist[:, None] + w
-                    dist, arg = tl.max(cand, axis=0, return_indices=True)
-                    pred = tl.where(arg != rv, arg.to(tl.int32), pred)
-            # nodes on cycles of the predecessor graph: the image of pred^(2^m), 2^m >= V
-            jump = tl.where(pred >= 0, pred, rv)
-            for _j in range(JUMPS):
-                jump = tl.sum(tl.where(jump[:, None] == vcol, jump[None, :] + 0 * vrow, 0), axis=1)
-            hit = tl.sum(tl.where(jump[:, None] == vcol, 1, 0), axis=0) > 0
-            on_cycle = hit & (pred >= 0)
-            # edges pred[v] -> v between experts, with their tokens
-            apply = on_cycle & (pred < E) & (rv < E)
-            t_v = tl.sum(tl.where(vrow == pred[None, :], tok, 0), axis=0)  # tok[pred[v], v]
-            # per expert: the out-edge's token (each node has at most one successor on a cycle)
-            out_e = (pred[None, :] == re[:, None]) & apply[None, :]  # [E, V]
-            has_out = tl.sum(tl.where(out_e, 1, 0), axis=1) > 0
-            out_tok = tl.sum(tl.where(out_e, t_v[None, :], 0), axis=1)
-            in_e = (rv[None, :] == re[:, None]) & apply[None, :]
-            has_in = tl.sum(tl.where(in_e, 1, 0), axis=1) > 0
-            in_tok = tl.sum(tl.where(in_e, t_v[None, :], 0), axis=1)
-            remove = has_out[None, :] & (row == out_tok[None, :])
-            add = has_in[None, :] & (row == in_tok[None, :])
-            held = (held & ~remove) | add
-            cyc += 1
-            go = (cyc < CYCLES) & ((tl.sum(apply.to(tl.int32), axis=0) > 0) | (not EARLY_EXIT))
+                    wt = tl.where((vrow == E) & (vcol < E), to_sink[None, :], wt)
+                    wt = tl.where(vcol == E, from_sink[:, None], wt)
+                    wt = tl.where(vrow == vcol, 0.0, wt - tol)
+                    dist_c = tl.zeros([V], dtype=tl.float32)
+                    pred_r = tl.full([V], -1, dtype=tl.int32)
+                    pred_c = tl.full([V], -1, dtype=tl.int32)
+                    last_r = tl.zeros([V], dtype=tl.int32)
+                    last_c = tl.zeros([V], dtype=tl.int32)
+                    for _i in tl.static_range((BF + 1) // 2):
+                        dist_r, arg_r = tl.max(dist_c[:, None] + w, axis=0, return_indices=True)
+                        upd_r = arg_r != rv
+                        pred_r = tl.where(upd_r, arg_r.to(tl.int32), pred_r)
+                        last_r = tl.where(upd_r, 2 * _i + 1, last_r)
+                        if 2 * _i + 1 < BF:
+                            dist_c, arg_c = tl.max(
+                                dist_r[None, :] + wt, axis=1, return_indices=True
+                            )
+                            upd_c = arg_c != rv
+                            pred_c = tl.where(upd_c, arg_c.to(tl.int32), pred_c)
+                            last_c = tl.where(upd_c, 2 * _i + 2, last_c)
+                    pred = tl.where(last_r > last_c, pred_r, pred_c)
+                else:
+                    dist = tl.zeros([V], dtype=tl.float32)
+                    pred = tl.full([V], -1, dtype=tl.int32)
+                    for _i in range(BF):
+                        cand = dist[:, None] + w
+                        dist, arg = tl.max(cand, axis=0, return_indices=True)
+                        pred = tl.where(arg != rv, arg.to(tl.int32), pred)
+                # nodes on cycles of the predecessor graph: the image of pred^(2^m), 2^m >= V
+                jump = tl.where(pred >= 0, pred, rv)
+                for _j in range(JUMPS):
+                    jump = tl.sum(
+                        tl.where(jump[:, None] == vcol, jump[None, :] + 0 * vrow, 0), axis=1
+                    )
+                hit = tl.sum(tl.where(jump[:, None] == vcol, 1, 0), axis=0) > 0
+                on_cycle = hit & (pred >= 0)
+                # edges pred[v] -> v between experts, with their tokens
+                apply = on_cycle & (pred < E) & (rv < E)
+                t_v = tl.sum(tl.where(vrow == pred[None, :], tok, 0), axis=0)  # tok[pred[v], v]
+                # per expert: the out-edge's token (each node has at most one successor on a cycle)
+                out_e = (pred[None, :] == re[:, None]) & apply[None, :]  # [E, V]
+                has_out = tl.sum(tl.where(out_e, 1, 0), axis=1) > 0
+                out_tok = tl.sum(tl.where(out_e, t_v[None, :], 0), axis=1)
+                in_e = (rv[None, :] == re[:, None]) & apply[None, :]
+                has_in = tl.sum(tl.where(in_e, 1, 0), axis=1) > 0
+                in_tok = tl.sum(tl.where(in_e, t_v[None, :], 0), axis=1)
+                remove = has_out[None, :] & (row == out_tok[None, :])
+                add = has_in[None, :] & (row == in_tok[None, :])
+                held = (held & ~remove) | add
+                cyc += 1
+                go = (cyc < CYCLES) & ((tl.sum(apply.to(tl.int32), axis=0) > 0) | (not EARLY_EXIT))
 
         # ---- Output: slots by decreasing affinity; round-robin fallback if still infeasible.
         load = tl.sum(held.to(tl.int32), axis=0)
@@ -550,7 +571,7 @@ def solve_triton(
     onepass: bool = True,
     chunk: int | None = None,
     bf_alt: bool = True,
-    multiprobe: bool = True,
+    multiprobe: bool = False,
     num_warps: int = 8,
 ) -> Tensor:
     """Run the fused kernel; ``capacity`` is the ``[G, e]`` effective capacity (<= n).
@@ -637,6 +658,8 @@ def cancel_cycles(
     ``held`` is the ``[G, n, e]`` 0/1 assignment as int8 (updated in place and returned),
     ``capacity`` the ``[G, e]`` effective capacity, ``spread`` the ``[G]`` affinity range.
     """
+    if cycle_rounds <= 0:
+        return held
     groups, n, e = affinities.shape
     a = affinities.float().contiguous()
     v = 1 << math.ceil(math.log2(e + 1))
