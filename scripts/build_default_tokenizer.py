@@ -49,9 +49,7 @@ def convert(model_file: str) -> Tokenizer:
         byte_fallback=True,
     )
     tok = Tokenizer(bpe)
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence(
         [
             decoders.Replace("▁", " "),
@@ -98,4 +96,10 @@ def main(wheel: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/corpus/mistral_common-1.13.1-py3-none-any.whl"))
+    main(
+        Path(
+            sys.argv[1]
+            if len(sys.argv) > 1
+            else "/tmp/corpus/mistral_common-1.13.1-py3-none-any.whl"
+        )
+    )

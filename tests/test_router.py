@@ -484,3 +484,32 @@ def test_softtopk_boost_shapes_weights_not_selection(preset: str) -> None:
     boost = torch.where(res.expert_index == top, 1.0, 1.0 + 3.0)  # t = 3 at step 0
     torch.testing.assert_close(res.combine_weights, probs.gather(-1, res.expert_index) * boost)
     assert float(res.stats["drop_rate_by_rank"].sum()) == 0.0
+
+
+def _bias_update_on_rank(rank: int, store_path: str, out_path: str) -> None:
+    import torch.distributed as dist
+
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        router = build_router("deepseek-v3", 8, 4, 2)
+        # Rank 0 overloads expert 0 a little, rank 1 overloads expert 3 a lot: globally,
+        # experts 3 and 0 are above the mean load, 1 and 2 below.
+        loads = [[4.0, 2.0, 1.0, 1.0], [1.0, 0.0, 1.0, 6.0]]
+        router.expert_load.copy_(torch.tensor(loads[rank]))
+        router.update_expert_bias()
+        torch.save(router.expert_bias, f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deepseek_v3_bias_update_sums_loads_over_data_parallel_ranks(tmp_path) -> None:
+    """Two gloo ranks with different local loads apply the same, global bias update."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "bias")
+    mp.spawn(_bias_update_on_rank, args=(str(tmp_path / "store"), out), nprocs=2, join=True)
+    rate = get_router_config("deepseek-v3").bias_update_rate
+    expected = torch.tensor([-rate, rate, rate, -rate])  # global load [5, 2, 2, 7], mean 4
+    for rank in range(2):
+        torch.testing.assert_close(torch.load(f"{out}.{rank}"), expected)

@@ -372,10 +372,16 @@ class Router(nn.Module):
         sign inverted. ``load`` is ``expert_load``, the tokens per expert accumulated since the
         last update. With ``only_if_new_step`` the update (and the reset of the accumulator)
         happens only when the schedule's step differs from ``expert_load_step``; the test is a
-        device-side ``where``, not a host branch.
+        device-side ``where``, not a host branch. Under data parallelism the loads are summed
+        over all ranks first (one ``e``-long all-reduce), so every rank applies the same update
+        and the replicas' biases stay equal.
         """
         load = self.expert_load
-        update = self.config.bias_update_rate * torch.sign(load - load.mean())
+        total = load
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            total = load.clone()
+            torch.distributed.all_reduce(total)
+        update = self.config.bias_update_rate * torch.sign(total - total.mean())
         if only_if_new_step:
             new_step = self.schedule.step != self.expert_load_step
             update = torch.where(new_step, update, torch.zeros_like(update))
