@@ -173,15 +173,16 @@ def softtopk_affinity(logits: Tensor, k: int, t: Tensor | float) -> Tensor:
     ``1 + t (r - 1)`` and every expert outside the top ``k - 1`` by ``1 + t (k - 1)``. Ranks come
     from the logits (ties broken by :func:`torch.topk`); they are piecewise constant, so gradients
     flow through the softmax only. With ``t > 0`` a boosted lower-ranked expert can end up with
-    a larger affinity than the top-1 (e.g. ``p = (.5, .2)``, ``t = 3`` gives ``(.5, .8)``);
-    strategies rank these affinities, as Algorithm 1 does. ``t`` may be a 0-dim tensor (the schedule's value, kept on the
+    a larger affinity than the top-1 (e.g. ``p = (.5, .2)``, ``t = 3`` gives ``(.5, .8)``), so the
+    router selects experts on this operator at ``t = 0`` (the softmax) and uses the boosted values
+    as combine weights only. ``t`` may be a 0-dim tensor (the schedule's value, kept on the
     device) or a float; it decays during training (:mod:`maxscore.routing.schedule`).
     """
     x = _as_router_float(logits)
     _check_k(x, k)
     probs = torch.softmax(x, dim=-1)
-    if k == 1:
-        return probs
+    if k == 1 or (isinstance(t, (int, float)) and t == 0):
+        return probs  # no boost: skip the ranking (the router's selection scores take this path)
     # Multiplier of rank r is 1 + t*(min(r, k) - 1); only the top k-1 ranks differ from the max.
     steps = torch.arange(k - 1, dtype=x.dtype, device=x.device)  # r - 1 for r = 1 .. k-1
     top = torch.topk(x, k - 1, dim=-1, sorted=True).indices
