@@ -61,7 +61,7 @@ class LlamaMoEConfig(PreTrainedConfig):
     """
 
     model_type = "maxscore_llama_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]  # noqa: RUF012 (transformers class attribute)
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # noqa: RUF012 (transformers class attribute)
 
     vocab_size: int = 32000
     hidden_size: int = 768

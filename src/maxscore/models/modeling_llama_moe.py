@@ -34,6 +34,8 @@ imports its configuration relatively and ``maxscore`` absolutely.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,23 @@ from maxscore.moe import DenseMLP, MoE
 from maxscore.routing.statistics import with_extra_statistics
 
 from .configuration_llama_moe import LlamaMoEConfig
+
+# transformers renamed the KV cache from ``past_key_values`` to ``cache`` (5.2x): in
+# create_causal_mask's arguments, in the keyword ``generate`` passes to ``forward`` and in the
+# output classes. We accept and emit whichever this release uses (5.17 and 5.24 are tested).
+_MASK_CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+)
+_OUTPUT_CACHE_FIELD = (
+    "cache"
+    if "cache" in {f.name for f in dataclasses.fields(MoeModelOutputWithPast)}
+    else "past_key_values"
+)
+
+
+def _output_cache(outputs: Any) -> Cache | None:
+    return getattr(outputs, _OUTPUT_CACHE_FIELD)
+
 
 # --------------------------------------------------------------------------------------------------
 # Outputs
@@ -324,6 +343,8 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             output_router_logits: return every MoE layer's ``[B*L, e]`` fp32 gate logits.
             output_hidden_states: return the input of every block plus the final output.
         """
+        if past_key_values is None:
+            past_key_values = kwargs.pop("cache", None)  # newer transformers' name for it
         del kwargs  # HF passes extras (e.g. return_dict handled by the caller); none are used
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -356,8 +377,8 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
             position_ids=position_ids,
+            **{_MASK_CACHE_ARGUMENT: past_key_values},
         )
         cos, sin = rotary_cos_sin(
             position_ids, self.config.head_dim, self.config.rope_theta, inputs_embeds.dtype
@@ -390,7 +411,7 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
 
         return LlamaMoEModelOutputWithPast(
             last_hidden_state=hidden,
-            past_key_values=past_key_values if use_cache else None,
+            **{_OUTPUT_CACHE_FIELD: past_key_values if use_cache else None},
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             router_logits=tuple(router_logits) if output_router_logits else None,
             aux_loss=aux_total,
@@ -448,6 +469,8 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
             logits_to_keep: compute logits only for the last ``n`` positions (0 = all), or for the
                 given position indices (used by ``generate`` to skip the prompt's logits).
         """
+        if past_key_values is None:
+            past_key_values = kwargs.pop("cache", None)  # newer transformers' name for it
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -480,7 +503,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
             loss=loss,
             aux_loss=outputs.aux_loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{_OUTPUT_CACHE_FIELD: _output_cache(outputs)},
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
             z_loss=outputs.z_loss,
