@@ -10,19 +10,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from maxscore.routing.types import assignment_matrix
+
 __all__ = ["assignment_matrix", "load_balancing_loss", "router_z_loss"]
-
-
-def assignment_matrix(expert_index: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
-    """Dense 0/1 assignment ``P[..., n, e]`` of Eq. (7) from ``expert_index[..., n, S]`` (-1 = none).
-
-    Vectorised scatter into an extra "nowhere" column that is then cut off; no host sync.
-    """
-    shape = (*expert_index.shape[:-1], num_experts + 1)
-    p = torch.zeros(shape, dtype=dtype, device=expert_index.device)
-    target = torch.where(expert_index >= 0, expert_index, num_experts)
-    p.scatter_(-1, target, 1.0)
-    return p[..., :num_experts]
 
 
 def load_balancing_loss(

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.config import RouterConfig
-from maxscore.routing.types import DROPPED
+from maxscore.routing.types import DROPPED, assignment_matrix
 
 AssignFn = Callable[[Tensor, int, Tensor | None, RouterConfig], Tensor]
 
@@ -258,14 +258,6 @@ def _expert_load(expert_index: Tensor, e: int) -> Tensor:
     return load[:, :e]
 
 
-def _held_mask(expert_index: Tensor, e: int) -> Tensor:
-    """``[G, n, e]`` bool, True where the token holds the expert in one of its slots."""
-    g, n, _ = expert_index.shape
-    held = torch.zeros(g, n, e + 1, dtype=torch.bool, device=expert_index.device)
-    held.scatter_(2, torch.where(expert_index >= 0, expert_index, e), True)
-    return held[..., :e]
-
-
 def _capacity_priority(scores: Tensor, expert_index: Tensor, config: RouterConfig) -> Tensor | None:
     """Priority for :func:`keep_within_capacity` from ``config.drop_policy``."""
     if config.drop_policy == "score":
@@ -319,7 +311,7 @@ def _reroute(
     for _ in range(rounds):
         spare = capacity - _expert_load(expert_index, e)  # [G, e]
         dropped = expert_index < 0  # [G, n, S]
-        candidate = ~_held_mask(expert_index, e) & (spare > 0)[:, None, :]  # [G, n, e]
+        candidate = ~assignment_matrix(expert_index, e) & (spare > 0)[:, None, :]  # [G, n, e]
         # Candidates in preference order; the d-th candidate (0-based) sits at the first
         # position where the running count of candidates reaches d + 1 (no per-round sort).
         count = cumsum_last(candidate.gather(2, ranked), torch.int32)  # [G, n, e]

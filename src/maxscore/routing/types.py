@@ -18,6 +18,22 @@ from torch import Tensor
 DROPPED: int = -1
 
 
+def assignment_matrix(
+    expert_index: Tensor, num_experts: int, dtype: torch.dtype = torch.bool
+) -> Tensor:
+    """``[..., n, S]`` expert indices (``-1`` = empty) -> the ``[..., n, e]`` 0/1 matrix P of Eq. (7).
+
+    Empty slots scatter into an extra column ``e`` that is cut off afterwards (no boolean
+    indexing, so no host sync). A repeated expert within a token collapses to one entry; use the
+    slot layout to detect duplicates.
+    """
+    p = torch.zeros(
+        (*expert_index.shape[:-1], num_experts + 1), dtype=dtype, device=expert_index.device
+    )
+    p.scatter_(-1, torch.where(expert_index >= 0, expert_index, num_experts), 1)
+    return p[..., :num_experts]
+
+
 @dataclass
 class RoutingResult:
     """What a :class:`~maxscore.routing.router.Router` hands to the experts.
@@ -71,7 +87,4 @@ class RoutingResult:
 
     def dense_assignment(self) -> Tensor:
         """``[T, e]`` 0/1 float matrix P of Eq. (7) (for tests and statistics, not the hot path)."""
-        t, e = self.expert_index.shape[0], self.num_experts
-        p = torch.zeros(t, e + 1, device=self.expert_index.device)
-        p.scatter_(1, torch.where(self.slot_mask, self.expert_index, e), 1.0)
-        return p[:, :e]
+        return assignment_matrix(self.expert_index, self.num_experts, torch.float32)

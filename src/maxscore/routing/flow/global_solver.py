@@ -62,7 +62,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from ..types import DROPPED
+from ..types import DROPPED, assignment_matrix
 from . import global_triton
 from .registry import FlowSolverSpec, register_flow_solver
 
@@ -100,16 +100,6 @@ def _effective_capacity(
     return cap.expand(groups, e).clamp(0, n)
 
 
-def _held_mask(expert_index: Tensor, e: int) -> Tensor:
-    """``[G, n, k]`` indices (``-1`` = empty) -> ``[G, n, e]`` bool assignment ``P``."""
-    target = torch.where(expert_index >= 0, expert_index, e)
-    held = torch.zeros(
-        (*expert_index.shape[:-1], e + 1), dtype=torch.bool, device=expert_index.device
-    )
-    held.scatter_(-1, target, True)
-    return held[..., :e]
-
-
 def _rank_along_tokens(key: Tensor) -> Tensor:
     """Rank (0 = smallest) of each entry of ``key[G, n, e]`` within its column (stable)."""
     order = key.argsort(dim=-2, stable=True)
@@ -145,7 +135,7 @@ def expert_prices(affinities: Tensor, k: int, capacity: Tensor, iterations: int)
 def _repair_round(affinities: Tensor, expert_index: Tensor, capacity: Tensor) -> Tensor:
     """One round of the parallel greedy repair (phase 3); keeps every token's k experts distinct."""
     e = affinities.shape[-1]
-    held = _held_mask(expert_index, e)
+    held = assignment_matrix(expert_index, e)
     load = held.sum(dim=-2)
     excess = (load - capacity).clamp_min(0)
     spare = (capacity - load).clamp_min(0)
@@ -184,7 +174,7 @@ def _cancel_round(
     groups, n, e = affinities.shape
     k = expert_index.shape[-1]
     v_count = e + 1  # experts 0..e-1 and the sink node S = e
-    held = _held_mask(expert_index, e)
+    held = assignment_matrix(expert_index, e)
     load = held.sum(dim=-2)
     # gain[g, i, r, b]: token i moves its slot r (expert a = expert_index[g, i, r]) to expert b.
     current = affinities.gather(-1, expert_index)
@@ -263,7 +253,7 @@ def _finalize(affinities: Tensor, expert_index: Tensor, capacity: Tensor) -> Ten
     """Enforce Eq. (7) exactly and order each token's experts by decreasing affinity."""
     groups, n, e = affinities.shape
     k = expert_index.shape[-1]
-    held = _held_mask(expert_index, e)
+    held = assignment_matrix(expert_index, e)
     # Any expert still over capacity keeps its best tokens; the others lose that slot.
     key = torch.where(held, -affinities, math.inf)
     keep = (_rank_along_tokens(key) < capacity.unsqueeze(1)) & held
@@ -353,7 +343,7 @@ def solve_global(
         spread = (scores.amax(dim=(-2, -1)) - scores.amin(dim=(-2, -1))).clamp_min(1e-30)
         if backend == "auto" and cycle_rounds > 0 and global_triton.cycle_supported(scores, k):
             # Phase 4 in one Triton launch (any n): the same rounds, the assignment as a mask.
-            held = _held_mask(expert_index, e).to(torch.int8).contiguous()
+            held = assignment_matrix(expert_index, e, torch.int8).contiguous()
             held = global_triton.cancel_cycles(
                 scores, held, cap, spread, cycle_rounds=cycle_rounds, bf_iterations=relaxations
             )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..types import DROPPED
+from ..types import DROPPED, assignment_matrix
 
 __all__ = ["assignment_mask", "flow_objective", "mask_to_expert_index"]
 
@@ -21,15 +21,7 @@ def assignment_mask(expert_index: Tensor, num_experts: int) -> Tensor:
     A repeated expert within a token collapses to one ``True``; use the slot layout to detect
     duplicates.
     """
-    valid = expert_index >= 0
-    # Empty slots scatter into an extra column e that is cut off afterwards (no boolean indexing,
-    # so no host sync).
-    target = torch.where(valid, expert_index, num_experts)
-    mask = torch.zeros(
-        (*expert_index.shape[:-1], num_experts + 1), dtype=torch.bool, device=expert_index.device
-    )
-    mask.scatter_(-1, target, True)
-    return mask[..., :num_experts]
+    return assignment_matrix(expert_index, num_experts, torch.bool)
 
 
 def mask_to_expert_index(mask: Tensor, affinities: Tensor, k: int) -> Tensor:
