@@ -336,3 +336,20 @@ def test_paper_sized_groups(name: str) -> None:
         }
         spec = ASSIGNMENT_STRATEGIES[name]
         check_assignment(spec, case, run_twice(spec, case))
+
+
+@pytest.mark.parametrize("method", FLOW_METHODS)
+def test_flow_solvers_return_slots_in_decreasing_score_order(method: str) -> None:
+    """The flow registry's contract that the min-cost-flow strategy relies on (no re-sort)."""
+    torch.manual_seed(3)
+    scores = torch.softmax(torch.randn(3, 40, 8) + torch.randn(8), dim=-1)
+    scores[0, :5] = 0.125  # ties
+    capacity = torch.full((8,), 10, dtype=torch.long)
+    assert FLOW_SOLVERS is not None
+    idx = FLOW_SOLVERS[method].solve(scores, 2, capacity)
+    valid = idx >= 0
+    slot_score = torch.where(valid, scores.gather(2, idx.clamp(min=0)), -torch.inf)
+    assert bool((slot_score[..., :-1] >= slot_score[..., 1:]).all())
+    assert not bool((~valid[..., :-1] & valid[..., 1:]).any())  # empty slots last
+    ties = (slot_score[..., :-1] == slot_score[..., 1:]) & valid[..., 1:]
+    assert bool((idx[..., :-1] < idx[..., 1:])[ties].all())  # ties: lower expert first

@@ -564,15 +564,9 @@ def assign_min_cost_flow(
             f"expected {(*scores.shape[:2], k)}"
         )
     idx = idx.to(device=scores.device, dtype=torch.long)
-    return _order_slots_by_score(scores, idx)
-
-
-def _order_slots_by_score(scores: Tensor, expert_index: Tensor) -> Tensor:
-    """Sort each token's slots by descending score, empty slots last (stable, deterministic)."""
-    valid = expert_index >= 0
-    slot_score = scores.gather(2, expert_index.clamp(min=0))
-    order = ranked_experts(slot_score, valid)
-    return expert_index.gather(2, order)
+    # Solvers already return each token's experts by decreasing affinity, ties to the lower
+    # index, empty slots last (flow/registry.py), so no re-sort is needed here.
+    return idx
 
 
 ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
