@@ -18,7 +18,7 @@ from typing import Any
 
 from maxscore.routing.config import RouterConfig
 
-__all__ = ["ROUTER_PRESETS", "RouterPreset", "default_flow_method", "get_router_config"]
+__all__ = ["ROUTER_PRESETS", "RouterPreset", "get_router_config"]
 
 
 @dataclass(frozen=True)
@@ -30,24 +30,14 @@ class RouterPreset:
     paper_name: str
 
 
-def default_flow_method() -> str:
-    """The min-cost-flow solver the flow presets use: ``"auto"``.
-
-    ``"auto"`` resolves per call (``strategies.resolve_flow_method``): the GPU global solver
-    (``"global"``, issue 3: the optimum of Eq. 8 within a measured gap, no host sync) on CUDA,
-    the exact successive-shortest-path solver on the CPU. The paper's Algorithm 1 stays
-    available as ``flow_method="two-stage-sinkhorn"``, the authors' variant as
-    ``"two-stage-exact"``.
-    """
-    return "auto"
-
-
 _PAPER_AUX = 1e-2  # λ of Eq. 9 for every router but DeepSeek (Sec. 4, "Hyperparameters")
 _DEEPSEEK_AUX = 1e-3
 
 
 def _presets() -> dict[str, RouterPreset]:
-    flow = default_flow_method()
+    # The flow presets keep RouterConfig's flow_method="auto": the GPU global solver on CUDA, the
+    # exact solver on the CPU (strategies.resolve_flow_method); Algorithm 1 is
+    # flow_method="two-stage-sinkhorn", the authors' variant "two-stage-exact".
 
     def preset(paper_name: str, description: str, **cfg: Any) -> RouterPreset:
         return RouterPreset(RouterConfig(**cfg), description, paper_name)
@@ -86,7 +76,6 @@ def _presets() -> dict[str, RouterPreset]:
             "ablation: softmax + min-cost max-flow assignment (Eq. 7-8)",
             operator="softmax",
             strategy="min-cost-flow",
-            flow_method=flow,
             group="sequence",
         ),
         "sbase": preset(
@@ -133,7 +122,6 @@ def _presets() -> dict[str, RouterPreset]:
             "SoftTopk + min-cost max-flow assignment (Eq. 7-8, Algorithm 1 / global solver)",
             operator="softtopk",
             strategy="min-cost-flow",
-            flow_method=flow,
             group="sequence",
         ),
         "deepseek-v3": preset(
