@@ -96,7 +96,8 @@ def run_throughput(args: argparse.Namespace) -> None:
             router=router,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
-            grad_accum=1,
+            grad_accum=args.grad_accum,
+            compile=args.compile,
             max_steps=args.steps,
             lr=3e-4,
             warmup_steps=10,
@@ -118,7 +119,7 @@ def run_throughput(args: argparse.Namespace) -> None:
         print(f"== {router} ({model_preset})", flush=True)
         result = train(cfg, callbacks=[timer])
         fpt, n_active = flops_per_token(timer.model, args.seq_len)
-        tokens = timer.steps * args.batch_size * args.seq_len
+        tokens = timer.steps * args.batch_size * args.grad_accum * args.seq_len
         seconds = timer.t1 - timer.t0
         tps = tokens / seconds
         rc = dict(getattr(timer.model.config, "router_config", None) or {})
@@ -159,20 +160,25 @@ def run_throughput(args: argparse.Namespace) -> None:
         "python": platform.python_version(),
         "seq_len": args.seq_len,
         "micro_batch": args.batch_size,
+        "grad_accum": args.grad_accum,
+        "compile": args.compile,
         "steps": args.steps,
         "warmup_steps_excluded": args.warmup,
         "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)",
         "gradient_checkpointing": args.gradient_checkpointing,
         "peak_flops": H100_BF16_PEAK,
     }
-    (out / "train_throughput.json").write_text(
+    tag = f"_{args.tag}" if args.tag else ""
+    (out / f"train_throughput{tag}.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=2) + "\n"
     )
     lines = [
         f"# Training throughput, {args.model} preset",
         "",
         f"{meta['device']}, torch {meta['torch']}, {meta['date']}. bf16, seq {args.seq_len}, "
-        f"micro-batch {args.batch_size} ({args.batch_size * args.seq_len} tokens/step), "
+        f"micro-batch {args.batch_size} x {args.grad_accum} accumulation "
+        f"({args.batch_size * args.grad_accum * args.seq_len} tokens per optimizer step), "
+        f"{'torch.compile of every decoder layer and the loss (--compile)' if args.compile else 'eager'}, "
         f"{args.steps} steps of which the first {args.warmup} are excluded from timing; HF Trainer "
         "with AdamW through `maxscore.training.train`. MFU: (6·N_active + 12·L·H·Q·T) FLOPs per "
         "token over 989 TFLOP/s (H100 bf16 dense).",
@@ -191,7 +197,7 @@ def run_throughput(args: argparse.Namespace) -> None:
     for r in results:
         setup = ", ".join(f"{k} {v}" for k, v in r["router_setup"].items() if v is not None)
         lines.append(f"- {r['router']}: {setup}")
-    (out / "train_throughput.md").write_text("\n".join(lines) + "\n")
+    (out / f"train_throughput{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -268,10 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--steps", type=int, default=100)
     t.add_argument("--warmup", type=int, default=20)
     t.add_argument("--log-every", type=int, default=25)
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--compile", action="store_true", help="TrainConfig.compile (compile_layers)")
     t.add_argument("--gradient-checkpointing", action="store_true")
     t.add_argument("--model-option", action="append", default=[], help="KEY=VALUE (dry runs)")
     t.add_argument("--allow-cpu", action="store_true", help="dry run without a GPU")
     t.add_argument("--output", default=os.environ.get("OUT", "benchmarks"))
+    t.add_argument("--tag", default="", help="suffix of the result files")
     t.add_argument("--runs-dir", default="/tmp/maxscore-bench-runs", help="run directories")
     d = sub.add_parser("ddp-report", help="compare a 1-GPU and a DDP run's loss curves")
     d.add_argument("--single", required=True)

@@ -307,3 +307,42 @@ def test_gradient_checkpointing_same_loss_and_grads(router: str, use_reentrant: 
     assert any("router.gate" in name for name in grads_b)
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _compiled_vs_eager(device: str, router: str, dtype: torch.dtype) -> None:
+    """``compile_layers`` gives the eager loss and gradients (router gate included)."""
+    x = tokens(batch=2, length=32).to(device)
+    results = []
+    for compiled in (False, True):
+        model = tiny(router, num_hidden_layers=2).to(device).train()
+        if compiled:
+            model.compile_layers()
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            out = model(x, labels=x)
+        out.loss.backward()
+        grads = {
+            n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
+        results.append((out.loss.detach().float(), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(loss_a, loss_b, atol=tol, rtol=tol)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        if "router.gate" in name:
+            assert grads_b[name].abs().max() > 0, f"{name}: no gradient through the compiled layer"
+        scale = float(grads_a[name].abs().max()) + 1e-12
+        err = float((grads_a[name] - grads_b[name]).abs().max())
+        assert err <= tol * scale + 1e-7, f"{name}: compiled grad differs by {err} (max {scale})"
+
+
+@pytest.mark.parametrize("router", ["maxscore", pytest.param("gshard", marks=pytest.mark.slow)])
+def test_compile_layers_matches_eager_cpu(router: str) -> None:
+    _compiled_vs_eager("cpu", router, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("router", ["maxscore", "gshard", "dropless"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compile_layers_matches_eager_gpu(router: str, dtype: torch.dtype) -> None:
+    _compiled_vs_eager("cuda", router, dtype)

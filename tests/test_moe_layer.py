@@ -347,3 +347,38 @@ def test_gpu_bf16_matches_fp32_reference(preset: str) -> None:
         torch.cuda.set_sync_debug_mode("default")
     for name, a, b in zip(["y", "dx", "d_gate_up", "d_down"], out, ref):
         assert _rel(a, b) < BF16_REL_TOL, (name, _rel(a, b))
+
+
+@pytest.mark.gpu
+def test_gpu_autocast_grouped_path_has_no_host_sync() -> None:
+    """fp32 weights under bf16 autocast (how the Trainer trains): the dropless grouped path takes
+    torch._grouped_mm in bf16 (not the per-expert loop, which reads offsets on the host), and
+    matches fp32 within bf16 tolerance, forward and backward."""
+    torch.manual_seed(0)
+    d, f = 64, 32
+    moe = MoE(hidden_size=d, num_experts=8, top_k=2, intermediate_size=f, router="dropless").cuda()
+    x = torch.randn(4, 64, d, device="cuda")
+    with torch.no_grad():
+        _, result = moe(x)
+    plan = dispatch_plan(result, moe.buffer_capacity(result))
+    probe = torch.randn(x.shape[0] * x.shape[1], d, device="cuda")
+
+    def run(autocast: bool) -> list[Tensor]:
+        xx = x.reshape(-1, d).clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = moe.experts(xx, plan)
+        grads = torch.autograd.grad(
+            y, [xx, moe.experts.gate_up, moe.experts.down], probe.to(y.dtype)
+        )
+        return [y, *grads]
+
+    ref = run(False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run(True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out[0].dtype == torch.bfloat16
+    for name, a, b in zip(["y", "dx", "d_gate_up", "d_down"], out, ref):
+        assert _rel(a, b) < BF16_REL_TOL, (name, _rel(a, b))

@@ -432,6 +432,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = LlamaMoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._compiled_loss: Any = None  # set by compile_layers
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -445,6 +446,32 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
+
+    def compile_layers(self, **compile_kwargs: Any) -> None:
+        """``torch.compile`` every decoder layer in place (regional compilation).
+
+        Fuses the elementwise work around the matrix products (RMSNorm, RoPE, residual adds, the
+        router's softmax / SoftTopk, dispatch bookkeeping) that eager mode runs as hundreds of
+        small kernels per layer. The layers share one compiled graph per layer type (parameters
+        are graph inputs), so compiling 12 layers costs about as much as compiling one; parameter
+        names and checkpoints are unchanged (no ``_orig_mod`` prefix). The language-model loss
+        (fp32 upcast, log-softmax over the vocabulary, NLL) is compiled too: one fused pass
+        instead of an fp32 copy of the logits and separate softmax kernels. ``compile_kwargs``
+        go to ``nn.Module.compile`` (e.g. ``mode="max-autotune-no-cudagraphs"``).
+
+        Sets ``torch._functorch.config.ban_recompute_reductions = False`` for the process:
+        with the default, torch 2.11-2.13's inductor returns a zero gradient for the router
+        gate of SoftTopk routers (the combine weights' path through ``t`` times the rank
+        multiplier; ``aot_eager`` and eager are right). The flag only changes which
+        activations the partitioner recomputes; ``tests/test_model.py`` checks compiled
+        against eager gradients.
+        """
+        import torch._functorch.config as functorch_config
+
+        functorch_config.ban_recompute_reductions = False
+        for layer in self.model.layers:
+            layer.compile(**compile_kwargs)
+        self._compiled_loss = torch.compile(self.loss_function, **compile_kwargs)
 
     @can_return_tuple
     def forward(
@@ -490,9 +517,8 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
             if attention_mask is not None and attention_mask.dim() == 2:
                 labels = labels.masked_fill(attention_mask[:, -labels.shape[1] :] == 0, -100)
             # transformers' causal LM loss: shift by one, fp32 cross-entropy, ignore -100.
-            lm_loss = self.loss_function(
-                logits=logits, labels=labels, vocab_size=self.config.vocab_size
-            )
+            loss_fn = self._compiled_loss or self.loss_function
+            lm_loss = loss_fn(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
             loss = lm_loss
             if self.training:
                 for router_loss in (outputs.aux_loss, outputs.z_loss):

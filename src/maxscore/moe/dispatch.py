@@ -84,7 +84,8 @@ _CONSTANTS_LIMIT = 64
 
 def _constant(name: str, sizes: tuple[int, ...], device: torch.device) -> Tensor:
     """A cached index tensor (see ``_build_constant``); fresh under inference mode / tracing."""
-    if torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
+    # is_compiling() first: dynamo cannot trace is_inference_mode_enabled (a graph break).
+    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         return _build_constant(name, sizes, device)
     key = (name, sizes, device)
     value = _CONSTANTS.get(key)
@@ -346,6 +347,12 @@ def grouped_mm(a: Tensor, b: Tensor, group_end: Tensor) -> Tensor:
     bf16; a per-expert loop elsewhere.
     """
     global _NATIVE_NEEDS_K_MAJOR
+    if torch.is_autocast_enabled(a.device.type):
+        # torch._grouped_mm is not on autocast's list: cast as autocast casts torch.mm, so a
+        # bf16-autocast training step (fp32 master weights) takes the native kernel, not the
+        # per-expert loop with its host sync.
+        dtype = torch.get_autocast_dtype(a.device.type)
+        a, b = a.to(dtype), b.to(dtype)
     if _native_grouped_mm_ok(a, b):
         if not _NATIVE_NEEDS_K_MAJOR:
             try:

@@ -229,7 +229,8 @@ class Router(nn.Module):
     def _cacheable() -> bool:
         # Tensors made under inference mode must not leak into autograd-recorded code, and a
         # torch.compile trace should see the plain computation.
-        return not torch.is_inference_mode_enabled() and not torch.compiler.is_compiling()
+        # is_compiling() first: dynamo cannot trace is_inference_mode_enabled (a graph break).
+        return not torch.compiler.is_compiling() and not torch.is_inference_mode_enabled()
 
     def _temperature(self) -> Tensor:
         """``schedule.value()``, recomputed only when the step buffer changed.

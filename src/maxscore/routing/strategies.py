@@ -148,8 +148,13 @@ def _validate(
     ):
         raise ValueError(f"{name}: capacity must be an integer (long) tensor, got {capacity.dtype}")
     # A negativity check reads the values; that is free on the CPU but a host sync on an
-    # accelerator, where negative entries instead behave as 0 (nothing is kept).
-    if capacity.device.type == "cpu" and bool((capacity < 0).any()):
+    # accelerator, where negative entries instead behave as 0 (nothing is kept). Skipped while
+    # torch.compile traces (reading a value would split the graph).
+    if (
+        capacity.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and bool((capacity < 0).any())
+    ):
         raise ValueError(f"{name}: capacity must be >= 0 for every expert, got {capacity.tolist()}")
     return capacity.to(device=scores.device, dtype=torch.long)
 
@@ -554,9 +559,10 @@ def assign_min_cost_flow(
             f"min-cost-flow: unknown flow_method {config.flow_method!r}; "
             f"registered solvers: {sorted(FLOW_SOLVERS)} or 'auto'"
         )
-    solver = FLOW_SOLVERS[method]
-    idx = solver.solve(
-        scores.to(torch.float32), int(k), cap.clamp(min=0), iterations=config.sinkhorn_iterations
+    from maxscore.routing.flow.compiled_call import solve_flow
+
+    idx = solve_flow(
+        method, scores.to(torch.float32), int(k), cap.clamp(min=0), config.sinkhorn_iterations
     )
     if idx.shape != (*scores.shape[:2], k):
         raise RuntimeError(

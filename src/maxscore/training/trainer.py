@@ -14,8 +14,9 @@ is the Trainer's own):
   (``model.advance_router_schedule()``); the schedule's step counter is a buffer in the model's
   state dict, so checkpoints carry it.
 * :class:`MaxScoreTrainer` keeps the MoE aux loss and per-layer routing statistics on the device
-  between logging steps (no host synchronisation per step) and adds them, with ``t``, tokens/s
-  and peak memory, to every training log; evaluation logs get the perplexity.
+  between logging steps (no host synchronisation per step), sums them over all processes at
+  logging time (DDP / DeepSpeed), and adds them, with ``t``, tokens/s and peak memory, to every
+  training log; evaluation logs get the perplexity.
 * :class:`MetricsJsonlCallback` writes every log to ``metrics.jsonl`` (schema in
   :data:`METRICS_SCHEMA`); TensorBoard logs go to ``<run>/tensorboard``.
 * Checkpoints are written atomically (:mod:`maxscore.training.checkpoint`); the tokenizer is saved
@@ -64,7 +65,8 @@ METRICS_SCHEMA: dict[str, str] = {
     "loss": "training loss (LM loss plus aux losses as the model returns it), mean since last log",
     "grad_norm": "gradient norm before clipping",
     "learning_rate": "learning rate",
-    "aux_loss": "MoE load-balancing (and z-) loss as returned by the model, mean since last log",
+    "aux_loss": "MoE load-balancing (and z-) loss as returned by the model, mean since last log "
+    "(over all processes)",
     "t": "SoftTopk scale t after this step",
     "tokens": "training tokens processed so far (all processes)",
     "tokens_per_s": "training tokens per second since the last log (all processes; eval and "
@@ -73,8 +75,8 @@ METRICS_SCHEMA: dict[str, str] = {
     "drop_rate_rank{r}": "mean over MoE layers of the rank-r drop rate (1-based rank)",
     "load_imbalance": "mean over MoE layers of max/mean expert load",
     "unused_experts": "mean over MoE layers of the number of experts given no token",
-    "routing": "per-layer lists, averaged over the optimizer steps since the last log (last "
-    "micro-batch of each step, process 0): drop_rate_by_rank[L][k], load_imbalance[L], "
+    "routing": "per-layer lists, averaged over the optimizer steps since the last log and over "
+    "all processes (last micro-batch of each step): drop_rate_by_rank[L][k], load_imbalance[L], "
     "unused_experts[L], tokens_per_expert[L][e], load_over_capacity[L][e], "
     "mean_affinity_by_rank[L][k], aux_loss[L], z_loss[L]; moe_layers[L] gives the decoder layer "
     "index of each entry (dense layers are left out)",
@@ -420,7 +422,55 @@ class MaxScoreTrainer(Trainer):
             logs["eval_ppl"] = math.exp(min(logs["eval_loss"], 50.0))
         super().log(logs, start_time)
 
+    def _all_reduce_accumulators(self) -> None:
+        """Sum the aux-loss and routing accumulators (and their counts) over all processes.
+
+        Called at logging time only (every process logs at the same steps), so the training
+        steps themselves never synchronise. Afterwards every process holds the global sums and
+        counts, and the means logged by :meth:`_add_train_metrics` are the same everywhere: the
+        mean over all processes' steps (with equal step counts, the mean of the per-process
+        means). One small all-reduce checks that all processes hold accumulators of the same
+        layout first; where they do not (which the training loop never produces), the local
+        values are logged and a warning is printed rather than risking a mismatched collective.
+        """
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        layers = self._routing_sum or []
+        slots = [(i, key) for i, layer in enumerate(layers) for key in sorted(layer)]
+        parts = [layers[i][key].reshape(-1) for i, key in slots]
+        if self._aux_sum is not None:
+            parts.append(self._aux_sum.reshape(-1))
+        device = parts[0].device if parts else self.args.device
+        numel = sum(part.numel() for part in parts)
+        has_aux = float(self._aux_sum is not None)
+        layout = torch.tensor(
+            [numel, -numel, has_aux, -has_aux], device=device, dtype=torch.float64
+        )
+        dist.all_reduce(layout, op=dist.ReduceOp.MAX)
+        if layout[0].item() != -layout[1].item() or layout[2].item() != -layout[3].item():
+            if not getattr(self, "_warned_layout", False):
+                self._warned_layout = True
+                print(
+                    "maxscore: routing statistics differ in layout between processes; logging "
+                    "this process's own values",
+                    file=sys.stderr,
+                )
+            return
+        counts = torch.tensor([float(self._aux_count), float(self._routing_count)], device=device)
+        flat = torch.cat([counts, *[part.float() for part in parts]])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        self._aux_count, self._routing_count = (int(c) for c in flat[:2].tolist())
+        offset = 2
+        for i, key in slots:
+            value = layers[i][key]
+            layers[i][key] = flat[offset : offset + value.numel()].view_as(value)
+            offset += value.numel()
+        if self._aux_sum is not None:
+            self._aux_sum = flat[offset : offset + self._aux_sum.numel()].view_as(self._aux_sum)
+
     def _add_train_metrics(self, logs: dict[str, float]) -> None:
+        self._all_reduce_accumulators()
         if self._aux_sum is not None and self._aux_count:
             logs["aux_loss"] = float(self._aux_sum / self._aux_count)
             self._aux_sum, self._aux_count = None, 0
@@ -491,6 +541,40 @@ class MaxScoreTrainer(Trainer):
             ckpt.rotate_checkpoints(run_dir, self.keep_checkpoints)
         self.accelerator.wait_for_everyone()
         self._paused_s += time.perf_counter() - begin
+
+    # -- resume ---------------------------------------------------------------------------------
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Load optimizer / scheduler state; works around a CPU multi-process resume failure.
+
+        Under DDP on the CPU (torchrun + ``use_cpu``) accelerate gives every process the device
+        ``cpu:0`` (``PartialState.set_device``), and ``Trainer._load_optimizer_and_scheduler``
+        loads ``optimizer.pt`` with ``map_location=self.args.device`` whenever
+        ``world_size > 1``. ``torch.load`` only restores storages to the location ``"cpu"``,
+        not ``"cpu:0"`` ("don't know how to restore data location ... (tagged with cpu:0)").
+        On that path (plain DDP on CPU) both files are loaded with ``map_location="cpu"``;
+        everything else is the Trainer's own code.
+        """
+        device = self.args.device
+        optimizer_file = Path(checkpoint or "") / "optimizer.pt"
+        scheduler_file = Path(checkpoint or "") / "scheduler.pt"
+        plain_cpu_ddp = (
+            checkpoint is not None
+            and device.type == "cpu"
+            and device.index is not None
+            and not self.is_deepspeed_enabled
+            and not self.is_fsdp_enabled
+            and optimizer_file.is_file()
+            and scheduler_file.is_file()
+        )
+        if not plain_cpu_ddp:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        self.optimizer.load_state_dict(
+            torch.load(optimizer_file, map_location="cpu", weights_only=True)
+        )
+        self.lr_scheduler.load_state_dict(
+            torch.load(scheduler_file, map_location="cpu", weights_only=True)
+        )
 
 
 class _RoutingAccumulator(TrainerCallback):
@@ -686,8 +770,31 @@ def _deepspeed_config_path(name: str) -> str:
     return name
 
 
+def _single_process_launcher_env() -> None:
+    """Launcher variables for a DeepSpeed run started without a launcher (one process).
+
+    ``deepspeed.init_distributed`` needs RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT; without
+    them it falls back to MPI discovery, which fails without ``mpi4py`` and an MPI launch. A
+    plain ``maxscore train --deepspeed zero2`` (no torchrun / deepspeed launcher: none of RANK,
+    LOCAL_RANK, WORLD_SIZE set) is therefore given the environment of a one-process launch;
+    MASTER_ADDR / MASTER_PORT already set are kept, else 127.0.0.1 and a free local port.
+    """
+    if any(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+
+
 def _training_arguments(run: PreparedRun) -> TrainingArguments:
     cfg = run.config
+    if cfg.deepspeed:
+        _single_process_launcher_env()
     warmup, decay = cfg.warmup_and_decay(run.world_size)
     scheduler: dict[str, Any] = {
         "wsd": {
@@ -738,6 +845,9 @@ def _training_arguments(run: PreparedRun) -> TrainingArguments:
         # Without a GPU, torchrun-launched processes only form a (gloo) DDP group with use_cpu.
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=cfg.quiet,
+        # The NaN/inf filter reads the loss on the host after every micro-batch (a sync that
+        # stalls the GPU each step); a non-finite loss still shows in the logged mean.
+        logging_nan_inf_filter=False,
         remove_unused_columns=False,
         prediction_loss_only=True,
         ddp_find_unused_parameters=False,
@@ -824,6 +934,8 @@ def train(
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     _mark_zero3_leaf_modules(model, cfg.deepspeed)
+    if cfg.compile:
+        model.compile_layers()
 
     args = _training_arguments(run)
     final_cb = FinalCheckpointCallback(save_final=cfg.save_final)

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 
 from ..types import DROPPED, assignment_matrix
-from . import global_triton
+from . import global_large, global_triton
 from .registry import FlowSolverSpec, register_flow_solver
 
 __all__ = ["GlobalSolverBudget", "default_budget", "expert_prices", "solve_global"]
@@ -281,7 +281,7 @@ def solve_global(
     repair_rounds: int | None = None,
     cycle_rounds: int | None = None,
     bf_iterations: int | None = None,
-    backend: Literal["auto", "torch", "triton"] = "auto",
+    backend: Literal["auto", "torch", "triton", "large"] = "auto",
 ) -> Tensor:
     """Solve Eq. (8) over Eq. (7)'s feasible set, batched over routing groups, without host sync.
 
@@ -299,7 +299,10 @@ def solve_global(
             (CUDA, Triton importable, ``n`` and ``e`` powers of two, ``n e <= 8192``, ``k < e``),
             else the PyTorch path, with phase 4 as one Triton launch where that applies (CUDA,
             ``e`` a power of two, ``e <= 32``, ``k < e``); ``"torch"`` forces pure PyTorch,
-            ``"triton"`` the fused kernel (it raises if the kernel does not apply).
+            ``"triton"`` the fused kernel (it raises if the kernel does not apply);
+            ``"large"`` the multi-CTA Triton path for large groups (:mod:`.global_large`: CUDA,
+            ``e`` a power of two, ``e <= 64``, ``k < e``, any ``n``; opt-in for now, see
+            ``benchmarks/flow_solver_large.md``).
 
     Returns:
         ``[G, n, k]`` long expert indices (``[n, k]`` for a 2-D input), each token's experts in
@@ -329,6 +332,20 @@ def solve_global(
             price_iterations=price_iterations,
             # The kernel's repair moves at most one token per expert per round: twice the rounds.
             repair_rounds=2 * repair_rounds,
+            cycle_rounds=cycle_rounds,
+            bf_iterations=relaxations,
+        )
+        return out[0] if single else out
+
+    # The multi-CTA path is opt-in until its GPU gaps on skewed inputs are verified
+    # (benchmarks/flow_solver_large.md); "auto" keeps the hybrid path below.
+    if backend == "large":
+        out = global_large.solve_large(
+            scores,
+            k,
+            cap,
+            price_iterations=price_iterations,
+            repair_rounds=repair_rounds,
             cycle_rounds=cycle_rounds,
             bf_iterations=relaxations,
         )

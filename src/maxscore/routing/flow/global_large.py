@@ -1,0 +1,783 @@
+"""Multi-CTA Triton path of the global solver (Eq. 7-8) for large routing groups.
+
+The fused kernel (:mod:`.global_triton`) holds one group in one CTA's registers, so it stops at
+``n e <= 8192``; one group of 16,384 tokens then ran the PyTorch phases plus one single-program
+cycle kernel (~10 ms). Here every phase of :mod:`.global_solver` is a short, fixed sequence of
+Triton launches whose grid spans the group's tokens (``(G, ceil(n / T))`` programs); per-expert
+quantities (counts, histograms, best moves) are combined across programs with global atomics and
+read by a tiny follow-up launch. No launch count depends on the data, nothing reaches the host,
+and a call is capturable in a CUDA graph. Phases (same mathematics as the module docstring of
+:mod:`.global_solver`; Eq. 8's dual ``D(p) = sum_i topk_sum(A_i - p) + c . p``):
+
+1. **Prices** (Jacobi steps on ``D``). Expert ``j``'s coordinate minimiser is the
+   ``(c_j+1)``-th largest ``t_ij = A_ij - (k-th best of A_i - p over experts != j)``. Instead of a
+   sort, each *pass* counts, for ``M`` evenly spaced probes per expert, the tokens with
+   ``t_ij > probe`` (a grid-wide count) and narrows the bracket ``(lo, hi]`` that holds the
+   ``(c_j+1)``-th largest to one probe gap (``M + 1`` times narrower; bisection is ``M = 1``).
+   The first step starts from ``[-spread, spread]`` (``t`` lies there), later steps from a window
+   of ``+- window * spread`` around the current price, as in the fused kernel.
+2. **Rounding**: top-``k`` of ``A - p`` per token, into an int8 mask, loads by atomics.
+3. **Repair** (``repair_rounds`` rounds, the PyTorch path's greedy rule). Each token at an
+   overloaded expert proposes its cheapest move to an expert it lacks with spare capacity (one
+   proposal per token). A histogram of the proposals' losses per source (``bins`` bins over
+   ``[-spread, spread]``) gives each overloaded source the threshold of its ``excess`` cheapest
+   proposals, which are evicted; a histogram of the evicted per destination gives each destination
+   its ``spare`` cheapest arrivals, which move. Inside a boundary bin, tokens are taken in index
+   order (per-program counts and an exclusive prefix over the programs), so the result is
+   deterministic and loads never overshoot.
+4. **Cycle cancelling** on the ``(e+1)``-node expert graph (``cycle_rounds`` rounds): the ``e x e``
+   best single-token moves are a grid-wide max over tokens, packed as ``(ordered gain bits,
+   token)`` int64 keys and combined with ``atomic_max``; one program then runs the Bellman-Ford /
+   pointer-doubling search of :func:`.global_triton._cycle_moves` (the same rules as the fused and
+   the single-program cycle kernels) and applies the moves. A round that moves nothing sets a
+   per-group flag and the later rounds return at once.
+5. **Output**: each token's held experts in decreasing affinity. A group still above some capacity
+   (only possible when ``sum_j c_j < n k`` or the budgets are cut to zero) gets the round-robin
+   assignment, which is always feasible and fills as many slots as the capacities allow (the
+   fused kernel's rule), so Eq. 7 holds exactly on every input.
+
+Applies on CUDA (or under ``TRITON_INTERPRET=1``) for ``e`` a power of two, ``2 <= e <= 64``,
+``1 <= k < e``, any ``n``; :func:`.global_solver.solve_global` runs it for ``backend="large"``.
+Measured results (H200, 1 x 16,384, e=16, k=2: ~0.66-0.69 ms in a CUDA graph) and open issues:
+``benchmarks/flow_solver_large.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import global_triton
+
+AVAILABLE = global_triton.AVAILABLE
+if AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    from .global_triton import _cycle_moves
+
+__all__ = ["AVAILABLE", "LargeOptions", "solve_large", "supported"]
+
+MAX_EXPERTS = 64
+
+
+class LargeOptions(NamedTuple):
+    """Resolution knobs of the multi-CTA path (the step counts come from the solver budget)."""
+
+    probes: int = 64  # probes per price pass, a power of two (the bracket shrinks probes + 1 times)
+    first_passes: int = 2  # passes of the first Jacobi step (bracket [-spread, spread])
+    passes: int = 2  # passes of each later Jacobi step
+    window: float = 0.0625  # later steps search p +- window * spread
+    bins: int = 2048  # repair histogram bins over [-spread, spread]
+    hist_bins: int = 512  # later Jacobi steps: one windowed histogram pass (0: probe passes)
+    tokens_per_program: int = 0  # 0: choose from e (128 for e <= 16, else 64)
+    num_warps: int = 4
+
+
+def supported(affinities: Tensor, k: int) -> bool:
+    """Whether :func:`solve_large` handles this shape and device."""
+    if not AVAILABLE or affinities.dim() != 3:
+        return False
+    e = affinities.shape[-1]
+    return (
+        (affinities.is_cuda or global_triton._interpreting())
+        and (e & (e - 1) == 0)
+        and 2 <= e <= MAX_EXPERTS
+        and 1 <= k < e
+    )
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _token_thresholds(a, p, col, T: tl.constexpr, E: tl.constexpr, K: tl.constexpr):
+        """``t_ij = A_ij - (k-th best of A_i - p over the experts other than j)`` for a tile."""
+        work = a - p[None, :]
+        in_top = tl.zeros([T, E], dtype=tl.int1)
+        vk = tl.zeros([T], dtype=tl.float32)
+        vk1 = tl.zeros([T], dtype=tl.float32)
+        for r in tl.static_range(K + 1):
+            m, am = tl.max(work, axis=1, return_indices=True)
+            sel = col == am[:, None]
+            if r < K:
+                in_top = in_top | sel
+            if r == K - 1:
+                vk = m
+            if r == K:
+                vk1 = m
+            work = tl.where(sel, -1.0e30, work)
+        return a - tl.where(in_top, vk1[:, None], vk[:, None])
+
+    @triton.jit
+    def _price_count_kernel(
+        a_ptr,
+        p_ptr,
+        lo_ptr,
+        hi_ptr,
+        cnt_ptr,
+        N,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        T: tl.constexpr,
+        M: tl.constexpr,
+        MC: tl.constexpr,
+    ):
+        """Per expert ``j`` and probe ``m``: ``cnt[j, m] += #{i in this tile : t_ij > probe_jm}``."""
+        g = tl.program_id(0).to(tl.int64)
+        rt = tl.program_id(1) * T + tl.arange(0, T)
+        re = tl.arange(0, E)
+        inside = rt < N
+        a = tl.load(
+            a_ptr + g * N * E + rt[:, None] * E + re[None, :], mask=inside[:, None], other=0.0
+        )
+        p = tl.load(p_ptr + g * E + re)
+        col = re[None, :] + 0 * rt[:, None]
+        thr = _token_thresholds(a, p, col, T, E, K)
+        thr = tl.where(inside[:, None], thr, -3.0e30)
+        lo = tl.load(lo_ptr + g * E + re)
+        hi = tl.load(hi_ptr + g * E + re)
+        h = (hi - lo) / (M + 1)
+        for mc in tl.static_range(M // MC):
+            rm = mc * MC + tl.arange(0, MC)
+            probe = lo[:, None] + h[:, None] * (rm[None, :] + 1).to(tl.float32)  # [E, MC]
+            above = (thr[:, :, None] > probe[None, :, :]).to(tl.int32)  # [T, E, MC]
+            tl.atomic_add(cnt_ptr + g * E * M + re[:, None] * M + rm[None, :], tl.sum(above, 0))
+
+    @triton.jit
+    def _price_hist_kernel(
+        a_ptr,
+        p_ptr,
+        lo_ptr,
+        hi_ptr,
+        hist_ptr,
+        above_ptr,
+        N,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        T: tl.constexpr,
+        M: tl.constexpr,
+    ):
+        """Windowed pass: histogram of the ``t_ij`` inside ``(lo_j, hi_j]`` (``M`` bins, atomics
+        only for those elements, a few per token near the price) and the count above ``hi_j``."""
+        g = tl.program_id(0).to(tl.int64)
+        rt = tl.program_id(1) * T + tl.arange(0, T)
+        re = tl.arange(0, E)
+        inside = rt < N
+        a = tl.load(
+            a_ptr + g * N * E + rt[:, None] * E + re[None, :], mask=inside[:, None], other=0.0
+        )
+        p = tl.load(p_ptr + g * E + re)
+        col = re[None, :] + 0 * rt[:, None]
+        thr = _token_thresholds(a, p, col, T, E, K)
+        lo = tl.load(lo_ptr + g * E + re)
+        hi = tl.load(hi_ptr + g * E + re)
+        h = (hi - lo) / M
+        win = inside[:, None] & (thr > lo[None, :]) & (thr <= hi[None, :])
+        b = tl.floor((thr - lo[None, :]) / h[None, :])
+        b = tl.minimum(tl.maximum(b, 0.0), M - 1.0).to(tl.int32)
+        tl.atomic_add(hist_ptr + g * E * M + re[None, :] * M + b, 1, mask=win)
+        up = tl.sum((inside[:, None] & (thr > hi[None, :])).to(tl.int32), axis=0)
+        tl.atomic_add(above_ptr + g * E + re, up)
+
+    @triton.jit
+    def _price_hist_select_kernel(
+        hist_ptr,
+        above_ptr,
+        lo_ptr,
+        hi_ptr,
+        p_ptr,
+        cap_ptr,
+        spread_ptr,
+        N,
+        E: tl.constexpr,
+        M: tl.constexpr,
+        WINDOW: tl.constexpr,
+    ):
+        """End of a windowed Jacobi step: bin edge holding the ``(c_j+1)``-th largest ``t``
+        (``#{t > edge_m} = above + sum of the bins past m``); new price and window; resets."""
+        g = tl.program_id(0).to(tl.int64)
+        re = tl.arange(0, E)
+        rm = tl.arange(0, M)
+        h_ptrs = hist_ptr + g * E * M + re[:, None] * M + rm[None, :]
+        hist = tl.load(h_ptrs)
+        above = tl.load(above_ptr + g * E + re)
+        cap = tl.load(cap_ptr + g * E + re)
+        lo = tl.load(lo_ptr + g * E + re)
+        hi = tl.load(hi_ptr + g * E + re)
+        spread = tl.load(spread_ptr + g)
+        # Lanes holding replicated copies may still be reading what another lane overwrites below.
+        tl.debug_barrier()
+        tl.store(h_ptrs, tl.zeros([E, M], dtype=tl.int32))
+        tl.store(above_ptr + g * E + re, tl.zeros([E], dtype=tl.int32))
+        h = (hi - lo) / M
+        count = above[:, None] + tl.sum(hist, axis=1)[:, None] - tl.cumsum(hist, axis=1)
+        nup = tl.sum((count > cap[:, None]).to(tl.int32), axis=1)
+        new_hi = tl.where(nup < M, lo + h * (nup + 1).to(tl.float32), hi)
+        p = tl.where(cap >= N, 0.0, tl.maximum(new_hi, 0.0))
+        tl.store(p_ptr + g * E + re, p)
+        tl.store(lo_ptr + g * E + re, p - WINDOW * spread)
+        tl.store(hi_ptr + g * E + re, p + WINDOW * spread)
+
+    @triton.jit
+    def _price_select_kernel(
+        cnt_ptr,
+        lo_ptr,
+        hi_ptr,
+        p_ptr,
+        cap_ptr,
+        spread_ptr,
+        N,
+        E: tl.constexpr,
+        M: tl.constexpr,
+        FINAL: tl.constexpr,
+        WINDOW: tl.constexpr,
+    ):
+        """Narrow each expert's bracket to the probe gap holding its ``(c_j+1)``-th largest ``t``.
+
+        Invariant (as in bisection): ``#{t > lo} > c_j`` and ``#{t > hi} <= c_j``. With ``FINAL``
+        the step ends: ``p_j = max(hi, 0)`` (0 if ``c_j >= n``), and the next step's bracket is
+        ``p_j +- WINDOW * spread``. Resets the counts for the next pass.
+        """
+        g = tl.program_id(0).to(tl.int64)
+        re = tl.arange(0, E)
+        rm = tl.arange(0, M)
+        c_ptrs = cnt_ptr + g * E * M + re[:, None] * M + rm[None, :]
+        cnt = tl.load(c_ptrs)
+        cap = tl.load(cap_ptr + g * E + re)
+        lo = tl.load(lo_ptr + g * E + re)
+        hi = tl.load(hi_ptr + g * E + re)
+        # Lanes holding replicated copies may still be reading what another lane overwrites below.
+        tl.debug_barrier()
+        tl.store(c_ptrs, tl.zeros([E, M], dtype=tl.int32))
+        h = (hi - lo) / (M + 1)
+        nup = tl.sum((cnt > cap[:, None]).to(tl.int32), axis=1)  # probes 0..nup-1 are "up"
+        new_lo = tl.where(nup > 0, lo + h * nup.to(tl.float32), lo)
+        new_hi = tl.where(nup < M, lo + h * (nup + 1).to(tl.float32), hi)
+        if FINAL:
+            spread = tl.load(spread_ptr + g)
+            p = tl.where(cap >= N, 0.0, tl.maximum(new_hi, 0.0))
+            tl.store(p_ptr + g * E + re, p)
+            tl.store(lo_ptr + g * E + re, p - WINDOW * spread)
+            tl.store(hi_ptr + g * E + re, p + WINDOW * spread)
+        else:
+            tl.store(lo_ptr + g * E + re, new_lo)
+            tl.store(hi_ptr + g * E + re, new_hi)
+
+    @triton.jit
+    def _round_kernel(
+        a_ptr,
+        p_ptr,
+        held_ptr,
+        load_ptr,
+        N,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        T: tl.constexpr,
+    ):
+        """Phase 2: each token takes its top-k of ``A - p``; loads by atomics."""
+        g = tl.program_id(0).to(tl.int64)
+        rt = tl.program_id(1) * T + tl.arange(0, T)
+        re = tl.arange(0, E)
+        inside = rt < N
+        offs = g * N * E + rt[:, None] * E + re[None, :]
+        a = tl.load(a_ptr + offs, mask=inside[:, None], other=0.0)
+        p = tl.load(p_ptr + g * E + re)
+        col = re[None, :] + 0 * rt[:, None]
+        work = a - p[None, :]
+        held = tl.zeros([T, E], dtype=tl.int1)
+        for _r in tl.static_range(K):
+            _m, am = tl.max(work, axis=1, return_indices=True)
+            sel = col == am[:, None]
+            held = held | sel
+            work = tl.where(sel, -1.0e30, work)
+        held = held & inside[:, None]
+        tl.store(held_ptr + offs, held.to(tl.int8), mask=inside[:, None])
+        tl.atomic_add(load_ptr + g * E + re, tl.sum(held.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _repair_scan_kernel(
+        a_ptr,
+        held_ptr,
+        load_ptr,
+        cap_ptr,
+        spread_ptr,
+        hsrc_ptr,
+        csrc_ptr,
+        cdst_ptr,
+        cbin_ptr,
+        N,
+        E: tl.constexpr,
+        T: tl.constexpr,
+        NB: tl.constexpr,
+    ):
+        """Phase 3, step 1: each token's proposal (source, destination, loss bin); source histogram."""
+        NEG: tl.constexpr = -1.0e30
+        BIG: tl.constexpr = 1.0e30
+        g = tl.program_id(0).to(tl.int64)
+        rt = tl.program_id(1) * T + tl.arange(0, T)
+        re = tl.arange(0, E)
+        inside = rt < N
+        offs = g * N * E + rt[:, None] * E + re[None, :]
+        a = tl.load(a_ptr + offs, mask=inside[:, None], other=0.0)
+        held = tl.load(held_ptr + offs, mask=inside[:, None], other=0) != 0
+        load = tl.load(load_ptr + g * E + re)
+        cap = tl.load(cap_ptr + g * E + re)
+        spread = tl.load(spread_ptr + g)
+        over = load > cap
+        spare = load < cap
+        open_dest = (~held) & spare[None, :]
+        dval, dest = tl.max(tl.where(open_dest, a, NEG), axis=1, return_indices=True)
+        has_dest = dval > 0.5 * NEG
+        cand2 = held & over[None, :] & has_dest[:, None] & inside[:, None]
+        loss = tl.where(cand2, a - dval[:, None], BIG)
+        tloss, src = tl.min(loss, axis=1, return_indices=True)
+        cand = tloss < 0.5 * BIG
+        b = tl.floor((tloss + spread) / (2.0 * spread) * NB)
+        b = tl.minimum(tl.maximum(b, 0.0), NB - 1.0).to(tl.int32)
+        src = src.to(tl.int32)
+        tl.atomic_add(hsrc_ptr + g * E * NB + src * NB + b, 1, mask=cand)
+        tl.store(csrc_ptr + g * N + rt, tl.where(cand, src, -1), mask=inside)
+        tl.store(cdst_ptr + g * N + rt, dest.to(tl.int32), mask=inside)
+        tl.store(cbin_ptr + g * N + rt, b, mask=inside)
+
+    @triton.jit
+    def _repair_select_kernel(
+        hist_ptr,
+        load_ptr,
+        cap_ptr,
+        quota_ptr,
+        E: tl.constexpr,
+        NB: tl.constexpr,
+        SIDE: tl.constexpr,
+    ):
+        """Phase 3 (one program per group and expert ``j``): the quota of ``j`` as a bin threshold.
+
+        ``SIDE`` 0 (sources): ``limit = excess_j``; 1 (destinations): ``limit = spare_j``.
+        ``quota[g, 2 SIDE, j]`` = number of loss bins whose proposals all fit in the limit,
+        ``quota[g, 2 SIDE + 1, j]`` = how many more fit from the next (boundary) bin. Resets the
+        histogram row.
+        """
+        g = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        rb = tl.arange(0, NB)
+        h_ptrs = hist_ptr + g * E * NB + j * NB + rb
+        hist = tl.load(h_ptrs)
+        load = tl.load(load_ptr + g * E + j)
+        cap = tl.load(cap_ptr + g * E + j)
+        tl.debug_barrier()  # every lane has read the histogram before it is reset
+        tl.store(h_ptrs, tl.zeros([NB], dtype=tl.int32))
+        sign = 1 - 2 * SIDE  # +1: excess of a source, -1: spare of a destination
+        limit = tl.maximum(sign * (load - cap), 0)
+        le = tl.cumsum(hist, axis=0)
+        full = tl.sum((le <= limit).to(tl.int32), axis=0)
+        rem = limit - tl.max(tl.where(le <= limit, le, 0), axis=0)
+        base = quota_ptr + g * 4 * E + 2 * SIDE * E + j
+        tl.store(base, full)
+        tl.store(base + E, rem)
+
+    @triton.jit
+    def _side_split(key_e, cbin, cand, quota_ptr, g, SIDE: tl.constexpr, E: tl.constexpr):
+        """Proposals inside the full bins of their expert's quota, and those in its boundary bin."""
+        full = tl.load(quota_ptr + g * 4 * E + 2 * SIDE * E + key_e)
+        return cand & (cbin < full), cand & (cbin == full)
+
+    @triton.jit
+    def _side_rank(
+        key_e,
+        bnd,
+        bc_ptr,
+        g,
+        blk,
+        SIDE: tl.constexpr,
+        NBLK: tl.constexpr,
+        E: tl.constexpr,
+        PB: tl.constexpr,
+    ):
+        """Rank of each boundary proposal among its expert's boundary proposals, in token order:
+        the counts of the earlier programs (exclusive prefix over the grid) plus the local rank."""
+        re = tl.arange(0, E)
+        off = tl.zeros([E], dtype=tl.int32)
+        rp = tl.arange(0, PB)
+        for c in range(0, NBLK, PB):
+            rows = c + rp
+            ptrs = bc_ptr + g * NBLK * 2 * E + rows[:, None] * 2 * E + SIDE * E + re[None, :]
+            off += tl.sum(tl.load(ptrs, mask=(rows < blk)[:, None], other=0), axis=0)
+        oh = ((key_e[:, None] == re[None, :]) & bnd[:, None]).to(tl.int32)
+        return tl.sum(oh * (tl.cumsum(oh, axis=0) - oh + off[None, :]), axis=1)
+
+    @triton.jit
+    def _repair_count_kernel(
+        csrc_ptr,
+        cdst_ptr,
+        cbin_ptr,
+        quota_ptr,
+        bc_ptr,
+        N,
+        NBLK: tl.constexpr,
+        E: tl.constexpr,
+        T: tl.constexpr,
+        SIDE: tl.constexpr,
+    ):
+        """Phase 3: per program, the live proposals in each expert's boundary bin (one side)."""
+        g = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        rt = blk * T + tl.arange(0, T)
+        re = tl.arange(0, E)
+        inside = rt < N
+        csrc = tl.load(csrc_ptr + g * N + rt, mask=inside, other=-1)
+        cbin = tl.load(cbin_ptr + g * N + rt, mask=inside, other=0)
+        if SIDE == 0:
+            key_e = tl.maximum(csrc, 0)
+        else:
+            key_e = tl.load(cdst_ptr + g * N + rt, mask=inside, other=0)
+        _inq, bnd = _side_split(key_e, cbin, csrc >= 0, quota_ptr, g, SIDE, E)
+        cnt = tl.sum(((key_e[:, None] == re[None, :]) & bnd[:, None]).to(tl.int32), axis=0)
+        tl.store(bc_ptr + g * NBLK * 2 * E + blk * 2 * E + SIDE * E + re, cnt)
+
+    @triton.jit
+    def _repair_evict_kernel(
+        csrc_ptr,
+        cdst_ptr,
+        cbin_ptr,
+        quota_ptr,
+        bc_ptr,
+        hdst_ptr,
+        N,
+        NBLK: tl.constexpr,
+        E: tl.constexpr,
+        T: tl.constexpr,
+        NB: tl.constexpr,
+        PB: tl.constexpr,
+    ):
+        """Phase 3: each overloaded source evicts its ``excess`` cheapest proposals (ties in token
+        order); the others are withdrawn for this round; destination histogram of the evicted."""
+        g = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        rt = blk * T + tl.arange(0, T)
+        inside = rt < N
+        csrc = tl.load(csrc_ptr + g * N + rt, mask=inside, other=-1)
+        cdst = tl.load(cdst_ptr + g * N + rt, mask=inside, other=0)
+        cbin = tl.load(cbin_ptr + g * N + rt, mask=inside, other=0)
+        src = tl.maximum(csrc, 0)
+        inq, bnd = _side_split(src, cbin, csrc >= 0, quota_ptr, g, 0, E)
+        rank = _side_rank(src, bnd, bc_ptr, g, blk, 0, NBLK, E, PB)
+        rem = tl.load(quota_ptr + g * 4 * E + E + src)
+        evict = inq | (bnd & (rank < rem))
+        tl.store(csrc_ptr + g * N + rt, tl.where(evict, csrc, -1), mask=inside)
+        tl.atomic_add(hdst_ptr + g * E * NB + cdst * NB + cbin, 1, mask=evict)
+
+    @triton.jit
+    def _repair_apply_kernel(
+        held_ptr,
+        load_ptr,
+        csrc_ptr,
+        cdst_ptr,
+        cbin_ptr,
+        quota_ptr,
+        bc_ptr,
+        N,
+        NBLK: tl.constexpr,
+        E: tl.constexpr,
+        T: tl.constexpr,
+        PB: tl.constexpr,
+    ):
+        """Phase 3: each destination accepts its ``spare`` cheapest evicted proposals; apply."""
+        g = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        rt = blk * T + tl.arange(0, T)
+        re = tl.arange(0, E)
+        inside = rt < N
+        csrc = tl.load(csrc_ptr + g * N + rt, mask=inside, other=-1)
+        cdst = tl.load(cdst_ptr + g * N + rt, mask=inside, other=0)
+        cbin = tl.load(cbin_ptr + g * N + rt, mask=inside, other=0)
+        inq, bnd = _side_split(cdst, cbin, csrc >= 0, quota_ptr, g, 1, E)
+        rank = _side_rank(cdst, bnd, bc_ptr, g, blk, 1, NBLK, E, PB)
+        rem = tl.load(quota_ptr + g * 4 * E + 3 * E + cdst)
+        move = inq | (bnd & (rank < rem))
+        src = tl.maximum(csrc, 0)
+        hrow = held_ptr + g * N * E + rt * E
+        tl.store(hrow + src, tl.zeros([T], dtype=tl.int8), mask=move)
+        tl.store(hrow + cdst, tl.full([T], 1, dtype=tl.int8), mask=move)
+        gone = tl.sum(((src[:, None] == re[None, :]) & move[:, None]).to(tl.int32), axis=0)
+        came = tl.sum(((cdst[:, None] == re[None, :]) & move[:, None]).to(tl.int32), axis=0)
+        tl.atomic_add(load_ptr + g * E + re, came - gone)
+
+    @triton.jit
+    def _edge_kernel(
+        a_ptr,
+        held_ptr,
+        key_ptr,
+        done_ptr,
+        N,
+        E: tl.constexpr,
+        T: tl.constexpr,
+        S: tl.constexpr,
+    ):
+        """Phase 4, step 1: this program's best move ``a -> b`` (gain, token) for every edge,
+        combined over the grid by ``atomic_max`` on ``(ordered gain bits << 31) | token``."""
+        NEG: tl.constexpr = -1.0e30
+        g = tl.program_id(0).to(tl.int64)
+        if tl.load(done_ptr + g) == 0:
+            t0 = tl.program_id(1) * T
+            ra3 = tl.arange(0, E)[:, None, None]  # source expert
+            ri3 = tl.arange(0, S)[None, :, None]  # token within the sub-chunk
+            rb3 = tl.arange(0, E)[None, None, :]  # destination expert
+            a_base = a_ptr + g * N * E
+            h_base = held_ptr + g * N * E
+            acc = tl.full([E, S, E], NEG, dtype=tl.float32)
+            tacc = tl.zeros([E, S, E], dtype=tl.int32)
+            for c in range(0, T, S):
+                t3 = t0 + c + ri3
+                inside = t3 < N
+                a_src = tl.load(a_base + t3 * E + ra3, mask=inside, other=0.0)
+                h_src = tl.load(h_base + t3 * E + ra3, mask=inside, other=0)
+                a_dst = tl.load(a_base + t3 * E + rb3, mask=inside, other=0.0)
+                h_dst = tl.load(h_base + t3 * E + rb3, mask=inside, other=1)
+                gain3 = tl.where((h_src != 0) & (h_dst == 0), a_dst - a_src, NEG)
+                better = gain3 > acc
+                acc = tl.where(better, gain3, acc)
+                tacc = tl.where(better, t3, tacc)
+            best, brow = tl.max(acc, axis=1, return_indices=True)  # [E, E]
+            btok = tl.sum(tl.where(ri3 == brow[:, None, :], tacc, 0), axis=1)
+            bits = best.to(tl.int32, bitcast=True)
+            ordered = tl.where(bits < 0, ~bits, bits ^ (-2147483648))  # monotone in the float
+            key = ((ordered.to(tl.int64) & 0xFFFFFFFF) << 31) | btok.to(tl.int64)
+            ee = tl.arange(0, E)[:, None] * E + tl.arange(0, E)[None, :]
+            tl.atomic_max(key_ptr + g * E * E + ee, key, mask=best > 0.5 * NEG)
+
+    @triton.jit
+    def _cycle_apply_kernel(
+        key_ptr,
+        ew_ptr,
+        et_ptr,
+        held_ptr,
+        load_ptr,
+        cap_ptr,
+        spread_ptr,
+        done_ptr,
+        N,
+        E: tl.constexpr,
+        V: tl.constexpr,
+        BF: tl.constexpr,
+        JUMPS: tl.constexpr,
+    ):
+        """Phase 4, step 2 (one program per group): cycle search on the expert graph, apply moves."""
+        NEG: tl.constexpr = -1.0e30
+        g = tl.program_id(0).to(tl.int64)
+        if tl.load(done_ptr + g) == 0:
+            re = tl.arange(0, E)
+            ee = tl.arange(0, E)[:, None] * E + tl.arange(0, E)[None, :]
+            key = tl.load(key_ptr + g * E * E + ee)
+            load = tl.load(load_ptr + g * E + re)
+            tl.debug_barrier()  # every lane has read the keys before they are reset
+            tl.store(key_ptr + g * E * E + ee, tl.zeros([E, E], dtype=tl.int64))
+            ordered = ((key >> 31) & 0xFFFFFFFF).to(tl.int32)
+            bits = tl.where(ordered < 0, ordered ^ (-2147483648), ~ordered)
+            w = tl.where(key > 0, bits.to(tl.float32, bitcast=True), NEG)
+            tok = tl.where(key > 0, (key & 0x7FFFFFFF).to(tl.int32), 0)
+            tl.store(ew_ptr + g * E * E + ee, w)
+            tl.store(et_ptr + g * E * E + ee, tok)
+            tl.debug_barrier()
+            cap = tl.load(cap_ptr + g * E + re)
+            spread = tl.load(spread_ptr + g)
+            has_out, out_tok, has_in, in_tok, moved = _cycle_moves(
+                ew_ptr + g * E * E, et_ptr + g * E * E, load, cap, spread, E, V, BF, JUMPS
+            )
+            h_base = held_ptr + g * N * E
+            tl.debug_barrier()  # every lane has read ``load`` before it is overwritten
+            tl.store(
+                h_base + out_tok.to(tl.int64) * E + re, tl.zeros([E], dtype=tl.int8), mask=has_out
+            )
+            tl.store(h_base + in_tok.to(tl.int64) * E + re, tl.full([E], 1, tl.int8), mask=has_in)
+            tl.store(load_ptr + g * E + re, load + has_in.to(tl.int32) - has_out.to(tl.int32))
+            if moved == 0:
+                tl.store(done_ptr + g, 1)
+
+    @triton.jit
+    def _output_kernel(
+        a_ptr,
+        held_ptr,
+        load_ptr,
+        cap_ptr,
+        out_ptr,
+        N,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        T: tl.constexpr,
+    ):
+        """Phase 5: slots in decreasing affinity; round-robin if the group is still infeasible."""
+        NEG: tl.constexpr = -1.0e30
+        g = tl.program_id(0).to(tl.int64)
+        rt = tl.program_id(1) * T + tl.arange(0, T)
+        re = tl.arange(0, E)
+        inside = rt < N
+        offs = g * N * E + rt[:, None] * E + re[None, :]
+        a = tl.load(a_ptr + offs, mask=inside[:, None], other=0.0)
+        held = tl.load(held_ptr + offs, mask=inside[:, None], other=0) != 0
+        load = tl.load(load_ptr + g * E + re)
+        cap = tl.load(cap_ptr + g * E + re)
+        bad = tl.sum((load > cap).to(tl.int32), axis=0) > 0
+        bound = tl.cumsum(cap, axis=0)
+        col = re[None, :] + 0 * rt[:, None]
+        work = tl.where(held, a, NEG)
+        for r in tl.static_range(K):
+            m, am = tl.max(work, axis=1, return_indices=True)
+            work = tl.where(col == am[:, None], NEG, work)
+            pos = r * N + rt
+            rr = tl.sum((bound[None, :] <= pos[:, None]).to(tl.int32), axis=1)
+            rr = tl.where(rr < E, rr, -1)
+            choice = tl.where(m > 0.5 * NEG, am.to(tl.int32), -1)
+            choice = tl.where(bad, rr, choice)
+            tl.store(out_ptr + g * N * K + rt * K + r, choice.to(tl.int64), mask=inside)
+
+
+def solve_large(
+    affinities: Tensor,
+    k: int,
+    capacity: Tensor,
+    *,
+    price_iterations: int,
+    repair_rounds: int,
+    cycle_rounds: int,
+    bf_iterations: int,
+    options: LargeOptions | None = None,
+) -> Tensor:
+    """Solve Eq. (8) over Eq. (7) with the multi-CTA kernels; ``[G, n, e]`` -> ``[G, n, k]``.
+
+    ``capacity`` is the ``[G, e]`` effective capacity (clamped to ``[0, n]``). Slots come out in
+    decreasing affinity (ties: lower expert index first). No host synchronisation: every launch
+    count is fixed by the arguments and the shape.
+    """
+    if not supported(affinities, k):
+        raise ValueError("the multi-CTA path does not apply to this shape / device")
+    opt = options or LargeOptions()
+    groups, n, e = affinities.shape
+    dev = affinities.device
+    a = affinities.float().contiguous()
+    cap = capacity.to(device=dev, dtype=torch.int32).expand(groups, e).contiguous()
+    t = opt.tokens_per_program or (128 if e <= 16 else 64)
+    nblk = triton.cdiv(n, t)
+    grid_tok = (groups, nblk)
+    m = opt.probes
+    if m < 1 or m & (m - 1):
+        raise ValueError(f"probes must be a power of two, got {m}")
+    mc = max(1, min(m, 8192 // (t * e)))
+    s = max(1, min(t, 8192 // (e * e)))
+    v = 1 << math.ceil(math.log2(e + 1))
+    jumps = max(1, math.ceil(math.log2(v)))
+    nb = opt.bins
+
+    # Workspace: one zeroed int32 block for counts, histograms, loads and flags.
+    n_cnt, n_hist, n_bc = groups * e * m, groups * e * nb, groups * nblk * 2 * e
+    ws = torch.zeros(n_cnt + 2 * n_hist + n_bc + groups * e + groups, dtype=torch.int32, device=dev)
+    cnt, hsrc, hdst, bc, load, done = torch.split(
+        ws, [n_cnt, n_hist, n_hist, n_bc, groups * e, groups]
+    )
+    key = torch.zeros(groups * e * e, dtype=torch.int64, device=dev)
+    lo_min, hi_max = torch.aminmax(a.reshape(groups, n * e), dim=-1)
+    spread = (hi_max - lo_min).clamp_min(1e-30)
+    fl = torch.empty(3, groups, e, dtype=torch.float32, device=dev)
+    prices, lo, hi = fl[0], fl[1], fl[2]
+    prices.zero_()
+    lo.copy_((-spread).unsqueeze(-1).expand(groups, e))
+    hi.copy_(spread.unsqueeze(-1).expand(groups, e))
+    held = torch.empty(groups, n, e, dtype=torch.int8, device=dev)
+    cand = torch.empty(3, groups, n, dtype=torch.int32, device=dev)
+    quota = torch.empty(groups, 4, e, dtype=torch.int32, device=dev)
+    edge_w = torch.empty(groups, e, e, dtype=torch.float32, device=dev)
+    edge_t = torch.empty(groups, e, e, dtype=torch.int32, device=dev)
+    out = torch.empty(groups, n, k, dtype=torch.long, device=dev)
+    nw = opt.num_warps
+
+    # Phase 1: Jacobi prices, each step a fixed number of count / select passes.
+    hb = opt.hist_bins
+    if hb and hb & (hb - 1):
+        raise ValueError(f"hist_bins must be a power of two, got {hb}")
+    hist_p = torch.zeros(groups * e * max(hb, 1) + groups * e, dtype=torch.int32, device=dev)
+    above = hist_p[groups * e * max(hb, 1) :]
+    for step in range(price_iterations):
+        if step > 0 and hb:
+            _price_hist_kernel[grid_tok](
+                a, prices, lo, hi, hist_p, above, n, E=e, K=k, T=t, M=hb, num_warps=nw
+            )
+            _price_hist_select_kernel[(groups,)](
+                hist_p,
+                above,
+                lo,
+                hi,
+                prices,
+                cap,
+                spread,
+                n,
+                E=e,
+                M=hb,
+                WINDOW=opt.window,
+                num_warps=4,
+            )
+            continue
+        passes = opt.first_passes if step == 0 else opt.passes
+        for pss in range(passes):
+            _price_count_kernel[grid_tok](
+                a, prices, lo, hi, cnt, n, E=e, K=k, T=t, M=m, MC=mc, num_warps=nw
+            )
+            _price_select_kernel[(groups,)](
+                cnt,
+                lo,
+                hi,
+                prices,
+                cap,
+                spread,
+                n,
+                E=e,
+                M=m,
+                FINAL=pss == passes - 1,
+                WINDOW=opt.window,
+                num_warps=1,
+            )
+    # Phase 2: rounding.
+    _round_kernel[grid_tok](a, prices, held, load, n, E=e, K=k, T=t, num_warps=nw)
+    # Phase 3: repair.
+    csrc, cdst, cbin = cand[0], cand[1], cand[2]
+    for _ in range(repair_rounds):
+        _repair_scan_kernel[grid_tok](
+            a, held, load, cap, spread, hsrc, csrc, cdst, cbin, n, E=e, T=t, NB=nb, num_warps=nw
+        )
+        _repair_select_kernel[(groups, e)](hsrc, load, cap, quota, E=e, NB=nb, SIDE=0)
+        _repair_count_kernel[grid_tok](
+            csrc, cdst, cbin, quota, bc, n, NBLK=nblk, E=e, T=t, SIDE=0, num_warps=nw
+        )
+        _repair_evict_kernel[grid_tok](
+            csrc, cdst, cbin, quota, bc, hdst, n, NBLK=nblk, E=e, T=t, NB=nb, PB=64, num_warps=nw
+        )
+        _repair_select_kernel[(groups, e)](hdst, load, cap, quota, E=e, NB=nb, SIDE=1)
+        _repair_count_kernel[grid_tok](
+            csrc, cdst, cbin, quota, bc, n, NBLK=nblk, E=e, T=t, SIDE=1, num_warps=nw
+        )
+        _repair_apply_kernel[grid_tok](
+            held, load, csrc, cdst, cbin, quota, bc, n, NBLK=nblk, E=e, T=t, PB=64, num_warps=nw
+        )
+    # Phase 4: cycle cancelling.
+    for _ in range(cycle_rounds):
+        _edge_kernel[grid_tok](a, held, key, done, n, E=e, T=t, S=s, num_warps=nw)
+        _cycle_apply_kernel[(groups,)](
+            key,
+            edge_w,
+            edge_t,
+            held,
+            load,
+            cap,
+            spread,
+            done,
+            n,
+            E=e,
+            V=v,
+            BF=bf_iterations,
+            JUMPS=jumps,
+            num_warps=4,
+        )
+    # Phase 5: output.
+    _output_kernel[grid_tok](a, held, load, cap, out, n, E=e, K=k, T=t, num_warps=nw)
+    return out
