@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, global_triton
+from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, global_large, global_triton
 from maxscore.routing.flow.global_solver import default_budget, solve_global
 
 HERE = Path(__file__).resolve().parent
@@ -295,7 +295,8 @@ def bench_config(c: dict, ref: dict, device: torch.device, reps: int, sets: int)
     opt = torch.tensor(ref[key(c)]["optimum"], dtype=torch.float64) if key(c) in ref else None
     rows = []
     fused = global_triton.supported(affs[0], k)
-    hybrid = not fused and global_triton.cycle_supported(affs[0], k)
+    large = not fused and global_large.preferred(affs[0], k)
+    hybrid = not fused and not large and global_triton.cycle_supported(affs[0], k)
     solvers = solvers_for(k, cap)
     if not fused and not hybrid:
         del solvers["global-torch"]  # "global" is the PyTorch path already
@@ -307,7 +308,15 @@ def bench_config(c: dict, ref: dict, device: torch.device, reps: int, sets: int)
         inputs = logits if name == "megatron-sinkhorn" else affs
         row: dict = {**c, "method": name}
         if name == "global":
-            row["backend"] = "triton" if fused else ("torch + triton cycles" if hybrid else "torch")
+            row["backend"] = (
+                "triton"
+                if fused
+                else "multi-CTA triton"
+                if large
+                else "torch + triton cycles"
+                if hybrid
+                else "torch"
+            )
         try:
             index = solver(inputs[0])
             sync(device)

@@ -86,6 +86,49 @@ def run_throughput(args: argparse.Namespace) -> None:
                 self.model = model
             return control
 
+    class StepProfiler(TrainerCallback):
+        """torch.profiler + cProfile over optimizer steps warmup+1 .. warmup+n (``--profile-steps``):
+        where the Trainer path's host time goes, and the GPU's busy fraction."""
+
+        def __init__(self, warmup: int, steps: int, path: Path) -> None:
+            self.first, self.last, self.path = warmup, warmup + steps, path
+            self.prof: Any = None
+            self.py: Any = None
+            self.t0 = 0.0
+
+        def on_step_end(self, a: Any, state: Any, control: Any, **kw: Any) -> Any:
+            import cProfile
+
+            from torch.profiler import ProfilerActivity, profile
+
+            if state.global_step == self.first:
+                _sync()
+                self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self.prof.__enter__()
+                self.py = cProfile.Profile()
+                self.py.enable()
+                self.t0 = time.perf_counter()
+            elif state.global_step == self.last and self.prof is not None:
+                _sync()
+                wall = time.perf_counter() - self.t0
+                self.py.disable()
+                self.prof.__exit__(None, None, None)
+                import io
+                import pstats
+
+                cuda = torch.autograd.DeviceType.CUDA
+                busy = sum(e.device_time for e in self.prof.events() if e.device_type == cuda)
+                text = io.StringIO()
+                pstats.Stats(self.py, stream=text).sort_stats("cumulative").print_stats(45)
+                table = self.prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
+                )
+                self.path.write_text(
+                    f"wall {wall:.3f} s over {self.last - self.first} optimizer steps; GPU busy "
+                    f"{busy / 1e6 / wall:.2f}\n\n{table}\n\n{text.getvalue()}"
+                )
+            return control
+
     for router in args.routers.split(","):
         model_preset = args.model  # router "dense" makes every MLP a dense SwiGLU
         cfg = TrainConfig(
@@ -98,6 +141,7 @@ def run_throughput(args: argparse.Namespace) -> None:
             batch_size=args.batch_size,
             grad_accum=args.grad_accum,
             compile=args.compile,
+            compile_mode=args.compile_mode,
             max_steps=args.steps,
             lr=3e-4,
             warmup_steps=10,
@@ -117,7 +161,11 @@ def run_throughput(args: argparse.Namespace) -> None:
             torch.cuda.reset_peak_memory_stats()
         timer = Timer(args.warmup)
         print(f"== {router} ({model_preset})", flush=True)
-        result = train(cfg, callbacks=[timer])
+        callbacks: list[Any] = [timer]
+        if args.profile_steps:
+            path = out / f"trainer_profile_{router}.txt"
+            callbacks.append(StepProfiler(args.warmup, args.profile_steps, path))
+        result = train(cfg, callbacks=callbacks)
         fpt, n_active = flops_per_token(timer.model, args.seq_len)
         tokens = timer.steps * args.batch_size * args.grad_accum * args.seq_len
         seconds = timer.t1 - timer.t0
@@ -162,6 +210,7 @@ def run_throughput(args: argparse.Namespace) -> None:
         "micro_batch": args.batch_size,
         "grad_accum": args.grad_accum,
         "compile": args.compile,
+        "compile_mode": args.compile_mode if args.compile else None,
         "steps": args.steps,
         "warmup_steps_excluded": args.warmup,
         "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)",
@@ -178,8 +227,12 @@ def run_throughput(args: argparse.Namespace) -> None:
         f"{meta['device']}, torch {meta['torch']}, {meta['date']}. bf16, seq {args.seq_len}, "
         f"micro-batch {args.batch_size} x {args.grad_accum} accumulation "
         f"({args.batch_size * args.grad_accum * args.seq_len} tokens per optimizer step), "
-        f"{'torch.compile of every decoder layer and the loss (--compile)' if args.compile else 'eager'}, "
-        f"{args.steps} steps of which the first {args.warmup} are excluded from timing; HF Trainer "
+        + (
+            f"torch.compile (mode {args.compile_mode}) of every decoder layer and the loss, "
+            if args.compile
+            else "eager, "
+        )
+        + f"{args.steps} steps of which the first {args.warmup} are excluded from timing; HF Trainer "
         "with AdamW through `maxscore.training.train`. MFU: (6·N_active + 12·L·H·Q·T) FLOPs per "
         "token over 989 TFLOP/s (H100 bf16 dense).",
         "",
@@ -276,11 +329,15 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--log-every", type=int, default=25)
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--compile", action="store_true", help="TrainConfig.compile (compile_layers)")
+    t.add_argument("--compile-mode", default="default", help="TrainConfig.compile_mode")
     t.add_argument("--gradient-checkpointing", action="store_true")
     t.add_argument("--model-option", action="append", default=[], help="KEY=VALUE (dry runs)")
     t.add_argument("--allow-cpu", action="store_true", help="dry run without a GPU")
     t.add_argument("--output", default=os.environ.get("OUT", "benchmarks"))
     t.add_argument("--tag", default="", help="suffix of the result files")
+    t.add_argument(
+        "--profile-steps", type=int, default=0, help="profile N steps after warmup (host + GPU)"
+    )
     t.add_argument("--runs-dir", default="/tmp/maxscore-bench-runs", help="run directories")
     d = sub.add_parser("ddp-report", help="compare a 1-GPU and a DDP run's loss curves")
     d.add_argument("--single", required=True)

@@ -66,6 +66,19 @@ def test_config_rejects_bad_values() -> None:
         TrainConfig(resume=True, overwrite=True)
     with pytest.raises(ConfigError, match="unknown training config"):
         TrainConfig.from_dict({"no_such_field": 1})
+    with pytest.raises(ConfigError, match="compile_mode"):
+        TrainConfig(compile=True, compile_mode="reduce-overhead")  # type: ignore[arg-type]
+
+
+def test_collate_blocks_stacks_without_padding_machinery() -> None:
+    """The Trainer's collator: a plain stack of the packed blocks (no tokenizer.pad walk)."""
+    from maxscore.training.data import collate_blocks
+
+    blocks = torch.arange(24).view(4, 6)
+    batch = collate_blocks([PackedDataset(blocks)[i] for i in (2, 0)])
+    assert set(batch) == {"input_ids", "labels"}
+    assert torch.equal(batch["input_ids"], blocks[[2, 0]])
+    assert torch.equal(batch["labels"], blocks[[2, 0]])
 
 
 def test_paper_recipe_fills_the_papers_setup_and_explicit_flags_win() -> None:

@@ -139,6 +139,11 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         default=None,
         help="torch.compile each decoder layer and the loss (GPU speed; ~1 min warm-up)",
     )
+    g.add_argument(
+        "--compile-mode",
+        choices=["default", "max-autotune-no-cudagraphs"],
+        help="torch.compile mode for --compile",
+    )
     g.add_argument("--deepspeed", help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path")
     g = parser.add_argument_group("run directory")
     g.add_argument("--output-dir", help="run directory (default runs/<model>-<router>)")

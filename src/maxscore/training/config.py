@@ -21,6 +21,8 @@ from typing import Any, Literal
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 LRSchedule = Literal["wsd", "cosine", "linear", "constant"]
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
+CompileMode = Literal["default", "max-autotune-no-cudagraphs"]
+COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
 
 #: Fields that may differ between a run directory's stored config and a ``--resume`` of it
 #: without a warning: they say where/how to run, not what is trained.
@@ -34,6 +36,7 @@ RUNTIME_FIELDS: frozenset[str] = frozenset(
         "quiet",
         "deepspeed",
         "compile",
+        "compile_mode",
     }
 )
 
@@ -80,6 +83,10 @@ class TrainConfig:
             (:meth:`LlamaMoEForCausalLM.compile_layers`): on a GPU the Base preset trains
             1.5x faster (benchmarks/train_throughput.md); the first steps pay ~1 min of
             compilation. Checkpoints are the same as without it.
+        compile_mode: ``torch.compile`` mode for ``compile``: ``"default"`` or
+            ``"max-autotune-no-cudagraphs"``. (``"reduce-overhead"``, CUDA graphs per layer, is
+            refused: under the Trainer's gradient accumulation its graph outputs are overwritten
+            before the backward pass reads them, measured on an H200 with torch 2.11.)
         output_dir: run directory (``None``: ``runs/<model>-<router>``).
         eval_steps, save_steps, logging_steps: intervals in optimizer steps (0 disables).
         save_total_limit: checkpoints kept (oldest deleted after a new one is complete).
@@ -127,6 +134,7 @@ class TrainConfig:
     precision: Precision = "auto"
     gradient_checkpointing: bool = False
     compile: bool = False
+    compile_mode: CompileMode = "default"
     output_dir: str | None = None
     eval_steps: int = 125
     save_steps: int = 125
@@ -165,6 +173,10 @@ class TrainConfig:
         if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
             raise ConfigError(
                 f"betas must be in [0, 1), got ({self.adam_beta1}, {self.adam_beta2})"
+            )
+        if self.compile_mode not in COMPILE_MODES:
+            raise ConfigError(
+                f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}"
             )
         if self.precision not in ("auto", "bf16", "fp16", "fp32"):
             raise ConfigError(f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")

@@ -136,6 +136,16 @@ def _tokenize_iter(texts: Iterable[str], tokenizer: Any) -> Iterator[list[int]]:
         yield from _encode_batch(tokenizer, batch)
 
 
+def collate_blocks(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack packed blocks (equal length, no padding) into a batch.
+
+    The Trainer's default collator for a model with a tokenizer pads through ``tokenizer.pad``,
+    which walks every token id in Python: ~70 ms for 64 x 512 tokens, more than a Base-preset
+    GPU step computes. Packed blocks need no padding, so a stack is all there is to do.
+    """
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
 class PackedDataset(Dataset):
     """Map-style dataset of packed blocks: item ``i`` is ``{"input_ids", "labels"}`` of block i."""
 

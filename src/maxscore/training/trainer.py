@@ -43,7 +43,12 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from maxscore.training import checkpoint as ckpt
 from maxscore.training.config import PAPER_GLOBAL_BATCH, RUNTIME_FIELDS, ConfigError, TrainConfig
-from maxscore.training.data import TrainingData, build_training_data, load_tokenizer
+from maxscore.training.data import (
+    TrainingData,
+    build_training_data,
+    collate_blocks,
+    load_tokenizer,
+)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -842,6 +847,9 @@ def _training_arguments(run: PreparedRun) -> TrainingArguments:
         report_to="none",  # TensorBoard is added explicitly, to write into <run>/tensorboard
         dataloader_num_workers=cfg.num_workers,
         dataloader_pin_memory=torch.cuda.is_available(),
+        # Pinned batches copied without blocking the host: a blocking copy waits for the GPU to
+        # drain, so the CPU cannot queue the next micro-batch's kernels ahead.
+        accelerator_config={"non_blocking": torch.cuda.is_available()},
         # Without a GPU, torchrun-launched processes only form a (gloo) DDP group with use_cpu.
         use_cpu=not torch.cuda.is_available(),
         disable_tqdm=cfg.quiet,
@@ -935,7 +943,7 @@ def train(
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     _mark_zero3_leaf_modules(model, cfg.deepspeed)
     if cfg.compile:
-        model.compile_layers()
+        model.compile_layers(mode=cfg.compile_mode)
 
     args = _training_arguments(run)
     final_cb = FinalCheckpointCallback(save_final=cfg.save_final)
@@ -945,6 +953,7 @@ def train(
         train_dataset=run.data.train,
         eval_dataset=run.data.validation,
         processing_class=run.tokenizer,
+        data_collator=collate_blocks,
         tokens_per_step=cfg.tokens_per_step(run.world_size),
         save_total_limit=cfg.save_total_limit,
         callbacks=[RouterScheduleCallback(), final_cb, *(callbacks or [])],

@@ -77,6 +77,26 @@ class LargeOptions(NamedTuple):
     num_warps: int = 4
 
 
+#: Shapes whose gaps on skewed logits (per-expert bias std 1) were measured within issue 3's
+#: bounds on a GPU (benchmarks/flow_solver_large.md: e = 16, k = 2, n = 16,384, 30 + 30
+#: instances, worst 8.1e-5). ``solve_global(backend="auto")`` takes this path only for these;
+#: at e = 64, and for one of 10 skewed e = 16, k = 6 instances, the budget ends with overload
+#: and the round-robin fallback (constraints exact, gap up to 0.8), so those keep the hybrid path.
+AUTO_MAX_EXPERTS = 16
+AUTO_MAX_K = 2
+
+
+def preferred(affinities: Tensor, k: int) -> bool:
+    """Whether ``"auto"`` should use this path: a validated shape too large for the fused kernel."""
+    n, e = affinities.shape[-2], affinities.shape[-1]
+    return (
+        supported(affinities, k)
+        and e <= AUTO_MAX_EXPERTS
+        and k <= AUTO_MAX_K
+        and n * e > global_triton.MAX_ELEMENTS
+    )
+
+
 def supported(affinities: Tensor, k: int) -> bool:
     """Whether :func:`solve_large` handles this shape and device."""
     if not AVAILABLE or affinities.dim() != 3:

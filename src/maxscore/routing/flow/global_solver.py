@@ -337,9 +337,9 @@ def solve_global(
         )
         return out[0] if single else out
 
-    # The multi-CTA path is opt-in until its GPU gaps on skewed inputs are verified
-    # (benchmarks/flow_solver_large.md); "auto" keeps the hybrid path below.
-    if backend == "large":
+    # The multi-CTA path for one large group: "auto" takes it for the shapes whose gaps on
+    # skewed logits were verified on a GPU (global_large.preferred; flow_solver_large.md).
+    if backend == "large" or (backend == "auto" and global_large.preferred(scores, k)):
         out = global_large.solve_large(
             scores,
             k,
