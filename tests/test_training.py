@@ -70,6 +70,12 @@ def test_config_rejects_bad_values() -> None:
         TrainConfig(compile=True, compile_mode="reduce-overhead")  # type: ignore[arg-type]
 
 
+def test_compile_with_zero3_is_refused_before_training(tmp_path: Path) -> None:
+    cfg = TrainConfig(compile=True, deepspeed="zero3", output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="ZeRO-3"):
+        prepare(cfg)
+
+
 def test_collate_blocks_stacks_without_padding_machinery() -> None:
     """The Trainer's collator: a plain stack of the packed blocks (no tokenizer.pad walk)."""
     from maxscore.training.data import collate_blocks

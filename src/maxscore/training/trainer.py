@@ -726,6 +726,11 @@ def prepare(config: TrainConfig) -> PreparedRun:
     precision = resolve_precision(config.precision)
     if config.deepspeed is not None:
         _deepspeed_config_path(config.deepspeed)
+        if config.compile and _zero_stage(config.deepspeed) == 3:
+            raise ConfigError(
+                "--compile is not supported with ZeRO-3 (DeepSpeed partitions parameters with "
+                "hooks that compiled layers bypass); pass --no-compile, or use --deepspeed zero2"
+            )
     tokenizer = load_tokenizer(config.tokenizer)
     model_config = build_model_config(
         config,
@@ -863,12 +868,15 @@ def _training_arguments(run: PreparedRun) -> TrainingArguments:
     )
 
 
+def _zero_stage(deepspeed: str) -> int | None:
+    """The ZeRO stage of a DeepSpeed config (shipped name or JSON path)."""
+    config = json.loads(Path(_deepspeed_config_path(deepspeed)).read_text())
+    return config.get("zero_optimization", {}).get("stage")
+
+
 def _mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
     """ZeRO-3 must not hook inside an MoE block (experts run data-dependently), see SPEC §5."""
-    if deepspeed is None:
-        return
-    stage = json.loads(Path(_deepspeed_config_path(deepspeed)).read_text())
-    if stage.get("zero_optimization", {}).get("stage") != 3:
+    if deepspeed is None or _zero_stage(deepspeed) != 3:
         return
     try:
         from deepspeed.utils import set_z3_leaf_modules
