@@ -22,16 +22,15 @@ import argparse
 import datetime as dt
 import json
 import math
-import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, global_triton
-from maxscore.routing.flow.global_solver import default_budget, solve_global
+from flow_solver_gpu import fused_call, graph_timer
+from maxscore.routing.flow import FLOW_SOLVERS, flow_objective
+from maxscore.routing.flow.global_solver import default_budget, fused_budget, solve_global
 
 
 def affinities(groups: int, n: int, e: int, bias: float, seed: int) -> Tensor:
@@ -43,20 +42,8 @@ def affinities(groups: int, n: int, e: int, bias: float, seed: int) -> Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def budget(e: int, **over: int) -> dict[str, int]:
-    b = default_budget(e)
-    out = {
-        "price_iterations": b.price_iterations,
-        "repair_rounds": 2 * b.repair_rounds,
-        "cycle_rounds": b.cycle_rounds,
-        "bf_iterations": b.bf_iterations,
-    }
-    out.update(over)
-    return out
-
-
 def variants(e: int) -> dict[str, dict]:
-    base = budget(e)
+    base = fused_budget(default_budget(e))
     return {
         "sweep (round 2)": {**base, "lists": False},
         "lists": {**base, "lists": True},
@@ -67,11 +54,6 @@ def variants(e: int) -> dict[str, dict]:
         "lists r6": {**base, "lists": True, "repair_rounds": 6},
         "lists c0": {**base, "lists": True, "cycle_rounds": 0},
     }
-
-
-def run_fused(x: Tensor, k: int, cap: Tensor, opts: dict, stats: Tensor | None = None) -> Tensor:
-    groups, n, e = x.shape
-    return global_triton.solve_triton(x, k, cap.expand(groups, e).clamp(max=n), stats=stats, **opts)
 
 
 def feasible(index: Tensor, k: int, cap: Tensor, e: int) -> bool:
@@ -88,33 +70,6 @@ def gaps(x: Tensor, index: Tensor, opt: Tensor) -> np.ndarray:
     return ((opt - flow_objective(x, index.cpu())) / opt).numpy()
 
 
-def graph_time(fn: Callable[[Tensor], Tensor], inputs: list[Tensor], reps: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(inputs[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    graphs = []
-    for x in inputs:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn(x)
-        graphs.append(graph)
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for r in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graphs[r % len(graphs)].replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _warm(job: tuple[int, int, str]) -> str:
     """Compile one (shape, variant) in a worker process (fills Triton's on-disk cache)."""
     e, k, name = job
@@ -125,7 +80,7 @@ def _warm(job: tuple[int, int, str]) -> str:
         solve_global(x, k, cap)
     else:
         stats = torch.zeros(groups, 4, dtype=torch.int32, device="cuda")
-        run_fused(x, k, cap, variants(e)[name], stats)
+        fused_call(x, k, cap, variants(e)[name], stats)
     torch.cuda.synchronize()
     return f"{e} {k} {name}"
 
@@ -180,12 +135,12 @@ def main() -> None:
         for name in SHAPE_VARIANTS[(e, k)]:
             opts = variants(e)[name]
             stats = torch.zeros(groups, 4, dtype=torch.int32, device=dev)
-            out = run_fused(xs[0], k, capd, opts, stats)
+            out = fused_call(xs[0], k, capd, opts, stats)
             torch.cuda.synchronize()
             ok = feasible(out, k, cap, e)
             gp = gaps(sets[0], out, opt)
-            ms = graph_time(
-                lambda x, k=k, c=capd, o=opts, s=stats: run_fused(x, k, c, o, s), xs, args.reps
+            ms, _ = graph_timer(
+                lambda x, k=k, c=capd, o=opts, s=stats: fused_call(x, k, c, o, s), xs, args.reps
             )
             row = {
                 "e": e,
@@ -203,7 +158,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         if (e, k) == (16, 2):  # the auto path as a user calls it (the fused default)
-            ms = graph_time(lambda x, k=k, c=capd: solve_global(x, k, c), xs, args.reps)
+            ms, _ = graph_timer(lambda x, k=k, c=capd: solve_global(x, k, c), xs, args.reps)
             rows.append(
                 {"e": e, "k": k, "bias": bias, "variant": "solve_global auto", "graph_ms": ms}
             )
@@ -213,7 +168,7 @@ def main() -> None:
         e, n, groups = 64, 512, 32
         cap = torch.full((e,), math.ceil(k * n / e), dtype=torch.long, device=dev)
         xs = [affinities(groups, n, e, 1.0, 900 + k + s).to(dev) for s in range(2)]
-        ms = graph_time(lambda x, k=k, c=cap: solve_global(x, k, c), xs, 10)
+        ms, _ = graph_timer(lambda x, k=k, c=cap: solve_global(x, k, c), xs, 10)
         rows.append({"e": e, "k": k, "bias": 1.0, "variant": "solve_global auto", "graph_ms": ms})
         print(json.dumps(rows[-1]), flush=True)
 
@@ -231,7 +186,7 @@ def main() -> None:
                 if name in ("lists w4", "lists c0"):
                     continue
                 stats = torch.zeros(100, 4, dtype=torch.int32, device=dev)
-                out = run_fused(x.to(dev), 2, cap.to(dev), opts, stats)
+                out = fused_call(x.to(dev), 2, cap.to(dev), opts, stats)
                 gp = gaps(x, out, opt)
                 r = {
                     "bias": bias,

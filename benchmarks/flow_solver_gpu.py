@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, global_large, global_triton
-from maxscore.routing.flow.global_solver import default_budget, solve_global
+from maxscore.routing.flow.global_solver import default_budget, fused_budget, solve_global
 
 HERE = Path(__file__).resolve().parent
 REFERENCE = HERE / "flow_solver_gpu_reference.json"
@@ -201,13 +201,7 @@ def run(out_dir: Path, reps: int, sets: int, only: str | None) -> None:
 
 def kernel_variants(e: int) -> dict[str, dict]:
     """Named option sets of the fused kernel, timed side by side."""
-    b = default_budget(e)
-    base = {
-        "price_iterations": b.price_iterations,
-        "repair_rounds": 2 * b.repair_rounds,
-        "cycle_rounds": b.cycle_rounds,
-        "bf_iterations": b.bf_iterations,
-    }
+    base = fused_budget(default_budget(e))
     old = {"onepass": False, "bf_alt": False}
     return {
         # The previous kernel (e x e edges by e column arg-maxes, plain BF).
@@ -220,9 +214,14 @@ def kernel_variants(e: int) -> dict[str, dict]:
     }
 
 
-def fused_call(x: Tensor, k: int, cap: Tensor, options: dict) -> Tensor:
+def fused_call(
+    x: Tensor, k: int, cap: Tensor, options: dict, stats: Tensor | None = None
+) -> Tensor:
+    """The fused kernel with ``options`` on ``[G, n, e]`` inputs and one group's capacity."""
     groups, n, e = x.shape
-    return global_triton.solve_triton(x, k, cap.expand(groups, e).clamp(max=n), **options)
+    return global_triton.solve_triton(
+        x, k, cap.expand(groups, e).clamp(max=n), stats=stats, **options
+    )
 
 
 def gap_eval(out_dir: Path) -> None:

@@ -102,6 +102,7 @@ def main() -> None:
     print(f"exact: {len(jobs)} instances in {time.time() - t0:.1f} s", flush=True)
 
     from maxscore.routing.flow import global_large
+    from maxscore.routing.flow.global_large import LargeOptions
     from maxscore.routing.flow.global_solver import default_budget, solve_global
 
     dev = "cuda"
@@ -110,17 +111,8 @@ def main() -> None:
     gaps_out = []
     pos = 0
     for e, k, c, bias, a in sets:
-        b = default_budget(e)
         cap = torch.full((a.shape[0], e), c, dtype=torch.long, device=dev)
-        out = global_large.solve_large(
-            a.to(dev),
-            k,
-            cap,
-            price_iterations=b.price_iterations,
-            repair_rounds=b.repair_rounds,
-            cycle_rounds=b.cycle_rounds,
-            bf_iterations=b.bf_iterations,
-        ).cpu()
+        out = global_large.solve_large(a.to(dev), k, cap, **default_budget(e)._asdict()).cpu()
         check(out, k, cap.cpu(), e)
         got = flow_objective(a, out).numpy()
         opt = np.array(opts[pos : pos + a.shape[0]])
@@ -147,78 +139,35 @@ def main() -> None:
         rows.append({"name": name, "e": e, "k": k, "bias": bias, "ms": ms})
         print(f"time {name:28s} e={e:2d} k={k} bias={bias} {ms:.3f} ms", flush=True)
 
+    def add_large(name: str, a, k: int, bias: float, cap, options=None, **change: int) -> None:
+        """Time ``solve_large`` on ``a`` with the default budget updated by ``change``."""
+        steps = {**default_budget(a.shape[-1])._asdict(), **change}
+
+        def fn() -> torch.Tensor:
+            return global_large.solve_large(a, k, cap, options=options, **steps)
+
+        add(name, a.shape[-1], k, bias, fn)
+
     for e, k in [(16, 2), (16, 6), (64, 2), (64, 6)]:
         c = -(-k * n // e)
         for bias in (1.0, 0.0):
             a = instances(7 + e + k, 1, n, e, bias).to(dev)
             cap1 = torch.full((e,), c, device=dev)
-            b = default_budget(e)
-            full = dict(
-                price_iterations=b.price_iterations,
-                repair_rounds=b.repair_rounds,
-                cycle_rounds=b.cycle_rounds,
-                bf_iterations=b.bf_iterations,
-            )
-            capg = cap1.expand(1, e)
-            add(
-                "large default",
-                e,
-                k,
-                bias,
-                lambda a=a, k=k, full=full, capg=capg, f=full: global_large.solve_large(
-                    a, k, capg, **f
-                ),
-            )
+            run = (a, k, bias, cap1.expand(1, e))
+            add_large("large default", *run)
             if (e, k) == (64, 6):
-                for label, change in [
-                    ("prices only", {"repair_rounds": 0, "cycle_rounds": 0}),
-                    ("prices+repair", {"cycle_rounds": 0}),
-                ]:
-                    f2 = {**full, **change}
-                    add(
-                        label,
-                        e,
-                        k,
-                        bias,
-                        lambda a=a, k=k, full=full, capg=capg, f=f2: global_large.solve_large(
-                            a, k, capg, **f
-                        ),
-                    )
+                add_large("prices only", *run, repair_rounds=0, cycle_rounds=0)
+                add_large("prices+repair", *run, cycle_rounds=0)
             if (e, k) != (16, 2):
                 continue
             add("topk", e, k, bias, lambda a=a, k=k: a.topk(k, dim=-1))
-            for label, change in [
-                ("prices only", {"repair_rounds": 0, "cycle_rounds": 0}),
-                ("prices+repair", {"cycle_rounds": 0}),
-                ("cycles 8", {"cycle_rounds": 8}),
-            ]:
-                f2 = {**full, **change}
-                add(
-                    label,
-                    e,
-                    k,
-                    bias,
-                    lambda a=a, k=k, full=full, capg=capg, f=f2: global_large.solve_large(
-                        a, k, capg, **f
-                    ),
-                )
-            for label, opt in [
-                (
-                    "probe passes 3/2 (no hist)",
-                    global_large.LargeOptions(hist_bins=0, first_passes=3),
-                ),
-                ("hist 256", global_large.LargeOptions(hist_bins=256)),
-                ("warps 8", global_large.LargeOptions(num_warps=8)),
-            ]:
-                add(
-                    label,
-                    e,
-                    k,
-                    bias,
-                    lambda a=a, k=k, full=full, capg=capg, o=opt: global_large.solve_large(
-                        a, k, capg, options=o, **full
-                    ),
-                )
+            add_large("prices only", *run, repair_rounds=0, cycle_rounds=0)
+            add_large("prices+repair", *run, cycle_rounds=0)
+            add_large("cycles 8", *run, cycle_rounds=8)
+            no_hist = LargeOptions(hist_bins=0, first_passes=3)
+            add_large("probe passes 3/2 (no hist)", *run, options=no_hist)
+            add_large("hist 256", *run, options=LargeOptions(hist_bins=256))
+            add_large("warps 8", *run, options=LargeOptions(num_warps=8))
             # The previous hybrid path (PyTorch phases 1-3 + the one-program cycle kernel).
             orig = global_large.supported
             global_large.supported = lambda *_: False
@@ -228,7 +177,7 @@ def main() -> None:
                     e,
                     k,
                     bias,
-                    lambda a=a, k=k, full=full, cap1=cap1: solve_global(a[0], k, cap1),
+                    lambda a=a, k=k, cap1=cap1: solve_global(a[0], k, cap1),
                 )
             finally:
                 global_large.supported = orig

@@ -6,58 +6,23 @@ SciPy's HiGHS LP (the LP of Eq. 8 is totally unimodular, so its optimum is the i
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 
+import flow_helpers as fh
 from maxscore.routing.flow import FLOW_SOLVERS, flow_objective
 from maxscore.routing.flow.exact import solve_exact
 from maxscore.routing.flow.global_solver import expert_prices, solve_global
-
-# Targets of issue 3, over 100 instances each (checked in full by the slow test).
-MEDIAN_GAP = 1e-4
-WORST_GAP = 5e-4
-
-
-def _instances(
-    seed: int, count: int, n: int, e: int, bias_std: float, device: str = "cpu"
-) -> torch.Tensor:
-    """Softmax affinities of N(0, 1) logits plus a per-expert bias of std ``bias_std``."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(count, n, e, generator=gen) + bias_std * torch.randn(
-        count, 1, e, generator=gen
-    )
-    return torch.softmax(logits, dim=-1).to(device)
-
-
-def _check_constraints(index: torch.Tensor, k: int, capacity: torch.Tensor, e: int) -> None:
-    """Eq. 7 exactly: k distinct experts per token (when capacity allows), loads <= capacity."""
-    groups, n, slots = index.shape
-    assert slots == k and index.dtype == torch.long
-    assert bool(((index >= -1) & (index < e)).all())
-    valid = index >= 0
-    counts = torch.zeros(groups, n, e + 1, dtype=torch.long)
-    counts.scatter_add_(-1, torch.where(valid, index, e).cpu(), torch.ones_like(index).cpu())
-    assert int(counts[..., :e].max()) <= 1, "an expert appears twice in a token"
-    loads = counts[..., :e].sum(1)
-    assert bool((loads <= capacity.cpu()).all()), f"load above capacity: {loads} vs {capacity}"
-    if int(torch.minimum(capacity, torch.tensor(n)).sum()) >= n * k:
-        assert bool(valid.all()), "an empty slot although capacity allows a full assignment"
-
-
-def _gaps(
-    affinities: torch.Tensor, index: torch.Tensor, k: int, capacity: torch.Tensor
-) -> np.ndarray:
-    opt = flow_objective(affinities, solve_exact(affinities, k, capacity))
-    got = flow_objective(affinities, index)
-    return ((opt - got) / opt.abs().clamp_min(1e-12)).numpy()
 
 
 def test_registered() -> None:
     spec = FLOW_SOLVERS["global"]
     assert spec.device == "any" and not spec.exact
     # The strategy passes sinkhorn_iterations (8); it may only raise the price steps.
-    affinities = _instances(1, 2, 64, 8, 1.0)
+    affinities = fh.instances(1, 2, 64, 8, 1.0)
     capacity = torch.full((8,), 16)
     assert torch.equal(
         spec.solve(affinities, 2, capacity, iterations=8), solve_global(affinities, 2, capacity)
@@ -69,13 +34,13 @@ def test_registered() -> None:
     [(256, 16, 2, 0.0), (256, 16, 2, 1.0), (128, 8, 1, 1.0), (96, 12, 3, 2.0), (64, 64, 6, 1.0)],
 )
 def test_random_instances_near_optimal(n: int, e: int, k: int, bias: float) -> None:
-    affinities = _instances(7 + n + e + k, 6, n, e, bias)
+    affinities = fh.instances(7 + n + e + k, 6, n, e, bias)
     capacity = torch.full((e,), -(-k * n // e), dtype=torch.long)
     index = solve_global(affinities, k, capacity)
-    _check_constraints(index, k, capacity, e)
-    gaps = _gaps(affinities, index, k, capacity)
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
     assert gaps.min() >= -1e-9  # never above the exact optimum
-    assert np.median(gaps) <= MEDIAN_GAP and gaps.max() <= WORST_GAP, gaps
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
 
 
 def test_matches_scipy_lp() -> None:
@@ -85,10 +50,10 @@ def test_matches_scipy_lp() -> None:
 
     del scipy
     n, e, k = 128, 8, 2
-    affinities = _instances(3, 3, n, e, 1.0)
+    affinities = fh.instances(3, 3, n, e, 1.0)
     capacity = torch.tensor([40, 20, 30, 50, 16, 40, 30, 30])
     index = solve_global(affinities, k, capacity)
-    _check_constraints(index, k, capacity, e)
+    fh.check_constraints(index, k, capacity, e)
     got = flow_objective(affinities, index).numpy()
     for g in range(affinities.shape[0]):
         a = affinities[g].double().numpy()
@@ -102,7 +67,7 @@ def test_matches_scipy_lp() -> None:
             method="highs",
         )
         assert res.status == 0
-        assert (-res.fun - got[g]) / -res.fun <= WORST_GAP
+        assert (-res.fun - got[g]) / -res.fun <= fh.WORST_GAP
 
 
 @pytest.mark.parametrize(
@@ -134,22 +99,22 @@ def test_adversarial(name: str, n: int, e: int, k: int, cap: list[int]) -> None:
         affinities = torch.softmax(3 * torch.randn(2, n, e, generator=gen), -1)
     capacity = torch.tensor(cap, dtype=torch.long)
     index = solve_global(affinities.contiguous(), k, capacity)
-    _check_constraints(index, k, capacity, e)
-    gaps = _gaps(affinities, index, k, capacity)
-    assert gaps.max() <= WORST_GAP, gaps
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert gaps.max() <= fh.WORST_GAP, gaps
 
 
 def test_short_capacity_is_feasible() -> None:
     """Total capacity below n*k: slots stay empty, but Eq. 7's bounds still hold."""
-    affinities = _instances(5, 2, 64, 8, 1.0)
+    affinities = fh.instances(5, 2, 64, 8, 1.0)
     capacity = torch.tensor([10, 10, 10, 10, 10, 10, 10, 10])
     index = solve_global(affinities, 2, capacity)
-    _check_constraints(index, 2, capacity, 8)
+    fh.check_constraints(index, 2, capacity, 8)
     assert bool((index >= 0).sum((1, 2)).eq(80).all())  # a maximum flow here
 
 
 def test_slot_order_and_2d_input() -> None:
-    affinities = _instances(9, 1, 64, 8, 1.0)[0]
+    affinities = fh.instances(9, 1, 64, 8, 1.0)[0]
     capacity = torch.full((8,), 16)
     index = solve_global(affinities, 2, capacity)
     assert index.shape == (64, 2)
@@ -160,7 +125,7 @@ def test_slot_order_and_2d_input() -> None:
 
 def test_prices_reduce_dual() -> None:
     """Phase 1 lowers the dual D(p) = sum_i topk_sum(A_i - p) + c.p towards OPT (Eq. 8)."""
-    affinities = _instances(2, 4, 256, 16, 1.0)
+    affinities = fh.instances(2, 4, 256, 16, 1.0)
     k, capacity = 2, torch.full((16,), 32)
     cap = capacity.expand(4, 16)
 
@@ -179,12 +144,15 @@ def test_prices_reduce_dual() -> None:
 @pytest.mark.parametrize("bias", [0.0, 1.0])
 def test_issue_targets_100_instances(bias: float) -> None:
     """Issue 3's acceptance: n=512, e=16, k=2, capacity k*n/e, 100 instances each."""
-    affinities = _instances(2024, 100, 512, 16, bias)
+    affinities = fh.instances(2024, 100, 512, 16, bias)
     capacity = torch.full((16,), 64)
     index = solve_global(affinities, 2, capacity)
-    _check_constraints(index, 2, capacity, 16)
-    gaps = _gaps(affinities, index, 2, capacity)
-    assert np.median(gaps) <= MEDIAN_GAP and gaps.max() <= WORST_GAP, (np.median(gaps), gaps.max())
+    fh.check_constraints(index, 2, capacity, 16)
+    gaps = fh.optimality_gaps(affinities, index, 2, capacity)
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, (
+        np.median(gaps),
+        gaps.max(),
+    )
 
 
 def test_property_constraints_always_hold() -> None:
@@ -209,7 +177,7 @@ def test_property_constraints_always_hold() -> None:
         affinities = torch.softmax(scale * torch.randn(2, n, e, generator=gen), -1)
         capacity = torch.tensor(cap, dtype=torch.long)
         index = solve_global(affinities, k, capacity)
-        _check_constraints(index, k, capacity, e)
+        fh.check_constraints(index, k, capacity, e)
 
     check()
 
@@ -218,32 +186,18 @@ def test_property_constraints_always_hold() -> None:
 def test_cuda_graph_capture_and_no_sync() -> None:
     """The solver runs with no host sync and replays from a CUDA graph with the eager result."""
     device = "cuda"
-    affinities = _instances(4, 8, 512, 16, 1.0, device)
+    affinities = fh.instances(4, 8, 512, 16, 1.0, device)
     capacity = torch.full((16,), 64, device=device)
-    eager = solve_global(affinities, 2, capacity)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        solve_global(affinities, 2, capacity)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    static_in = affinities.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        solve_global(static_in, 2, capacity)  # warm-up on the side stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = solve_global(static_in, 2, capacity)
-    fresh = _instances(5, 8, 512, 16, 1.0, device)
+    solve = partial(solve_global, k=2, capacity=capacity)
+    eager, _, static_in, static_out, graph = fh.graph_run(solve, affinities)
+    fresh = fh.instances(5, 8, 512, 16, 1.0, device)
     static_in.copy_(fresh)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, solve_global(fresh, 2, capacity))
-    _check_constraints(static_out.cpu(), 2, capacity.cpu(), 16)
-    gaps = _gaps(affinities.cpu(), eager.cpu(), 2, capacity.cpu())
-    assert np.median(gaps) <= MEDIAN_GAP and gaps.max() <= WORST_GAP, gaps
+    fh.check_constraints(static_out.cpu(), 2, capacity.cpu(), 16)
+    gaps = fh.optimality_gaps(affinities.cpu(), eager.cpu(), 2, capacity.cpu())
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
 
 
 @pytest.mark.gpu
@@ -253,33 +207,20 @@ def test_fused_kernel_on_gpu(e: int, k: int) -> None:
     from maxscore.routing.flow import global_triton
 
     pytest.importorskip("triton")
-    affinities = _instances(17 + e + k, 16, 512, e, 1.0, "cuda")
+    affinities = fh.instances(17 + e + k, 16, 512, e, 1.0, "cuda")
     capacity = torch.full((e,), -(-k * 512 // e), device="cuda")
     assert global_triton.supported(affinities, k)
     index = solve_global(affinities, k, capacity, backend="triton")
-    _check_constraints(index.cpu(), k, capacity.cpu(), e)
-    gaps = _gaps(affinities.cpu(), index.cpu(), k, capacity.cpu())
-    assert np.median(gaps) <= MEDIAN_GAP and gaps.max() <= WORST_GAP, gaps
+    fh.check_constraints(index.cpu(), k, capacity.cpu(), e)
+    gaps = fh.optimality_gaps(affinities.cpu(), index.cpu(), k, capacity.cpu())
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
     # Unequal capacities and a zero-capacity expert (total capacity still >= n k).
     capacity = torch.full((e,), -(-k * 512 // (e - 1)) + 8, device="cuda")
     capacity[0] = 0
     index = solve_global(affinities, k, capacity, backend="triton")
-    _check_constraints(index.cpu(), k, capacity.cpu(), e)
-    gaps = _gaps(affinities.cpu(), index.cpu(), k, capacity.cpu())
-    assert gaps.max() <= WORST_GAP, gaps
-
-
-def _triton_device() -> str | None:
-    """``"cuda"`` with a GPU, ``"cpu"`` under Triton's interpreter, else None (skip)."""
-    import os
-
-    from maxscore.routing.flow import global_triton
-
-    if not global_triton.AVAILABLE:
-        return None
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+    fh.check_constraints(index.cpu(), k, capacity.cpu(), e)
+    gaps = fh.optimality_gaps(affinities.cpu(), index.cpu(), k, capacity.cpu())
+    assert gaps.max() <= fh.WORST_GAP, gaps
 
 
 @pytest.mark.parametrize(
@@ -290,12 +231,12 @@ def test_triton_cycle_kernel_any_n(n: int, e: int, k: int, unequal: bool) -> Non
     constraints and gap bound as the PyTorch path; runs on a GPU or under TRITON_INTERPRET=1."""
     from maxscore.routing.flow import global_triton
 
-    device = _triton_device()
+    device = fh.triton_device()
     if device is None:
         pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
     if device == "cpu" and n > 1000:
         pytest.skip("too slow for the interpreter")
-    affinities = _instances(31 + n + e, 2, n, e, 1.0)
+    affinities = fh.instances(31 + n + e, 2, n, e, 1.0)
     capacity = torch.full((e,), -(-k * n // e), dtype=torch.long)
     if unequal:
         capacity = capacity + torch.arange(e) % 3 * 7 - 7
@@ -304,10 +245,10 @@ def test_triton_cycle_kernel_any_n(n: int, e: int, k: int, unequal: bool) -> Non
     x = affinities.to(device)
     assert global_triton.cycle_supported(x, k) and not global_triton.supported(x, k)
     index = solve_global(x, k, capacity.to(device)).cpu()
-    _check_constraints(index, k, capacity, e)
-    gaps = _gaps(affinities, index, k, capacity)
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
     assert gaps.min() >= -1e-9
-    assert np.median(gaps) <= MEDIAN_GAP and gaps.max() <= WORST_GAP, gaps
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
 
 
 def test_fused_kernel_variants_agree() -> None:
@@ -316,65 +257,42 @@ def test_fused_kernel_variants_agree() -> None:
     within the gap bound; zero-round budgets compile and stay feasible (GPU or TRITON_INTERPRET=1).
     """
     from maxscore.routing.flow import global_triton
-    from maxscore.routing.flow.global_solver import default_budget
+    from maxscore.routing.flow.global_solver import default_budget, fused_budget
 
-    device = _triton_device()
+    device = fh.triton_device()
     if device is None:
         pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
     e, k = 16, 2
-    affinities = _instances(41, 4, 256, e, 1.0).to(device)
+    affinities = fh.instances(41, 4, 256, e, 1.0).to(device)
     cap = torch.full((4, e), 32, device=device)
-    b = default_budget(e)
-    base = {
-        "price_iterations": b.price_iterations,
-        "repair_rounds": 2 * b.repair_rounds,
-        "cycle_rounds": b.cycle_rounds,
-        "bf_iterations": b.bf_iterations,
-    }
+    base = fused_budget(default_budget(e))
     new = global_triton.solve_triton(affinities, k, cap, **base)
     old = global_triton.solve_triton(
         affinities, k, cap, onepass=False, bf_alt=False, multiprobe=False, **base
     )
-    _check_constraints(new.cpu(), k, cap[0].cpu(), e)
-    gap_new = _gaps(affinities.cpu(), new.cpu(), k, cap[0].cpu())
-    gap_old = _gaps(affinities.cpu(), old.cpu(), k, cap[0].cpu())
-    assert gap_new.max() <= WORST_GAP and gap_old.max() <= WORST_GAP
+    fh.check_constraints(new.cpu(), k, cap[0].cpu(), e)
+    gap_new = fh.optimality_gaps(affinities.cpu(), new.cpu(), k, cap[0].cpu())
+    gap_old = fh.optimality_gaps(affinities.cpu(), old.cpu(), k, cap[0].cpu())
+    assert gap_new.max() <= fh.WORST_GAP and gap_old.max() <= fh.WORST_GAP
     assert torch.equal(new, old)  # same steps, same tie rules: bit-identical assignments
     multi = global_triton.solve_triton(affinities, k, cap, multiprobe=True, **base)
-    _check_constraints(multi.cpu(), k, cap[0].cpu(), e)
-    assert _gaps(affinities.cpu(), multi.cpu(), k, cap[0].cpu()).max() <= WORST_GAP
+    fh.check_constraints(multi.cpu(), k, cap[0].cpu(), e)
+    assert fh.optimality_gaps(affinities.cpu(), multi.cpu(), k, cap[0].cpu()).max() <= fh.WORST_GAP
     # Zero repair / cycle rounds: the phases are skipped, the output is still feasible.
     bare = global_triton.solve_triton(affinities, k, cap, **{**base, "cycle_rounds": 0})
-    _check_constraints(bare.cpu(), k, cap[0].cpu(), e)
+    fh.check_constraints(bare.cpu(), k, cap[0].cpu(), e)
     bare = global_triton.solve_triton(
         affinities, k, cap, **{**base, "cycle_rounds": 0, "repair_rounds": 0}
     )
-    _check_constraints(bare.cpu(), k, cap[0].cpu(), e)
+    fh.check_constraints(bare.cpu(), k, cap[0].cpu(), e)
 
 
 @pytest.mark.gpu
 def test_hybrid_path_cuda_graph() -> None:
     """One large group (PyTorch phases + the Triton cycle kernel) replays from a CUDA graph."""
     device = "cuda"
-    affinities = _instances(6, 1, 16384, 16, 1.0, device)
+    affinities = fh.instances(6, 1, 16384, 16, 1.0, device)
     capacity = torch.full((16,), 2048, device=device)
-    eager = solve_global(affinities, 2, capacity)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        solve_global(affinities, 2, capacity)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    static_in = affinities.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        solve_global(static_in, 2, capacity)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = solve_global(static_in, 2, capacity)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(static_out, eager)
-    _check_constraints(static_out.cpu(), 2, capacity.cpu(), 16)
+    solve = partial(solve_global, k=2, capacity=capacity)
+    static_out = fh.graph_run(solve, affinities).static_out
+    fh.check_constraints(static_out.cpu(), 2, capacity.cpu(), 16)

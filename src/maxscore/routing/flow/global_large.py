@@ -57,7 +57,7 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .global_triton import _cycle_moves
+    from .global_triton import _best_moves, _cycle_moves, _thresholds, _top_k
 
 __all__ = ["AVAILABLE", "LargeOptions", "solve_large", "supported"]
 
@@ -113,23 +113,66 @@ def supported(affinities: Tensor, k: int) -> bool:
 if AVAILABLE:
 
     @triton.jit
-    def _token_thresholds(a, p, col, T: tl.constexpr, E: tl.constexpr, K: tl.constexpr):
-        """``t_ij = A_ij - (k-th best of A_i - p over the experts other than j)`` for a tile."""
-        work = a - p[None, :]
-        in_top = tl.zeros([T, E], dtype=tl.int1)
-        vk = tl.zeros([T], dtype=tl.float32)
-        vk1 = tl.zeros([T], dtype=tl.float32)
-        for r in tl.static_range(K + 1):
-            m, am = tl.max(work, axis=1, return_indices=True)
-            sel = col == am[:, None]
-            if r < K:
-                in_top = in_top | sel
-            if r == K - 1:
-                vk = m
-            if r == K:
-                vk1 = m
-            work = tl.where(sel, -1.0e30, work)
-        return a - tl.where(in_top, vk1[:, None], vk[:, None])
+    def _token_tile(a_ptr, N, E: tl.constexpr, T: tl.constexpr):
+        """This program's tile of ``T`` tokens: group ``g``, token rows ``rt`` (``inside`` below
+        ``N``), experts ``re``, the ``[T, E]`` offsets, affinities (0 outside) and expert ids."""
+        g = tl.program_id(0).to(tl.int64)
+        rt = tl.program_id(1) * T + tl.arange(0, T)
+        re = tl.arange(0, E)
+        inside = rt < N
+        offs = g * N * E + rt[:, None] * E + re[None, :]
+        a = tl.load(a_ptr + offs, mask=inside[:, None], other=0.0)
+        col = re[None, :] + 0 * rt[:, None]
+        return g, rt, re, inside, offs, a, col
+
+    @triton.jit
+    def _tile_state(a_ptr, held_ptr, load_ptr, cap_ptr, N, E: tl.constexpr, T: tl.constexpr):
+        """The tile (:func:`_token_tile`) with its rows of the assignment mask (``held``) and the
+        group's loads and capacities."""
+        g, rt, re, inside, offs, a, _col = _token_tile(a_ptr, N, E, T)
+        held = tl.load(held_ptr + offs, mask=inside[:, None], other=0) != 0
+        load = tl.load(load_ptr + g * E + re)
+        cap = tl.load(cap_ptr + g * E + re)
+        return g, rt, re, inside, held, a, load, cap
+
+    @triton.jit
+    def _tile_thresholds(
+        a_ptr, p_ptr, lo_ptr, hi_ptr, N, E: tl.constexpr, K: tl.constexpr, T: tl.constexpr
+    ):
+        """The tile's ``t_ij`` at the current prices and each expert's bracket ``(lo_j, hi_j]``."""
+        g, _rt, re, inside, _offs, a, col = _token_tile(a_ptr, N, E, T)
+        p = tl.load(p_ptr + g * E + re)
+        thr = _thresholds(a, p, col, T, E, K)
+        lo = tl.load(lo_ptr + g * E + re)
+        hi = tl.load(hi_ptr + g * E + re)
+        return g, re, inside, thr, lo, hi
+
+    @triton.jit
+    def _take_counts(cnt_ptr, cap_ptr, lo_ptr, hi_ptr, g, re, E: tl.constexpr, M: tl.constexpr):
+        """Start of a bracket update (one program per group): the pass's ``[E, M]`` counts (reset
+        for the next pass), the capacities and the brackets."""
+        rm = tl.arange(0, M)
+        c_ptrs = cnt_ptr + g * E * M + re[:, None] * M + rm[None, :]
+        cnt = tl.load(c_ptrs)
+        cap = tl.load(cap_ptr + g * E + re)
+        lo = tl.load(lo_ptr + g * E + re)
+        hi = tl.load(hi_ptr + g * E + re)
+        # Lanes holding replicated copies may still be reading what another lane overwrites below.
+        tl.debug_barrier()
+        tl.store(c_ptrs, tl.zeros([E, M], dtype=tl.int32))
+        return cnt, cap, lo, hi
+
+    @triton.jit
+    def _end_step(
+        p_ptr, lo_ptr, hi_ptr, spread_ptr, g, re, hi, cap, N, E: tl.constexpr, WINDOW: tl.constexpr
+    ):
+        """End of a Jacobi step: ``p_j = max(hi_j, 0)`` (0 if ``c_j >= n``); the next step's
+        bracket is ``p_j +- WINDOW * spread``."""
+        spread = tl.load(spread_ptr + g)
+        p = tl.where(cap >= N, 0.0, tl.maximum(hi, 0.0))
+        tl.store(p_ptr + g * E + re, p)
+        tl.store(lo_ptr + g * E + re, p - WINDOW * spread)
+        tl.store(hi_ptr + g * E + re, p + WINDOW * spread)
 
     @triton.jit
     def _price_count_kernel(
@@ -146,19 +189,8 @@ if AVAILABLE:
         MC: tl.constexpr,
     ):
         """Per expert ``j`` and probe ``m``: ``cnt[j, m] += #{i in this tile : t_ij > probe_jm}``."""
-        g = tl.program_id(0).to(tl.int64)
-        rt = tl.program_id(1) * T + tl.arange(0, T)
-        re = tl.arange(0, E)
-        inside = rt < N
-        a = tl.load(
-            a_ptr + g * N * E + rt[:, None] * E + re[None, :], mask=inside[:, None], other=0.0
-        )
-        p = tl.load(p_ptr + g * E + re)
-        col = re[None, :] + 0 * rt[:, None]
-        thr = _token_thresholds(a, p, col, T, E, K)
+        g, re, inside, thr, lo, hi = _tile_thresholds(a_ptr, p_ptr, lo_ptr, hi_ptr, N, E, K, T)
         thr = tl.where(inside[:, None], thr, -3.0e30)
-        lo = tl.load(lo_ptr + g * E + re)
-        hi = tl.load(hi_ptr + g * E + re)
         h = (hi - lo) / (M + 1)
         for mc in tl.static_range(M // MC):
             rm = mc * MC + tl.arange(0, MC)
@@ -182,18 +214,7 @@ if AVAILABLE:
     ):
         """Windowed pass: histogram of the ``t_ij`` inside ``(lo_j, hi_j]`` (``M`` bins, atomics
         only for those elements, a few per token near the price) and the count above ``hi_j``."""
-        g = tl.program_id(0).to(tl.int64)
-        rt = tl.program_id(1) * T + tl.arange(0, T)
-        re = tl.arange(0, E)
-        inside = rt < N
-        a = tl.load(
-            a_ptr + g * N * E + rt[:, None] * E + re[None, :], mask=inside[:, None], other=0.0
-        )
-        p = tl.load(p_ptr + g * E + re)
-        col = re[None, :] + 0 * rt[:, None]
-        thr = _token_thresholds(a, p, col, T, E, K)
-        lo = tl.load(lo_ptr + g * E + re)
-        hi = tl.load(hi_ptr + g * E + re)
+        g, re, inside, thr, lo, hi = _tile_thresholds(a_ptr, p_ptr, lo_ptr, hi_ptr, N, E, K, T)
         h = (hi - lo) / M
         win = inside[:, None] & (thr > lo[None, :]) & (thr <= hi[None, :])
         b = tl.floor((thr - lo[None, :]) / h[None, :])
@@ -203,8 +224,8 @@ if AVAILABLE:
         tl.atomic_add(above_ptr + g * E + re, up)
 
     @triton.jit
-    def _price_hist_select_kernel(
-        hist_ptr,
+    def _price_select_kernel(
+        cnt_ptr,
         above_ptr,
         lo_ptr,
         hi_ptr,
@@ -215,76 +236,41 @@ if AVAILABLE:
         E: tl.constexpr,
         M: tl.constexpr,
         WINDOW: tl.constexpr,
-    ):
-        """End of a windowed Jacobi step: bin edge holding the ``(c_j+1)``-th largest ``t``
-        (``#{t > edge_m} = above + sum of the bins past m``); new price and window; resets."""
-        g = tl.program_id(0).to(tl.int64)
-        re = tl.arange(0, E)
-        rm = tl.arange(0, M)
-        h_ptrs = hist_ptr + g * E * M + re[:, None] * M + rm[None, :]
-        hist = tl.load(h_ptrs)
-        above = tl.load(above_ptr + g * E + re)
-        cap = tl.load(cap_ptr + g * E + re)
-        lo = tl.load(lo_ptr + g * E + re)
-        hi = tl.load(hi_ptr + g * E + re)
-        spread = tl.load(spread_ptr + g)
-        # Lanes holding replicated copies may still be reading what another lane overwrites below.
-        tl.debug_barrier()
-        tl.store(h_ptrs, tl.zeros([E, M], dtype=tl.int32))
-        tl.store(above_ptr + g * E + re, tl.zeros([E], dtype=tl.int32))
-        h = (hi - lo) / M
-        count = above[:, None] + tl.sum(hist, axis=1)[:, None] - tl.cumsum(hist, axis=1)
-        nup = tl.sum((count > cap[:, None]).to(tl.int32), axis=1)
-        new_hi = tl.where(nup < M, lo + h * (nup + 1).to(tl.float32), hi)
-        p = tl.where(cap >= N, 0.0, tl.maximum(new_hi, 0.0))
-        tl.store(p_ptr + g * E + re, p)
-        tl.store(lo_ptr + g * E + re, p - WINDOW * spread)
-        tl.store(hi_ptr + g * E + re, p + WINDOW * spread)
-
-    @triton.jit
-    def _price_select_kernel(
-        cnt_ptr,
-        lo_ptr,
-        hi_ptr,
-        p_ptr,
-        cap_ptr,
-        spread_ptr,
-        N,
-        E: tl.constexpr,
-        M: tl.constexpr,
+        HIST: tl.constexpr,
         FINAL: tl.constexpr,
-        WINDOW: tl.constexpr,
     ):
         """Narrow each expert's bracket to the probe gap holding its ``(c_j+1)``-th largest ``t``.
 
         Invariant (as in bisection): ``#{t > lo} > c_j`` and ``#{t > hi} <= c_j``. With ``FINAL``
         the step ends: ``p_j = max(hi, 0)`` (0 if ``c_j >= n``), and the next step's bracket is
         ``p_j +- WINDOW * spread``. Resets the counts for the next pass.
+
+        ``HIST`` (end of a windowed Jacobi step, always final): ``cnt`` is the windowed histogram
+        and ``above`` the count above the window; the price is the bin edge holding the
+        ``(c_j+1)``-th largest ``t`` (``#{t > edge_m} = above + sum of the bins past m``).
         """
         g = tl.program_id(0).to(tl.int64)
         re = tl.arange(0, E)
-        rm = tl.arange(0, M)
-        c_ptrs = cnt_ptr + g * E * M + re[:, None] * M + rm[None, :]
-        cnt = tl.load(c_ptrs)
-        cap = tl.load(cap_ptr + g * E + re)
-        lo = tl.load(lo_ptr + g * E + re)
-        hi = tl.load(hi_ptr + g * E + re)
-        # Lanes holding replicated copies may still be reading what another lane overwrites below.
-        tl.debug_barrier()
-        tl.store(c_ptrs, tl.zeros([E, M], dtype=tl.int32))
-        h = (hi - lo) / (M + 1)
-        nup = tl.sum((cnt > cap[:, None]).to(tl.int32), axis=1)  # probes 0..nup-1 are "up"
-        new_lo = tl.where(nup > 0, lo + h * nup.to(tl.float32), lo)
-        new_hi = tl.where(nup < M, lo + h * (nup + 1).to(tl.float32), hi)
-        if FINAL:
-            spread = tl.load(spread_ptr + g)
-            p = tl.where(cap >= N, 0.0, tl.maximum(new_hi, 0.0))
-            tl.store(p_ptr + g * E + re, p)
-            tl.store(lo_ptr + g * E + re, p - WINDOW * spread)
-            tl.store(hi_ptr + g * E + re, p + WINDOW * spread)
+        if HIST:
+            above = tl.load(above_ptr + g * E + re)  # read before _take_counts' barrier
+        cnt, cap, lo, hi = _take_counts(cnt_ptr, cap_ptr, lo_ptr, hi_ptr, g, re, E, M)
+        if HIST:
+            tl.store(above_ptr + g * E + re, tl.zeros([E], dtype=tl.int32))
+            h = (hi - lo) / M
+            count = above[:, None] + tl.sum(cnt, axis=1)[:, None] - tl.cumsum(cnt, axis=1)
+            nup = tl.sum((count > cap[:, None]).to(tl.int32), axis=1)
+            new_hi = tl.where(nup < M, lo + h * (nup + 1).to(tl.float32), hi)
+            _end_step(p_ptr, lo_ptr, hi_ptr, spread_ptr, g, re, new_hi, cap, N, E, WINDOW)
         else:
-            tl.store(lo_ptr + g * E + re, new_lo)
-            tl.store(hi_ptr + g * E + re, new_hi)
+            h = (hi - lo) / (M + 1)
+            nup = tl.sum((cnt > cap[:, None]).to(tl.int32), axis=1)  # probes 0..nup-1 are "up"
+            new_lo = tl.where(nup > 0, lo + h * nup.to(tl.float32), lo)
+            new_hi = tl.where(nup < M, lo + h * (nup + 1).to(tl.float32), hi)
+            if FINAL:
+                _end_step(p_ptr, lo_ptr, hi_ptr, spread_ptr, g, re, new_hi, cap, N, E, WINDOW)
+            else:
+                tl.store(lo_ptr + g * E + re, new_lo)
+                tl.store(hi_ptr + g * E + re, new_hi)
 
     @triton.jit
     def _round_kernel(
@@ -298,22 +284,9 @@ if AVAILABLE:
         T: tl.constexpr,
     ):
         """Phase 2: each token takes its top-k of ``A - p``; loads by atomics."""
-        g = tl.program_id(0).to(tl.int64)
-        rt = tl.program_id(1) * T + tl.arange(0, T)
-        re = tl.arange(0, E)
-        inside = rt < N
-        offs = g * N * E + rt[:, None] * E + re[None, :]
-        a = tl.load(a_ptr + offs, mask=inside[:, None], other=0.0)
+        g, _rt, re, inside, offs, a, col = _token_tile(a_ptr, N, E, T)
         p = tl.load(p_ptr + g * E + re)
-        col = re[None, :] + 0 * rt[:, None]
-        work = a - p[None, :]
-        held = tl.zeros([T, E], dtype=tl.int1)
-        for _r in tl.static_range(K):
-            _m, am = tl.max(work, axis=1, return_indices=True)
-            sel = col == am[:, None]
-            held = held | sel
-            work = tl.where(sel, -1.0e30, work)
-        held = held & inside[:, None]
+        held = _top_k(a - p[None, :], col, T, E, K) & inside[:, None]
         tl.store(held_ptr + offs, held.to(tl.int8), mask=inside[:, None])
         tl.atomic_add(load_ptr + g * E + re, tl.sum(held.to(tl.int32), axis=0))
 
@@ -336,15 +309,9 @@ if AVAILABLE:
         """Phase 3, step 1: each token's proposal (source, destination, loss bin); source histogram."""
         NEG: tl.constexpr = -1.0e30
         BIG: tl.constexpr = 1.0e30
-        g = tl.program_id(0).to(tl.int64)
-        rt = tl.program_id(1) * T + tl.arange(0, T)
-        re = tl.arange(0, E)
-        inside = rt < N
-        offs = g * N * E + rt[:, None] * E + re[None, :]
-        a = tl.load(a_ptr + offs, mask=inside[:, None], other=0.0)
-        held = tl.load(held_ptr + offs, mask=inside[:, None], other=0) != 0
-        load = tl.load(load_ptr + g * E + re)
-        cap = tl.load(cap_ptr + g * E + re)
+        g, rt, _re, inside, held, a, load, cap = _tile_state(
+            a_ptr, held_ptr, load_ptr, cap_ptr, N, E, T
+        )
         spread = tl.load(spread_ptr + g)
         over = load > cap
         spare = load < cap
@@ -399,15 +366,30 @@ if AVAILABLE:
         tl.store(base + E, rem)
 
     @triton.jit
+    def _proposals(csrc_ptr, cdst_ptr, cbin_ptr, N, T: tl.constexpr):
+        """This program's ``T`` tokens and their proposals: source (``-1``: none), destination,
+        loss bin."""
+        g = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
+        rt = blk * T + tl.arange(0, T)
+        inside = rt < N
+        csrc = tl.load(csrc_ptr + g * N + rt, mask=inside, other=-1)
+        cdst = tl.load(cdst_ptr + g * N + rt, mask=inside, other=0)
+        cbin = tl.load(cbin_ptr + g * N + rt, mask=inside, other=0)
+        return g, blk, rt, inside, csrc, cdst, cbin
+
+    @triton.jit
     def _side_split(key_e, cbin, cand, quota_ptr, g, SIDE: tl.constexpr, E: tl.constexpr):
         """Proposals inside the full bins of their expert's quota, and those in its boundary bin."""
         full = tl.load(quota_ptr + g * 4 * E + 2 * SIDE * E + key_e)
         return cand & (cbin < full), cand & (cbin == full)
 
     @triton.jit
-    def _side_rank(
+    def _side_take(
         key_e,
-        bnd,
+        cbin,
+        cand,
+        quota_ptr,
         bc_ptr,
         g,
         blk,
@@ -416,8 +398,11 @@ if AVAILABLE:
         E: tl.constexpr,
         PB: tl.constexpr,
     ):
-        """Rank of each boundary proposal among its expert's boundary proposals, in token order:
-        the counts of the earlier programs (exclusive prefix over the grid) plus the local rank."""
+        """The proposals one side takes: all in its expert's full bins, and the first
+        ``quota[g, 2 SIDE + 1, j]`` of its boundary bin in token order. A boundary proposal's
+        rank among its expert's: the counts of the earlier programs (exclusive prefix over the
+        grid) plus the local rank."""
+        inq, bnd = _side_split(key_e, cbin, cand, quota_ptr, g, SIDE, E)
         re = tl.arange(0, E)
         off = tl.zeros([E], dtype=tl.int32)
         rp = tl.arange(0, PB)
@@ -426,104 +411,57 @@ if AVAILABLE:
             ptrs = bc_ptr + g * NBLK * 2 * E + rows[:, None] * 2 * E + SIDE * E + re[None, :]
             off += tl.sum(tl.load(ptrs, mask=(rows < blk)[:, None], other=0), axis=0)
         oh = ((key_e[:, None] == re[None, :]) & bnd[:, None]).to(tl.int32)
-        return tl.sum(oh * (tl.cumsum(oh, axis=0) - oh + off[None, :]), axis=1)
+        rank = tl.sum(oh * (tl.cumsum(oh, axis=0) - oh + off[None, :]), axis=1)
+        rem = tl.load(quota_ptr + g * 4 * E + (2 * SIDE + 1) * E + key_e)
+        return inq | (bnd & (rank < rem))
 
     @triton.jit
-    def _repair_count_kernel(
-        csrc_ptr,
-        cdst_ptr,
-        cbin_ptr,
-        quota_ptr,
-        bc_ptr,
-        N,
-        NBLK: tl.constexpr,
-        E: tl.constexpr,
-        T: tl.constexpr,
-        SIDE: tl.constexpr,
-    ):
-        """Phase 3: per program, the live proposals in each expert's boundary bin (one side)."""
-        g = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1)
-        rt = blk * T + tl.arange(0, T)
-        re = tl.arange(0, E)
-        inside = rt < N
-        csrc = tl.load(csrc_ptr + g * N + rt, mask=inside, other=-1)
-        cbin = tl.load(cbin_ptr + g * N + rt, mask=inside, other=0)
-        if SIDE == 0:
-            key_e = tl.maximum(csrc, 0)
-        else:
-            key_e = tl.load(cdst_ptr + g * N + rt, mask=inside, other=0)
-        _inq, bnd = _side_split(key_e, cbin, csrc >= 0, quota_ptr, g, SIDE, E)
-        cnt = tl.sum(((key_e[:, None] == re[None, :]) & bnd[:, None]).to(tl.int32), axis=0)
-        tl.store(bc_ptr + g * NBLK * 2 * E + blk * 2 * E + SIDE * E + re, cnt)
-
-    @triton.jit
-    def _repair_evict_kernel(
-        csrc_ptr,
-        cdst_ptr,
-        cbin_ptr,
-        quota_ptr,
-        bc_ptr,
+    def _repair_side_kernel(
+        held_ptr,
+        load_ptr,
         hdst_ptr,
+        csrc_ptr,
+        cdst_ptr,
+        cbin_ptr,
+        quota_ptr,
+        bc_ptr,
         N,
         NBLK: tl.constexpr,
         E: tl.constexpr,
         T: tl.constexpr,
         NB: tl.constexpr,
         PB: tl.constexpr,
+        SIDE: tl.constexpr,
+        COUNT: tl.constexpr,
     ):
-        """Phase 3: each overloaded source evicts its ``excess`` cheapest proposals (ties in token
-        order); the others are withdrawn for this round; destination histogram of the evicted."""
-        g = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1)
-        rt = blk * T + tl.arange(0, T)
-        inside = rt < N
-        csrc = tl.load(csrc_ptr + g * N + rt, mask=inside, other=-1)
-        cdst = tl.load(cdst_ptr + g * N + rt, mask=inside, other=0)
-        cbin = tl.load(cbin_ptr + g * N + rt, mask=inside, other=0)
-        src = tl.maximum(csrc, 0)
-        inq, bnd = _side_split(src, cbin, csrc >= 0, quota_ptr, g, 0, E)
-        rank = _side_rank(src, bnd, bc_ptr, g, blk, 0, NBLK, E, PB)
-        rem = tl.load(quota_ptr + g * 4 * E + E + src)
-        evict = inq | (bnd & (rank < rem))
-        tl.store(csrc_ptr + g * N + rt, tl.where(evict, csrc, -1), mask=inside)
-        tl.atomic_add(hdst_ptr + g * E * NB + cdst * NB + cbin, 1, mask=evict)
+        """Phase 3, one side (``SIDE`` 0: sources, 1: destinations) of the proposals.
 
-    @triton.jit
-    def _repair_apply_kernel(
-        held_ptr,
-        load_ptr,
-        csrc_ptr,
-        cdst_ptr,
-        cbin_ptr,
-        quota_ptr,
-        bc_ptr,
-        N,
-        NBLK: tl.constexpr,
-        E: tl.constexpr,
-        T: tl.constexpr,
-        PB: tl.constexpr,
-    ):
-        """Phase 3: each destination accepts its ``spare`` cheapest evicted proposals; apply."""
-        g = tl.program_id(0).to(tl.int64)
-        blk = tl.program_id(1)
-        rt = blk * T + tl.arange(0, T)
+        ``COUNT``: per program, the live proposals in each expert's boundary bin. Else the side
+        takes its quota (ties in token order): each overloaded source evicts its ``excess``
+        cheapest proposals, the others are withdrawn for this round, and the evicted go into a
+        destination histogram; each destination accepts its ``spare`` cheapest evicted proposals,
+        which are applied.
+        """
+        g, blk, rt, inside, csrc, cdst, cbin = _proposals(csrc_ptr, cdst_ptr, cbin_ptr, N, T)
         re = tl.arange(0, E)
-        inside = rt < N
-        csrc = tl.load(csrc_ptr + g * N + rt, mask=inside, other=-1)
-        cdst = tl.load(cdst_ptr + g * N + rt, mask=inside, other=0)
-        cbin = tl.load(cbin_ptr + g * N + rt, mask=inside, other=0)
-        inq, bnd = _side_split(cdst, cbin, csrc >= 0, quota_ptr, g, 1, E)
-        rank = _side_rank(cdst, bnd, bc_ptr, g, blk, 1, NBLK, E, PB)
-        rem = tl.load(quota_ptr + g * 4 * E + 3 * E + cdst)
-        move = inq | (bnd & (rank < rem))
         src = tl.maximum(csrc, 0)
-        hrow = held_ptr + g * N * E + rt * E
-        tl.store(hrow + src, tl.zeros([T], dtype=tl.int8), mask=move)
-        tl.store(hrow + cdst, tl.full([T], 1, dtype=tl.int8), mask=move)
-        gone = tl.sum(((src[:, None] == re[None, :]) & move[:, None]).to(tl.int32), axis=0)
-        came = tl.sum(((cdst[:, None] == re[None, :]) & move[:, None]).to(tl.int32), axis=0)
-        tl.atomic_add(load_ptr + g * E + re, came - gone)
+        key_e = src if SIDE == 0 else cdst
+        if COUNT:
+            _inq, bnd = _side_split(key_e, cbin, csrc >= 0, quota_ptr, g, SIDE, E)
+            cnt = tl.sum(((key_e[:, None] == re[None, :]) & bnd[:, None]).to(tl.int32), axis=0)
+            tl.store(bc_ptr + g * NBLK * 2 * E + blk * 2 * E + SIDE * E + re, cnt)
+        else:
+            take = _side_take(key_e, cbin, csrc >= 0, quota_ptr, bc_ptr, g, blk, SIDE, NBLK, E, PB)
+            if SIDE == 0:
+                tl.store(csrc_ptr + g * N + rt, tl.where(take, csrc, -1), mask=inside)
+                tl.atomic_add(hdst_ptr + g * E * NB + cdst * NB + cbin, 1, mask=take)
+            else:
+                hrow = held_ptr + g * N * E + rt * E
+                tl.store(hrow + src, tl.zeros([T], dtype=tl.int8), mask=take)
+                tl.store(hrow + cdst, tl.full([T], 1, dtype=tl.int8), mask=take)
+                gone = tl.sum(((src[:, None] == re[None, :]) & take[:, None]).to(tl.int32), axis=0)
+                came = tl.sum(((cdst[:, None] == re[None, :]) & take[:, None]).to(tl.int32), axis=0)
+                tl.atomic_add(load_ptr + g * E + re, came - gone)
 
     @triton.jit
     def _edge_kernel(
@@ -542,26 +480,9 @@ if AVAILABLE:
         g = tl.program_id(0).to(tl.int64)
         if tl.load(done_ptr + g) == 0:
             t0 = tl.program_id(1) * T
-            ra3 = tl.arange(0, E)[:, None, None]  # source expert
-            ri3 = tl.arange(0, S)[None, :, None]  # token within the sub-chunk
-            rb3 = tl.arange(0, E)[None, None, :]  # destination expert
             a_base = a_ptr + g * N * E
             h_base = held_ptr + g * N * E
-            acc = tl.full([E, S, E], NEG, dtype=tl.float32)
-            tacc = tl.zeros([E, S, E], dtype=tl.int32)
-            for c in range(0, T, S):
-                t3 = t0 + c + ri3
-                inside = t3 < N
-                a_src = tl.load(a_base + t3 * E + ra3, mask=inside, other=0.0)
-                h_src = tl.load(h_base + t3 * E + ra3, mask=inside, other=0)
-                a_dst = tl.load(a_base + t3 * E + rb3, mask=inside, other=0.0)
-                h_dst = tl.load(h_base + t3 * E + rb3, mask=inside, other=1)
-                gain3 = tl.where((h_src != 0) & (h_dst == 0), a_dst - a_src, NEG)
-                better = gain3 > acc
-                acc = tl.where(better, gain3, acc)
-                tacc = tl.where(better, t3, tacc)
-            best, brow = tl.max(acc, axis=1, return_indices=True)  # [E, E]
-            btok = tl.sum(tl.where(ri3 == brow[:, None, :], tacc, 0), axis=1)
+            best, btok = _best_moves(a_base, h_base, t0, T, N, E, S, "")
             bits = best.to(tl.int32, bitcast=True)
             ordered = tl.where(bits < 0, ~bits, bits ^ (-2147483648))  # monotone in the float
             key = ((ordered.to(tl.int64) & 0xFFFFFFFF) << 31) | btok.to(tl.int64)
@@ -630,15 +551,9 @@ if AVAILABLE:
     ):
         """Phase 5: slots in decreasing affinity; round-robin if the group is still infeasible."""
         NEG: tl.constexpr = -1.0e30
-        g = tl.program_id(0).to(tl.int64)
-        rt = tl.program_id(1) * T + tl.arange(0, T)
-        re = tl.arange(0, E)
-        inside = rt < N
-        offs = g * N * E + rt[:, None] * E + re[None, :]
-        a = tl.load(a_ptr + offs, mask=inside[:, None], other=0.0)
-        held = tl.load(held_ptr + offs, mask=inside[:, None], other=0) != 0
-        load = tl.load(load_ptr + g * E + re)
-        cap = tl.load(cap_ptr + g * E + re)
+        g, rt, re, inside, held, a, load, cap = _tile_state(
+            a_ptr, held_ptr, load_ptr, cap_ptr, N, E, T
+        )
         bad = tl.sum((load > cap).to(tl.int32), axis=0) > 0
         bound = tl.cumsum(cap, axis=0)
         col = re[None, :] + 0 * rt[:, None]
@@ -718,24 +633,14 @@ def solve_large(
         raise ValueError(f"hist_bins must be a power of two, got {hb}")
     hist_p = torch.zeros(groups * e * max(hb, 1) + groups * e, dtype=torch.int32, device=dev)
     above = hist_p[groups * e * max(hb, 1) :]
+    bracket = (above, lo, hi, prices, cap, spread, n)  # arguments of the bracket updates
     for step in range(price_iterations):
         if step > 0 and hb:
             _price_hist_kernel[grid_tok](
                 a, prices, lo, hi, hist_p, above, n, E=e, K=k, T=t, M=hb, num_warps=nw
             )
-            _price_hist_select_kernel[(groups,)](
-                hist_p,
-                above,
-                lo,
-                hi,
-                prices,
-                cap,
-                spread,
-                n,
-                E=e,
-                M=hb,
-                WINDOW=opt.window,
-                num_warps=4,
+            _price_select_kernel[(groups,)](
+                hist_p, *bracket, E=e, M=hb, WINDOW=opt.window, HIST=True, FINAL=True, num_warps=4
             )
             continue
         passes = opt.first_passes if step == 0 else opt.passes
@@ -745,40 +650,29 @@ def solve_large(
             )
             _price_select_kernel[(groups,)](
                 cnt,
-                lo,
-                hi,
-                prices,
-                cap,
-                spread,
-                n,
+                *bracket,
                 E=e,
                 M=m,
-                FINAL=pss == passes - 1,
                 WINDOW=opt.window,
+                HIST=False,
+                FINAL=pss == passes - 1,
                 num_warps=1,
             )
     # Phase 2: rounding.
     _round_kernel[grid_tok](a, prices, held, load, n, E=e, K=k, T=t, num_warps=nw)
     # Phase 3: repair.
     csrc, cdst, cbin = cand[0], cand[1], cand[2]
+    props = (held, load, hdst, csrc, cdst, cbin, quota, bc, n)  # the proposals and their quotas
     for _ in range(repair_rounds):
         _repair_scan_kernel[grid_tok](
             a, held, load, cap, spread, hsrc, csrc, cdst, cbin, n, E=e, T=t, NB=nb, num_warps=nw
         )
-        _repair_select_kernel[(groups, e)](hsrc, load, cap, quota, E=e, NB=nb, SIDE=0)
-        _repair_count_kernel[grid_tok](
-            csrc, cdst, cbin, quota, bc, n, NBLK=nblk, E=e, T=t, SIDE=0, num_warps=nw
-        )
-        _repair_evict_kernel[grid_tok](
-            csrc, cdst, cbin, quota, bc, hdst, n, NBLK=nblk, E=e, T=t, NB=nb, PB=64, num_warps=nw
-        )
-        _repair_select_kernel[(groups, e)](hdst, load, cap, quota, E=e, NB=nb, SIDE=1)
-        _repair_count_kernel[grid_tok](
-            csrc, cdst, cbin, quota, bc, n, NBLK=nblk, E=e, T=t, SIDE=1, num_warps=nw
-        )
-        _repair_apply_kernel[grid_tok](
-            held, load, csrc, cdst, cbin, quota, bc, n, NBLK=nblk, E=e, T=t, PB=64, num_warps=nw
-        )
+        for side, hist in ((0, hsrc), (1, hdst)):  # sources evict, then destinations accept
+            _repair_select_kernel[(groups, e)](hist, load, cap, quota, E=e, NB=nb, SIDE=side)
+            for count in (True, False):  # boundary-bin counts, then the side takes its quota
+                _repair_side_kernel[grid_tok](
+                    *props, NBLK=nblk, E=e, T=t, NB=nb, PB=64, SIDE=side, COUNT=count, num_warps=nw
+                )
     # Phase 4: cycle cancelling.
     for _ in range(cycle_rounds):
         _edge_kernel[grid_tok](a, held, key, done, n, E=e, T=t, S=s, num_warps=nw)

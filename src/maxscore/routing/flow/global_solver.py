@@ -69,7 +69,7 @@ from ..types import DROPPED, assignment_matrix
 from . import global_large, global_triton
 from .registry import FlowSolverSpec, register_flow_solver
 
-__all__ = ["GlobalSolverBudget", "default_budget", "expert_prices", "solve_global"]
+__all__ = ["GlobalSolverBudget", "default_budget", "expert_prices", "fused_budget", "solve_global"]
 
 
 class GlobalSolverBudget(NamedTuple):
@@ -91,6 +91,12 @@ def default_budget(e: int) -> GlobalSolverBudget:
     if e <= 16:
         return GlobalSolverBudget(12, 4, 16, min(e + 1, 10))
     return GlobalSolverBudget(24, 4, 32, 10)
+
+
+def fused_budget(budget: GlobalSolverBudget) -> dict[str, int]:
+    """``budget`` as the step-count keywords of :func:`.global_triton.solve_triton`: the fused
+    kernel's repair moves at most one token per expert per round, so it gets twice the rounds."""
+    return {**budget._asdict(), "repair_rounds": 2 * budget.repair_rounds}
 
 
 def _effective_capacity(
@@ -328,16 +334,8 @@ def solve_global(
     if use_triton:
         if not global_triton.supported(scores, k):
             raise ValueError("the fused Triton kernel does not apply to this shape / device")
-        out = global_triton.solve_triton(
-            scores,
-            k,
-            cap,
-            price_iterations=price_iterations,
-            # The kernel's repair moves at most one token per expert per round: twice the rounds.
-            repair_rounds=2 * repair_rounds,
-            cycle_rounds=cycle_rounds,
-            bf_iterations=relaxations,
-        )
+        steps = GlobalSolverBudget(price_iterations, repair_rounds, cycle_rounds, relaxations)
+        out = global_triton.solve_triton(scores, k, cap, **fused_budget(steps))
         return out[0] if single else out
 
     # The multi-CTA path for one large group: "auto" takes it for the shapes whose gaps on

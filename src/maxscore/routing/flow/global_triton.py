@@ -80,12 +80,13 @@ def _interpreting() -> bool:
 if AVAILABLE:
 
     @triton.jit
-    def _thresholds(a, p, col, N: tl.constexpr, E: tl.constexpr, K: tl.constexpr):
-        """t_ij = A_ij - (k-th best of A_i - p over the experts other than j)."""
+    def _thresholds(a, p, col, R: tl.constexpr, E: tl.constexpr, K: tl.constexpr):
+        """t_ij = A_ij - (k-th best of A_i - p over the experts other than j), for ``R`` tokens
+        (a whole group here, a program's tile in :mod:`.global_large`)."""
         work = a - p[None, :]
-        in_top = tl.zeros([N, E], dtype=tl.int1)
-        vk = tl.zeros([N], dtype=tl.float32)
-        vk1 = tl.zeros([N], dtype=tl.float32)
+        in_top = tl.zeros([R, E], dtype=tl.int1)
+        vk = tl.zeros([R], dtype=tl.float32)
+        vk1 = tl.zeros([R], dtype=tl.float32)
         for r in tl.static_range(K + 1):
             m, am = tl.max(work, axis=1, return_indices=True)
             sel = col == am[:, None]
@@ -97,6 +98,18 @@ if AVAILABLE:
                 vk1 = m
             work = tl.where(sel, -1.0e30, work)
         return a - tl.where(in_top, vk1[:, None], vk[:, None])
+
+    @triton.jit
+    def _top_k(work, col, R: tl.constexpr, E: tl.constexpr, K: tl.constexpr):
+        """Phase 2's rounding: 0/1 mask of each of the ``R`` rows' ``K`` largest ``work`` entries
+        (ties: lower expert first)."""
+        held = tl.zeros([R, E], dtype=tl.int1)
+        for _r in tl.static_range(K):
+            _m, am = tl.max(work, axis=1, return_indices=True)
+            sel = col == am[:, None]
+            held = held | sel
+            work = tl.where(sel, -1.0e30, work)
+        return held
 
     @triton.jit
     def _select(thr, lo, hi, cap, STEPS: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr):
@@ -372,13 +385,7 @@ if AVAILABLE:
             p = tl.where(unbounded, 0.0, tl.maximum(hi, 0.0))
 
         # ---- Phase 2: rounding, each token takes its top-k of A - p (as a 0/1 matrix).
-        work = a - p[None, :]
-        held = tl.zeros([N, E], dtype=tl.int1)
-        for _r in tl.static_range(K):
-            _m, am = tl.max(work, axis=1, return_indices=True)
-            sel = col == am[:, None]
-            held = held | sel
-            work = tl.where(sel, NEG, work)
+        held = _top_k(a - p[None, :], col, N, E, K)
 
         # ---- Phase 3: repair, one eviction per overloaded expert per round.
         # A round that moves nothing would repeat forever: stop the group there (no host sync, the
@@ -684,6 +691,33 @@ if AVAILABLE:
         return has_out, out_tok, has_in, in_tok, tl.sum(apply.to(tl.int32), axis=0)
 
     @triton.jit
+    def _best_moves(a_base, h_base, t0, L, N, E: tl.constexpr, S: tl.constexpr, HC: tl.constexpr):
+        """Best single-token move ``a -> b`` (gain, token) for every expert pair over the tokens
+        ``t0 .. t0 + L - 1`` below ``N``: a running (max gain, token) over ``[E, S, E]`` tiles of
+        ``S`` tokens, one reduction at the end; ``[E, E]`` each. ``HC`` is the cache modifier of
+        the mask loads (``".cg"`` where the same kernel writes the mask)."""
+        NEG: tl.constexpr = -1.0e30
+        ra3 = tl.arange(0, E)[:, None, None]  # source expert
+        ri3 = tl.arange(0, S)[None, :, None]  # token within the sub-chunk
+        rb3 = tl.arange(0, E)[None, None, :]  # destination expert
+        acc = tl.full([E, S, E], NEG, dtype=tl.float32)
+        tacc = tl.zeros([E, S, E], dtype=tl.int32)
+        for c in range(0, L, S):
+            t3 = t0 + c + ri3
+            inside = t3 < N
+            a_src = tl.load(a_base + t3 * E + ra3, mask=inside, other=0.0)
+            h_src = tl.load(h_base + t3 * E + ra3, mask=inside, other=0, cache_modifier=HC)
+            a_dst = tl.load(a_base + t3 * E + rb3, mask=inside, other=0.0)
+            h_dst = tl.load(h_base + t3 * E + rb3, mask=inside, other=1, cache_modifier=HC)
+            gain3 = tl.where((h_src != 0) & (h_dst == 0), a_dst - a_src, NEG)
+            better = gain3 > acc
+            acc = tl.where(better, gain3, acc)
+            tacc = tl.where(better, t3, tacc)
+        best, brow = tl.max(acc, axis=1, return_indices=True)  # [E, E]
+        btok = tl.sum(tl.where(ri3 == brow[:, None, :], tacc, 0), axis=1)
+        return best, btok
+
+    @triton.jit
     def _cycle_kernel(
         a_ptr,
         held_ptr,
@@ -706,7 +740,6 @@ if AVAILABLE:
         mask from L2), reduces the e x e best moves once, searches cycles in registers and writes
         the moved tokens back. Stops per group once a round moves nothing (at most CYCLES rounds).
         """
-        NEG: tl.constexpr = -1.0e30
         g = tl.program_id(0).to(tl.int64)
         re = tl.arange(0, E)
         cap = tl.load(cap_ptr + g * E + re)
@@ -725,27 +758,10 @@ if AVAILABLE:
             h = tl.load(h_base + t[:, None] * E + re[None, :], mask=t[:, None] < N, other=0)
             lacc += h.to(tl.int32)
         load = tl.sum(lacc, axis=0)
-        ra3 = tl.arange(0, E)[:, None, None]
-        ri3 = tl.arange(0, CHUNK)[None, :, None]
-        rb3 = tl.arange(0, E)[None, None, :]
         cyc = tl.zeros([], dtype=tl.int32)
         go = cyc < CYCLES
         while go:
-            acc = tl.full([E, CHUNK, E], NEG, dtype=tl.float32)
-            tacc = tl.zeros([E, CHUNK, E], dtype=tl.int32)
-            for c in range(0, N, CHUNK):
-                t3 = c + ri3
-                inside = t3 < N
-                a_src = tl.load(a_base + t3 * E + ra3, mask=inside, other=0.0)
-                h_src = tl.load(h_base + t3 * E + ra3, mask=inside, other=0, cache_modifier=".cg")
-                a_dst = tl.load(a_base + t3 * E + rb3, mask=inside, other=0.0)
-                h_dst = tl.load(h_base + t3 * E + rb3, mask=inside, other=1, cache_modifier=".cg")
-                gain3 = tl.where((h_src != 0) & (h_dst == 0), a_dst - a_src, NEG)
-                better = gain3 > acc
-                acc = tl.where(better, gain3, acc)
-                tacc = tl.where(better, t3, tacc)
-            best2, brow = tl.max(acc, axis=1, return_indices=True)  # [E, E]
-            btok2 = tl.sum(tl.where(ri3 == brow[:, None, :], tacc, 0), axis=1)
+            best2, btok2 = _best_moves(a_base, h_base, 0, N, N, E, CHUNK, ".cg")
             tl.store(ew_base + ee_r * E + ee_c, best2)
             tl.store(et_base + ee_r * E + ee_c, btok2)
             tl.debug_barrier()
