@@ -46,6 +46,13 @@ def test_flags_map_onto_the_config_and_recipe() -> None:
     assert cfg.model_overrides == {"num_hidden_layers": 2}
     cfg = config_from_args(parser.parse_args(["train", "--recipe", "paper", "--max-steps", "7"]))
     assert (cfg.seq_len, cfg.max_steps, cfg.lr) == (512, 7, 3e-5)
+    assert cfg.compile  # the recipe compiles; an explicit --no-compile wins
+    cfg = config_from_args(parser.parse_args(["train", "--recipe", "paper", "--no-compile"]))
+    assert not cfg.compile
+    args = parser.parse_args(["train", "--compile", "--compile-mode", "max-autotune-no-cudagraphs"])
+    cfg = config_from_args(args)
+    assert (cfg.compile, cfg.compile_mode) == (True, "max-autotune-no-cudagraphs")
+    assert not config_from_args(parser.parse_args(["train"])).compile
 
 
 def test_config_file_then_flags(tmp_path: Path) -> None:

@@ -309,12 +309,16 @@ def test_gradient_checkpointing_same_loss_and_grads(router: str, use_reentrant: 
         torch.testing.assert_close(grads_a[name], grads_b[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
-def _compiled_vs_eager(device: str, router: str, dtype: torch.dtype) -> None:
+def _compiled_vs_eager(
+    device: str, router: str, dtype: torch.dtype, checkpointing: bool = False
+) -> None:
     """``compile_layers`` gives the eager loss and gradients (router gate included)."""
     x = tokens(batch=2, length=32).to(device)
     results = []
     for compiled in (False, True):
         model = tiny(router, num_hidden_layers=2).to(device).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         if compiled:
             model.compile_layers()
         with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
@@ -339,6 +343,12 @@ def _compiled_vs_eager(device: str, router: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("router", ["maxscore", pytest.param("gshard", marks=pytest.mark.slow)])
 def test_compile_layers_matches_eager_cpu(router: str) -> None:
     _compiled_vs_eager("cpu", router, torch.float32)
+
+
+@pytest.mark.slow
+def test_compile_layers_with_gradient_checkpointing_cpu() -> None:
+    """The paper recipe's combination: activation checkpointing around compiled layers."""
+    _compiled_vs_eager("cpu", "maxscore", torch.float32, checkpointing=True)
 
 
 @pytest.mark.gpu
