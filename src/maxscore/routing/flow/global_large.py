@@ -32,14 +32,17 @@ and a call is capturable in a CUDA graph. Phases (same mathematics as the module
    the single-program cycle kernels) and applies the moves. A round that moves nothing sets a
    per-group flag and the later rounds return at once.
 5. **Output**: each token's held experts in decreasing affinity. A group still above some capacity
-   (only possible when ``sum_j c_j < n k`` or the budgets are cut to zero) gets the round-robin
-   assignment, which is always feasible and fills as many slots as the capacities allow (the
+   (when ``sum_j c_j < n k``, when the budgets are cut to zero, and measured on skewed logits with
+   e = 64 or some with k = 6, where the budget ends before the overload has drained) gets the
+   round-robin assignment, which is always feasible and fills as many slots as the capacities allow (the
    fused kernel's rule), so Eq. 7 holds exactly on every input.
 
 Applies on CUDA (or under ``TRITON_INTERPRET=1``) for ``e`` a power of two, ``2 <= e <= 64``,
-``1 <= k < e``, any ``n``; :func:`.global_solver.solve_global` runs it for ``backend="large"``.
-Measured results (H200, 1 x 16,384, e=16, k=2: ~0.66-0.69 ms in a CUDA graph) and open issues:
-``benchmarks/flow_solver_large.md``.
+``1 <= k < e``, any ``n``; :func:`.global_solver.solve_global` runs it for ``backend="large"``,
+and for ``backend="auto"`` where :func:`preferred` says so (validated shapes too large for the
+fused kernel). Measured results (H200, 1 x 16,384, e=16, k=2: 0.70 ms skewed / 0.62 ms balanced
+in a CUDA graph) and open issues (skewed e = 64 and some k = 6 inputs end in the round-robin
+fallback): ``benchmarks/flow_solver_large.md``.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ if AVAILABLE:
 
     from .global_triton import _best_moves, _cycle_moves, _thresholds, _top_k
 
-__all__ = ["AVAILABLE", "LargeOptions", "solve_large", "supported"]
+__all__ = ["AVAILABLE", "LargeOptions", "preferred", "solve_large", "supported"]
 
 MAX_EXPERTS = 64
 

@@ -23,7 +23,8 @@ PyTorch path, all for speed and all still with a fixed number of steps:
   barrier); measured 0.59 -> 0.39 ms for 32 x 512, e=16, k=2 (H200, benchmarks/flow_solver_notes.md,
   round 3), same gaps. With more list tiles per round (k=6) the sweep above stays faster;
 - a group still over capacity after every round (never seen on random instances with enough
-  capacity) gets the round-robin assignment, which is always feasible; with total capacity short
+  capacity; seen on an adversarial one, a zero-capacity expert that every token prefers, whose
+  overload drains one token per cycle round) gets the round-robin assignment, which is always feasible; with total capacity short
   of ``n k`` that is also what it returns (a maximum number of filled slots, affinities ignored).
 
 Fast path only: CUDA, ``n`` and ``e`` powers of two, ``n * e <= 8192``, ``k < e``. For larger
