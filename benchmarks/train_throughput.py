@@ -6,7 +6,9 @@ Two modes:
     Trains the Base preset (bf16, seq 512) for ``--steps`` optimizer steps per router through the
     real ``maxscore.training.train`` path (HF Trainer, AdamW, WSD) on the embedded corpus, and
     measures steady-state tokens/s (steps after ``--warmup`` only, CUDA-synchronised), MFU and
-    peak memory. Results: ``train_throughput.json`` and ``train_throughput.md``.
+    peak memory. Results: ``train_throughput[_TAG].json`` and ``.md``; ``--compile``,
+    ``--grad-accum``, ``--batch-size`` set the variant, ``--profile-steps N`` writes a host + GPU
+    profile of N steps (``trainer_profile_<router>.txt``).
 
     MFU = achieved model FLOP/s / peak, with model FLOPs per token (PaLM appendix B convention)
     ``6 * N_active + 12 * L * H * Q * T``: ``N_active`` the activated parameters that take part in
