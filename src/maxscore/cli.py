@@ -225,6 +225,12 @@ def run_train(args: argparse.Namespace) -> int:
                 f" for {prepared.total_steps} steps; run directory {prepared.run_dir}",
                 file=sys.stderr,
             )
+            if prepared.precision != "fp32" and not config.compile:
+                print(
+                    "maxscore: tip: --compile trains ~1.7x faster on a GPU "
+                    "(benchmarks/train_throughput.md)",
+                    file=sys.stderr,
+                )
         result = train(config, prepared=prepared)
     except ConfigError as err:
         return _error(str(err))
