@@ -20,6 +20,7 @@ there, so adding one is adding an entry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -29,6 +30,7 @@ from torch import Tensor
 __all__ = [
     "AFFINITY_OPERATORS",
     "OPERATORS_USING_TEMPERATURE",
+    "TEMPERATURE_BOOSTS",
     "AffinityOperator",
     "get_operator",
     "gradtopk_affinity",
@@ -38,6 +40,7 @@ __all__ = [
     "softkmax_affinity",
     "softmax_affinity",
     "softtopk_affinity",
+    "softtopk_boost",
 ]
 
 
@@ -180,13 +183,26 @@ def softtopk_affinity(logits: Tensor, k: int, t: Tensor | float) -> Tensor:
     """
     x = _as_router_float(logits)
     _check_k(x, k)
-    probs = torch.softmax(x, dim=-1)
+    return softtopk_boost(torch.softmax(x, dim=-1), x, k, t)
+
+
+def softtopk_boost(probs: Tensor, logits: Tensor, k: int, t: Tensor | float) -> Tensor:
+    """SoftTopk from its ``t = 0`` value: ``probs * (1 + t (min(r, k) - 1))``.
+
+    ``probs`` is ``Softmax(logits)`` (the operator at ``t = 0``, which the router already has as
+    its selection scores), so the router boosts it instead of computing the softmax twice.
+    """
     if k == 1 or (isinstance(t, (int, float)) and t == 0):
-        return probs  # no boost: skip the ranking (the router's selection scores take this path)
+        return probs  # no boost: skip the ranking
+    x = _as_router_float(logits)
     # Multiplier of rank r is 1 + t*(min(r, k) - 1); only the top k-1 ranks differ from the max.
+    # extra = min(r, k) - 1: k - 1 everywhere, less (k - 1 - (r - 1)) at the top k - 1 ranks. Built
+    # by comparison with the expert ids, not by a scatter into a constant tensor, which torch
+    # 2.11-2.13's inductor miscompiles inside the router (the scattered values are lost).
     steps = torch.arange(k - 1, dtype=x.dtype, device=x.device)  # r - 1 for r = 1 .. k-1
-    top = torch.topk(x, k - 1, dim=-1, sorted=True).indices
-    extra = torch.full_like(x, float(k - 1)).scatter(-1, top, steps.expand(top.shape))
+    top = torch.topk(x, k - 1, dim=-1, sorted=True).indices  # [..., k-1]
+    at_rank = top.unsqueeze(-1) == torch.arange(x.shape[-1], device=x.device)  # [..., k-1, e]
+    extra = (k - 1) - ((k - 1 - steps).unsqueeze(-1) * at_rank).sum(dim=-2)
     # ``t`` is used as given (python float or 0-dim device tensor): converting a float to a
     # device tensor here would be a host-to-device copy on every call.
     return probs * (1.0 + t * extra)
@@ -203,8 +219,14 @@ AFFINITY_OPERATORS: dict[str, AffinityOperator] = {
     "relu": relu_affinity,
 }
 
-#: Operators whose value depends on ``t`` (the router only evaluates the schedule for these).
-OPERATORS_USING_TEMPERATURE: frozenset[str] = frozenset({"softtopk"})
+#: Operators whose value depends on ``t``, as the function that turns the operator's ``t = 0``
+#: value into its value at ``t``: ``boost(value_at_0, logits, k, t)``. The router selects experts
+#: on the ``t = 0`` value and boosts it for the combine weights (it only evaluates the schedule
+#: for these operators).
+TEMPERATURE_BOOSTS: dict[str, Callable[[Tensor, Tensor, int, Tensor | float], Tensor]] = {
+    "softtopk": softtopk_boost,
+}
+OPERATORS_USING_TEMPERATURE: frozenset[str] = frozenset(TEMPERATURE_BOOSTS)
 
 
 def get_operator(name: str) -> AffinityOperator:

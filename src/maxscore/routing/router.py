@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.groups import expert_capacity, group_size_for
 from maxscore.routing.losses import assignment_matrix, load_balancing_loss, router_z_loss
-from maxscore.routing.operators import AFFINITY_OPERATORS, OPERATORS_USING_TEMPERATURE
+from maxscore.routing.operators import AFFINITY_OPERATORS, TEMPERATURE_BOOSTS
 from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
 from maxscore.routing.schedule import TemperatureSchedule
 from maxscore.routing.statistics import LazyRoutingStatistics
@@ -176,7 +176,7 @@ class Router(nn.Module):
         self.check_finite = check_finite
         self.compute_stats = compute_stats
         self.operator = AFFINITY_OPERATORS[config.operator]
-        self.uses_temperature = config.operator in OPERATORS_USING_TEMPERATURE
+        self.temperature_boost = TEMPERATURE_BOOSTS.get(config.operator)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.schedule = TemperatureSchedule(config.temperature)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -301,13 +301,14 @@ class Router(nn.Module):
         g = batch * seq // n
         logits = logits.reshape(g, n, e)
 
-        t = self._temperature() if self.uses_temperature else 0.0
-        affinities = self.operator(logits, k, t)
         # Which experts a token prefers is the operator at t = 0 (for SoftTopk: the softmax,
         # ranked like the logits). The boost t only reshapes the combine weights: boosted
         # scores would rank every non-top-1 expert (x(1+t)) above the top-1 early in training,
         # and the authors' code selects on the softmax and scales only the weights.
-        selection = self.operator(logits, k, 0.0) if self.uses_temperature else affinities
+        selection = self.operator(logits, k, 0.0)
+        affinities = selection
+        if self.temperature_boost is not None:
+            affinities = self.temperature_boost(selection, logits, k, self._temperature())
 
         # Selection scores, plus the DeepSeek-V3 bias, which steers selection only and never
         # enters the weights. Strategies only pick, so they get a detached copy.
