@@ -304,6 +304,56 @@ if AVAILABLE:
         return tl.load(h_base + rn[:, None] * E + re[None, :], cache_modifier=".cg") != 0
 
     @triton.jit
+    def _bellman_ford_alternating(w, wt, rv, V: tl.constexpr, BF: tl.constexpr):
+        """``BF`` longest-path relaxations on the ``V``-node graph ``w`` (``wt`` = its transpose),
+        alternating a reduction over rows of ``w`` with one over columns of ``wt`` so the
+        distances never change register layout; returns each node's predecessor (-1: none)."""
+        dist_c = tl.zeros([V], dtype=tl.float32)
+        pred_r = tl.full([V], -1, dtype=tl.int32)
+        pred_c = tl.full([V], -1, dtype=tl.int32)
+        last_r = tl.zeros([V], dtype=tl.int32)
+        last_c = tl.zeros([V], dtype=tl.int32)
+        for _i in tl.static_range((BF + 1) // 2):
+            dist_r, arg_r = tl.max(dist_c[:, None] + w, axis=0, return_indices=True)
+            upd_r = arg_r != rv
+            pred_r = tl.where(upd_r, arg_r.to(tl.int32), pred_r)
+            last_r = tl.where(upd_r, 2 * _i + 1, last_r)
+            if 2 * _i + 1 < BF:
+                dist_c, arg_c = tl.max(dist_r[None, :] + wt, axis=1, return_indices=True)
+                upd_c = arg_c != rv
+                pred_c = tl.where(upd_c, arg_c.to(tl.int32), pred_c)
+                last_c = tl.where(upd_c, 2 * _i + 2, last_c)
+        return tl.where(last_r > last_c, pred_r, pred_c)
+
+    @triton.jit
+    def _cycle_tokens(pred, tok, E: tl.constexpr, V: tl.constexpr, JUMPS: tl.constexpr):
+        """The moves of all cycles of the predecessor graph ``pred`` (node ``E`` = sink).
+
+        Nodes on cycles are the image of ``pred^(2^m)``, ``2^m >= V`` (pointer doubling). Each
+        expert-to-expert edge ``pred[v] -> v`` on a cycle moves the token ``tok[pred[v], v]``;
+        returns, per expert, whether a token leaves it and which, whether one joins it and which
+        (each node has at most one successor and one predecessor on a cycle), and the number of
+        moves.
+        """
+        re = tl.arange(0, E)
+        rv = tl.arange(0, V)
+        vrow = rv[:, None] + 0 * rv[None, :]
+        vcol = rv[None, :] + 0 * rv[:, None]
+        jump = tl.where(pred >= 0, pred, rv)
+        for _j in range(JUMPS):
+            jump = tl.sum(tl.where(jump[:, None] == vcol, jump[None, :] + 0 * vrow, 0), axis=1)
+        hit = tl.sum(tl.where(jump[:, None] == vcol, 1, 0), axis=0) > 0
+        apply = hit & (pred >= 0) & (pred < E) & (rv < E)
+        t_v = tl.sum(tl.where(vrow == pred[None, :], tok, 0), axis=0)  # tok[pred[v], v]
+        out_e = (pred[None, :] == re[:, None]) & apply[None, :]  # [E, V]
+        has_out = tl.sum(tl.where(out_e, 1, 0), axis=1) > 0
+        out_tok = tl.sum(tl.where(out_e, t_v[None, :], 0), axis=1)
+        in_e = (rv[None, :] == re[:, None]) & apply[None, :]
+        has_in = tl.sum(tl.where(in_e, 1, 0), axis=1) > 0
+        in_tok = tl.sum(tl.where(in_e, t_v[None, :], 0), axis=1)
+        return has_out, out_tok, has_in, in_tok, tl.sum(apply.to(tl.int32), axis=0)
+
+    @triton.jit
     def _global_kernel(
         a_ptr,
         cap_ptr,
@@ -552,24 +602,7 @@ if AVAILABLE:
                     wt = tl.where((vrow == E) & (vcol < E), to_sink[None, :], wt)
                     wt = tl.where(vcol == E, from_sink[:, None], wt)
                     wt = tl.where(vrow == vcol, 0.0, wt - tol)
-                    dist_c = tl.zeros([V], dtype=tl.float32)
-                    pred_r = tl.full([V], -1, dtype=tl.int32)
-                    pred_c = tl.full([V], -1, dtype=tl.int32)
-                    last_r = tl.zeros([V], dtype=tl.int32)
-                    last_c = tl.zeros([V], dtype=tl.int32)
-                    for _i in tl.static_range((BF + 1) // 2):
-                        dist_r, arg_r = tl.max(dist_c[:, None] + w, axis=0, return_indices=True)
-                        upd_r = arg_r != rv
-                        pred_r = tl.where(upd_r, arg_r.to(tl.int32), pred_r)
-                        last_r = tl.where(upd_r, 2 * _i + 1, last_r)
-                        if 2 * _i + 1 < BF:
-                            dist_c, arg_c = tl.max(
-                                dist_r[None, :] + wt, axis=1, return_indices=True
-                            )
-                            upd_c = arg_c != rv
-                            pred_c = tl.where(upd_c, arg_c.to(tl.int32), pred_c)
-                            last_c = tl.where(upd_c, 2 * _i + 2, last_c)
-                    pred = tl.where(last_r > last_c, pred_r, pred_c)
+                    pred = _bellman_ford_alternating(w, wt, rv, V, BF)
                 else:
                     dist = tl.zeros([V], dtype=tl.float32)
                     pred = tl.full([V], -1, dtype=tl.int32)
@@ -577,29 +610,12 @@ if AVAILABLE:
                         cand = dist[:, None] + w
                         dist, arg = tl.max(cand, axis=0, return_indices=True)
                         pred = tl.where(arg != rv, arg.to(tl.int32), pred)
-                # nodes on cycles of the predecessor graph: the image of pred^(2^m), 2^m >= V
-                jump = tl.where(pred >= 0, pred, rv)
-                for _j in range(JUMPS):
-                    jump = tl.sum(
-                        tl.where(jump[:, None] == vcol, jump[None, :] + 0 * vrow, 0), axis=1
-                    )
-                hit = tl.sum(tl.where(jump[:, None] == vcol, 1, 0), axis=0) > 0
-                on_cycle = hit & (pred >= 0)
-                # edges pred[v] -> v between experts, with their tokens
-                apply = on_cycle & (pred < E) & (rv < E)
-                t_v = tl.sum(tl.where(vrow == pred[None, :], tok, 0), axis=0)  # tok[pred[v], v]
-                # per expert: the out-edge's token (each node has at most one successor on a cycle)
-                out_e = (pred[None, :] == re[:, None]) & apply[None, :]  # [E, V]
-                has_out = tl.sum(tl.where(out_e, 1, 0), axis=1) > 0
-                out_tok = tl.sum(tl.where(out_e, t_v[None, :], 0), axis=1)
-                in_e = (rv[None, :] == re[:, None]) & apply[None, :]
-                has_in = tl.sum(tl.where(in_e, 1, 0), axis=1) > 0
-                in_tok = tl.sum(tl.where(in_e, t_v[None, :], 0), axis=1)
+                has_out, out_tok, has_in, in_tok, moved = _cycle_tokens(pred, tok, E, V, JUMPS)
                 remove = has_out[None, :] & (row == out_tok[None, :])
                 add = has_in[None, :] & (row == in_tok[None, :])
                 held = (held & ~remove) | add
                 cyc += 1
-                go = (cyc < CYCLES) & ((tl.sum(apply.to(tl.int32), axis=0) > 0) | (not EARLY_EXIT))
+                go = (cyc < CYCLES) & ((moved > 0) | (not EARLY_EXIT))
             if STATS:
                 tl.store(stats_ptr + g * 4 + 1, cyc)
 
@@ -659,37 +675,8 @@ if AVAILABLE:
         wt = tl.where((vrow == E) & (vcol < E), to_sink[None, :], wt)
         wt = tl.where(vcol == E, from_sink[:, None], wt)
         wt = tl.where(vrow == vcol, 0.0, wt - tol)
-        # Bellman-Ford (longest paths), alternating w / w^T so dist keeps its layout.
-        dist_c = tl.zeros([V], dtype=tl.float32)
-        pred_r = tl.full([V], -1, dtype=tl.int32)
-        pred_c = tl.full([V], -1, dtype=tl.int32)
-        last_r = tl.zeros([V], dtype=tl.int32)
-        last_c = tl.zeros([V], dtype=tl.int32)
-        for _i in tl.static_range((BF + 1) // 2):
-            dist_r, arg_r = tl.max(dist_c[:, None] + w, axis=0, return_indices=True)
-            upd_r = arg_r != rv
-            pred_r = tl.where(upd_r, arg_r.to(tl.int32), pred_r)
-            last_r = tl.where(upd_r, 2 * _i + 1, last_r)
-            if 2 * _i + 1 < BF:
-                dist_c, arg_c = tl.max(dist_r[None, :] + wt, axis=1, return_indices=True)
-                upd_c = arg_c != rv
-                pred_c = tl.where(upd_c, arg_c.to(tl.int32), pred_c)
-                last_c = tl.where(upd_c, 2 * _i + 2, last_c)
-        pred = tl.where(last_r > last_c, pred_r, pred_c)
-        # nodes on cycles of the predecessor graph: the image of pred^(2^m), 2^m >= V
-        jump = tl.where(pred >= 0, pred, rv)
-        for _j in range(JUMPS):
-            jump = tl.sum(tl.where(jump[:, None] == vcol, jump[None, :] + 0 * vrow, 0), axis=1)
-        hit = tl.sum(tl.where(jump[:, None] == vcol, 1, 0), axis=0) > 0
-        apply = hit & (pred >= 0) & (pred < E) & (rv < E)
-        t_v = tl.sum(tl.where(vrow == pred[None, :], tok, 0), axis=0)  # tok[pred[v], v]
-        out_e = (pred[None, :] == re[:, None]) & apply[None, :]  # [E, V]
-        has_out = tl.sum(tl.where(out_e, 1, 0), axis=1) > 0
-        out_tok = tl.sum(tl.where(out_e, t_v[None, :], 0), axis=1)
-        in_e = (rv[None, :] == re[:, None]) & apply[None, :]
-        has_in = tl.sum(tl.where(in_e, 1, 0), axis=1) > 0
-        in_tok = tl.sum(tl.where(in_e, t_v[None, :], 0), axis=1)
-        return has_out, out_tok, has_in, in_tok, tl.sum(apply.to(tl.int32), axis=0)
+        pred = _bellman_ford_alternating(w, wt, rv, V, BF)
+        return _cycle_tokens(pred, tok, E, V, JUMPS)
 
     @triton.jit
     def _best_moves(a_base, h_base, t0, L, N, E: tl.constexpr, S: tl.constexpr, HC: tl.constexpr):
