@@ -41,14 +41,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, global_large, global_triton
+from maxscore.routing.flow import (
+    FLOW_SOLVERS,
+    flow_objective,
+    global_cuda,
+    global_large,
+    global_triton,
+)
 from maxscore.routing.flow.global_solver import default_budget, fused_budget, solve_global
 
 HERE = Path(__file__).resolve().parent
 REFERENCE = HERE / "flow_solver_gpu_reference.json"
 TOKENS = 16_384
 SINKHORN_ITERATIONS = 8
-GAP_EVAL_VARIANTS = ("fused-v1", "fused-multiprobe", "fused-c8")
+GAP_EVAL_VARIANTS: tuple[str, ...] = ()  # Triton kernel variants for --gap-eval (round 2 used some)
 
 
 def configs() -> list[dict]:
@@ -244,6 +250,10 @@ def gap_eval(out_dir: Path) -> None:
             "global (auto)": lambda x: solve_global(x, 2, cap.to(device)),
             "global-torch": lambda x: solve_global(x, 2, cap.to(device), backend="torch"),
         }
+        if global_cuda.supported(aff.to(device), 2) and global_triton.supported(aff.to(device), 2):
+            variants["global-triton"] = lambda x: solve_global(
+                x, 2, cap.to(device), backend="triton"
+            )
         if global_triton.supported(aff.to(device), 2):
             for label, opts in kernel_variants(16).items():
                 if label in GAP_EVAL_VARIANTS:
@@ -293,22 +303,23 @@ def bench_config(c: dict, ref: dict, device: torch.device, reps: int, sets: int)
     cap = data[0][2].to(device)
     opt = torch.tensor(ref[key(c)]["optimum"], dtype=torch.float64) if key(c) in ref else None
     rows = []
-    fused = global_triton.supported(affs[0], k)
-    large = not fused and global_large.preferred(affs[0], k)
-    hybrid = not fused and not large and global_triton.cycle_supported(affs[0], k)
+    cuda = global_cuda.supported(affs[0], k)
+    fused = not cuda and global_triton.supported(affs[0], k)
+    large = not cuda and not fused and global_large.preferred(affs[0], k)
+    hybrid = not (cuda or fused or large) and global_triton.cycle_supported(affs[0], k)
     solvers = solvers_for(k, cap)
-    if not fused and not hybrid:
+    if not (cuda or fused or hybrid):
         del solvers["global-torch"]  # "global" is the PyTorch path already
-    if fused and (e, k) == (16, 2) and g == 32 and c["bias"] == 1.0:
-        # Speed / gap trade-offs of the fused kernel (see flow_solver_notes.md).
-        for label, opts in kernel_variants(e).items():
-            solvers[label] = lambda x, o=opts: fused_call(x, k, cap, o)
+    if cuda and global_triton.supported(affs[0], k):  # the previous fast path, same inputs
+        solvers["global-triton"] = lambda x: solve_global(x, k, cap, backend="triton")
     for name, solver in solvers.items():
         inputs = logits if name == "megatron-sinkhorn" else affs
         row: dict = {**c, "method": name}
         if name == "global":
             row["backend"] = (
-                "triton"
+                "cuda"
+                if cuda
+                else "triton"
                 if fused
                 else "multi-CTA triton"
                 if large

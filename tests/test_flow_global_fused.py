@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flow_helpers as fh
+from maxscore.routing.flow import global_triton
 from maxscore.routing.flow.global_solver import default_budget, fused_budget
 
 
@@ -79,3 +80,104 @@ def test_lists_cuda_graph_and_gap_targets() -> None:
     fh.check_constraints(eager, 2, cap, 16)
     gaps = fh.optimality_gaps(x.cpu(), eager, 2, cap.cpu())
     assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
+
+
+SHORT_CAPACITIES = [
+    [12] * 8,  # capacity factor 0.75: 96 < 128 slots
+    [0, 20, 5, 16, 12, 8, 20, 10],  # unequal, a zero capacity
+    [64, 0, 0, 0, 10, 10, 10, 10],  # one unbounded expert, three closed
+]
+
+
+@pytest.mark.parametrize("capacity", SHORT_CAPACITIES)
+def test_short_capacity_keeps_best_tokens(capacity: list[int]) -> None:
+    """Total capacity below n k: overload is unavoidable, so each overloaded expert keeps its
+    best tokens and drops the rest (the PyTorch path's rule), not the round-robin assignment.
+    Eq. 7 exact, as many filled slots as the capacities allow, objective within 1% of the
+    PyTorch path's: both drop per expert after phase 4, so neither is the exact max-weight
+    maximum flow (gaps to it up to ~1.6% on these instances; round-robin: 24-60%)."""
+    from maxscore.routing.flow import flow_objective
+    from maxscore.routing.flow.global_solver import _round_robin, solve_global
+
+    device = fh.triton_device()
+    if device is None:
+        pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
+    n, e, k = 64, 8, 2
+    x = fh.instances(11 + sum(capacity), 4, n, e, 1.0)
+    cap = torch.tensor(capacity)
+    assert global_triton.supported(x.to(device), k)
+    fused = solve_global(x.to(device), k, cap.to(device), backend="triton").cpu()
+    torch_path = solve_global(x, k, cap, backend="torch")
+    fh.check_constraints(fused, k, cap, e)
+    filled = (fused >= 0).sum((1, 2))
+    assert bool((filled == min(n * k, sum(capacity))).all()), filled
+    assert bool((filled >= (torch_path >= 0).sum((1, 2))).all())
+    got, ref = flow_objective(x, fused), flow_objective(x, torch_path)
+    assert bool((got >= ref - 1e-2 * ref.abs()).all()), (got, ref)
+    gaps = fh.optimality_gaps(x, fused, k, cap)
+    assert gaps.min() >= -1e-9 and gaps.max() <= 3e-2, gaps
+    robin = _round_robin(cap.expand(4, e), n, k)
+    assert not any(torch.equal(fused[g], robin[g]) for g in range(4))
+    # Slots in decreasing affinity, empty slots last.
+    values = torch.where(fused >= 0, x.gather(-1, fused.clamp_min(0)), -1.0)
+    assert bool((values[..., :-1] >= values[..., 1:]).all())
+
+
+if global_triton.AVAILABLE:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _keep_best_probe(a_ptr, held_ptr, cap_ptr, out_ptr, N: tl.constexpr, E: tl.constexpr):
+        rn = tl.arange(0, N)
+        re = tl.arange(0, E)
+        offs = rn[:, None] * E + re[None, :]
+        a = tl.load(a_ptr + offs)
+        held = tl.load(held_ptr + offs) != 0
+        cap = tl.load(cap_ptr + re)
+        over = tl.sum(held.to(tl.int32), axis=0) > cap
+        kept = global_triton._keep_best(a, held, cap, over)
+        tl.store(out_ptr + offs, kept.to(tl.int8))
+
+
+def test_keep_best_selection_ties() -> None:
+    """The fused kernel's keep-best selection equals the PyTorch rule exactly: each overloaded
+    column keeps its ``cap`` held entries by (affinity desc, token asc), ``-0.0 == 0.0``; heavy
+    ties, negative values, a zero capacity and columns within capacity (left unchanged)."""
+    device = fh.triton_device()
+    if device is None:
+        pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
+    n, e = 64, 8
+    gen = torch.Generator().manual_seed(5)
+    levels = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 1e-30, 3.0, -2e-38])
+    a = levels[torch.randint(0, len(levels), (n, e), generator=gen)]
+    a[:, 7] = torch.where(torch.arange(n) < n // 2, -0.0, 0.0)  # equal: lower tokens first
+    held = torch.rand(n, e, generator=gen) < 0.4
+    cap = torch.tensor([0, 3, 5, 64, 9, 1, 20, 2], dtype=torch.int32)
+    out = torch.empty(n, e, dtype=torch.int8, device=device)
+    _keep_best_probe[(1,)](
+        a.to(device), held.to(torch.int8).to(device), cap.to(device), out, N=n, E=e
+    )
+    key = torch.where(held, -a, torch.inf)
+    rank = torch.empty(n, e, dtype=torch.long).scatter_(
+        0, torch.sort(key, dim=0, stable=True).indices, torch.arange(n).view(-1, 1).expand(n, e)
+    )
+    expect = held & (rank < cap)
+    assert bool((held.sum(0) > cap).sum() >= 5)  # most columns overloaded
+    assert torch.equal(out.cpu().bool(), expect)
+
+
+def test_round_robin_fallback_slots_ordered() -> None:
+    """Enough capacity but overload left (identical tokens, no repair / cycle rounds): the
+    round-robin fallback, its slots in decreasing affinity like every other output."""
+    from maxscore.routing.flow.global_solver import _finalize, _round_robin
+
+    device = fh.triton_device()
+    if device is None:
+        pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
+    n, e, k = 64, 8, 2
+    x = fh.instances(4, 2, 1, e, 0.5).expand(2, n, e).contiguous()
+    cap = torch.tensor([0, 20, 20, 20, 20, 20, 20, 20]).expand(2, e)
+    budget = {**fused_budget(default_budget(e)), "repair_rounds": 0, "cycle_rounds": 1}
+    out = global_triton.solve_triton(x.to(device), k, cap.to(device), **budget).cpu()
+    assert torch.equal(out, _finalize(x, _round_robin(cap, n, k), cap))

@@ -31,11 +31,14 @@ and a call is capturable in a CUDA graph. Phases (same mathematics as the module
    pointer-doubling search of :func:`.global_triton._cycle_moves` (the same rules as the fused and
    the single-program cycle kernels) and applies the moves. A round that moves nothing sets a
    per-group flag and the later rounds return at once.
-5. **Output**: each token's held experts in decreasing affinity. A group still above some capacity
-   (when ``sum_j c_j < n k``, when the budgets are cut to zero, and measured on skewed logits with
-   e = 64 or some with k = 6, where the budget ends before the overload has drained) gets the
-   round-robin assignment, which is always feasible and fills as many slots as the capacities allow (the
-   fused kernel's rule), so Eq. 7 holds exactly on every input.
+5. **Output**: each token's held experts in decreasing affinity, the PyTorch path's rule for a
+   group still above some capacity, so Eq. 7 holds exactly on every input. Where the overload is
+   unavoidable (``sum_j min(c_j, n) < n k``, e.g. a capacity factor below 1), each overloaded
+   expert keeps its ``c_j`` best tokens (ties: lower token index; an exact radix select on the
+   affinities' order keys, a few launches that return at once in the other groups) and the
+   others lose that slot (``-1``). Otherwise (the budgets cut to zero, or measured on skewed
+   logits with e = 64 or some with k = 6, where the budget ends before the overload has drained)
+   the group gets the round-robin assignment, which is always feasible.
 
 Applies on CUDA (or under ``TRITON_INTERPRET=1``) for ``e`` a power of two, ``2 <= e <= 64``,
 ``1 <= k < e``, any ``n``; :func:`.global_solver.solve_global` runs it for ``backend="large"``,
@@ -60,11 +63,20 @@ if AVAILABLE:
     import triton
     import triton.language as tl
 
-    from .global_triton import _best_moves, _cycle_moves, _thresholds, _top_k
+    from .global_triton import (
+        _best_moves,
+        _cycle_moves,
+        _ordered_key,
+        _round_robin_mask,
+        _thresholds,
+        _top_k,
+    )
 
 __all__ = ["AVAILABLE", "LargeOptions", "preferred", "solve_large", "supported"]
 
 MAX_EXPERTS = 64
+_KEEP_BINS = 2048  # phase 5's radix select: bins per digit, and the digits (shift, width)
+_KEEP_DIGITS = ((21, 11), (10, 11), (0, 10))
 
 
 class LargeOptions(NamedTuple):
@@ -541,6 +553,174 @@ if AVAILABLE:
                 tl.store(done_ptr + g, 1)
 
     @triton.jit
+    def _short_overload(load, cap, N, K: tl.constexpr):
+        """Which experts are over capacity, whether the overload is unavoidable
+        (``sum_j min(c_j, n) < n k``: phase 5 then drops it instead of the round-robin fallback),
+        and whether the group is over capacity at all."""
+        over = load > cap
+        overloaded = tl.sum(over.to(tl.int32), axis=0) > 0
+        short = tl.sum(tl.minimum(cap, N), axis=0) < N * K
+        return over, overloaded & short, overloaded
+
+    @triton.jit
+    def _group_flags(load_ptr, cap_ptr, N, E: tl.constexpr, K: tl.constexpr):
+        """:func:`_short_overload` of the program's group (``E`` loads each, nothing else: the
+        selection launches read their tiles only where the overload is to be dropped)."""
+        g = tl.program_id(0).to(tl.int64)
+        re = tl.arange(0, E)
+        return _short_overload(tl.load(load_ptr + g * E + re), tl.load(cap_ptr + g * E + re), N, K)
+
+    @triton.jit
+    def _keep_hist_kernel(
+        a_ptr,
+        held_ptr,
+        load_ptr,
+        cap_ptr,
+        sel_ptr,
+        hist_ptr,
+        N,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        T: tl.constexpr,
+        NB: tl.constexpr,
+        SHIFT: tl.constexpr,
+        W: tl.constexpr,
+    ):
+        """Phase 5's keep-best selection, one radix pass (only in groups with unavoidable
+        overload): per overloaded expert, a histogram of the ``W``-bit digit at ``SHIFT`` of the
+        held entries' order keys whose higher digits equal the prefix chosen so far."""
+        over, drop, _overloaded = _group_flags(load_ptr, cap_ptr, N, E, K)
+        if drop:
+            g, _rt, re, _inside, held, a, _load, _cap = _tile_state(
+                a_ptr, held_ptr, load_ptr, cap_ptr, N, E, T
+            )
+            u = _ordered_key(a) ^ (-2147483648)  # unsigned order as bit patterns
+            take = held & over[None, :]  # held is False outside the group
+            if SHIFT + W < 32:
+                prefix = tl.load(sel_ptr + g * 2 * E + re)
+                high = (u >> (SHIFT + W)) & ((1 << (32 - SHIFT - W)) - 1)
+                take = take & (high == prefix[None, :])
+            digit = (u >> SHIFT) & ((1 << W) - 1)
+            tl.atomic_add(hist_ptr + g * E * NB + re[None, :] * NB + digit, 1, mask=take)
+
+    @triton.jit
+    def _keep_select_kernel(
+        hist_ptr,
+        sel_ptr,
+        load_ptr,
+        cap_ptr,
+        N,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        NB: tl.constexpr,
+        W: tl.constexpr,
+        FIRST: tl.constexpr,
+    ):
+        """One program per group and expert ``j``: the digit bin holding ``j``'s ``rem``-th
+        largest key (``rem = c_j`` at the first pass); appends it to the prefix, leaves in ``rem``
+        how many of the prefix's entries are still to keep, and resets the histogram row. After
+        the last pass the prefix is the ``c_j``-th largest key and ``rem`` its ties to keep."""
+        g = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        re = tl.arange(0, E)
+        over, drop, _overloaded = _group_flags(load_ptr, cap_ptr, N, E, K)
+        is_over = tl.sum(tl.where(re == j, over.to(tl.int32), 0), axis=0) > 0
+        if drop & is_over:
+            rb = tl.arange(0, NB)
+            h_ptrs = hist_ptr + g * E * NB + j * NB + rb
+            hist = tl.load(h_ptrs)
+            if FIRST:
+                rem = tl.load(cap_ptr + g * E + j)
+                prefix = tl.zeros([], dtype=tl.int32)
+            else:
+                rem = tl.load(sel_ptr + g * 2 * E + E + j)
+                prefix = tl.load(sel_ptr + g * 2 * E + j)
+            tl.debug_barrier()  # every lane has read the histogram and the state before writes
+            tl.store(h_ptrs, tl.zeros([NB], dtype=tl.int32))
+            total = tl.sum(hist, axis=0)
+            ge = total - tl.cumsum(hist, axis=0) + hist  # entries in bins >= b (non-increasing)
+            # the highest digit with >= rem entries at or above it (cap 0: the top one, no key)
+            fits = (ge >= rem) & (rb < (1 << W))
+            top = tl.sum(fits.to(tl.int32), axis=0) - 1
+            gt = tl.sum(tl.where(rb > top, hist, 0), axis=0)
+            tl.store(sel_ptr + g * 2 * E + j, (prefix << W) | top)
+            tl.store(sel_ptr + g * 2 * E + E + j, rem - gt)
+
+    @triton.jit
+    def _keep_state(a, held, over, sel_ptr, g, re, E: tl.constexpr):
+        """Order keys of the tile, the final selection (``v_j`` = ``c_j``-th largest key, ``rem_j``
+        of its ties to keep) and the tile's entries tied at ``v_j`` in overloaded columns."""
+        key = _ordered_key(a)
+        v = tl.load(sel_ptr + g * 2 * E + re) ^ (-2147483648)  # back to signed order keys
+        rem = tl.load(sel_ptr + g * 2 * E + E + re)
+        tie = held & over[None, :] & (key == v[None, :])
+        return key, v, rem, tie
+
+    @triton.jit
+    def _keep_ties_kernel(
+        a_ptr,
+        held_ptr,
+        load_ptr,
+        cap_ptr,
+        sel_ptr,
+        tie_ptr,
+        N,
+        NBLK: tl.constexpr,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        T: tl.constexpr,
+    ):
+        """Per program and expert: the tile's held entries tied at the selected key (their rank in
+        token order is an exclusive prefix over the programs, in :func:`_keep_drop_kernel`)."""
+        over, drop, _overloaded = _group_flags(load_ptr, cap_ptr, N, E, K)
+        if drop:
+            g, _rt, re, _inside, held, a, _load, _cap = _tile_state(
+                a_ptr, held_ptr, load_ptr, cap_ptr, N, E, T
+            )
+            _key, _v, _rem, tie = _keep_state(a, held, over, sel_ptr, g, re, E)
+            blk = tl.program_id(1)
+            tl.store(tie_ptr + g * NBLK * E + blk * E + re, tl.sum(tie.to(tl.int32), axis=0))
+
+    @triton.jit
+    def _keep_drop_kernel(
+        a_ptr,
+        held_ptr,
+        load_ptr,
+        cap_ptr,
+        sel_ptr,
+        tie_ptr,
+        N,
+        NBLK: tl.constexpr,
+        E: tl.constexpr,
+        K: tl.constexpr,
+        T: tl.constexpr,
+        PB: tl.constexpr,
+    ):
+        """End of the selection: each overloaded expert keeps the held entries above its selected
+        key and the first ``rem`` tied at it in token order (earlier programs' ties: an exclusive
+        prefix over the grid); the others are cleared from ``held`` (the loads are left as they
+        were, :func:`_output_kernel` reads them)."""
+        over, drop, _overloaded = _group_flags(load_ptr, cap_ptr, N, E, K)
+        if drop:
+            g, rt, re, _inside, held, a, _load, _cap = _tile_state(
+                a_ptr, held_ptr, load_ptr, cap_ptr, N, E, T
+            )
+            key, v, rem, tie = _keep_state(a, held, over, sel_ptr, g, re, E)
+            blk = tl.program_id(1)
+            off = tl.zeros([E], dtype=tl.int32)
+            rp = tl.arange(0, PB)
+            for c in range(0, NBLK, PB):
+                rows = c + rp
+                ptrs = tie_ptr + g * NBLK * E + rows[:, None] * E + re[None, :]
+                off += tl.sum(tl.load(ptrs, mask=(rows < blk)[:, None], other=0), axis=0)
+            ti = tie.to(tl.int32)
+            rank = tl.cumsum(ti, axis=0) - ti + off[None, :]  # among the ties, in token order
+            keep = (key > v[None, :]) | (tie & (rank < rem[None, :]))
+            gone = held & over[None, :] & ~keep
+            offs = g * N * E + rt[:, None] * E + re[None, :]
+            tl.store(held_ptr + offs, tl.zeros([T, E], dtype=tl.int8), mask=gone)
+
+    @triton.jit
     def _output_kernel(
         a_ptr,
         held_ptr,
@@ -552,23 +732,22 @@ if AVAILABLE:
         K: tl.constexpr,
         T: tl.constexpr,
     ):
-        """Phase 5: slots in decreasing affinity; round-robin if the group is still infeasible."""
+        """Phase 5: slots in decreasing affinity (empty slots ``-1``, last); round-robin if the
+        group is still over capacity although ``sum_j min(c_j, n) >= n k`` (with less, the
+        overload was dropped from ``held`` by :func:`_keep_drop_kernel`)."""
         NEG: tl.constexpr = -1.0e30
         g, rt, re, inside, held, a, load, cap = _tile_state(
             a_ptr, held_ptr, load_ptr, cap_ptr, N, E, T
         )
-        bad = tl.sum((load > cap).to(tl.int32), axis=0) > 0
-        bound = tl.cumsum(cap, axis=0)
+        _over, drop, overloaded = _short_overload(load, cap, N, K)
         col = re[None, :] + 0 * rt[:, None]
+        if overloaded & ~drop:  # as a mask, so that its slots are ordered like the others
+            held = _round_robin_mask(cap, rt, col, N, K) & inside[:, None]
         work = tl.where(held, a, NEG)
         for r in tl.static_range(K):
             m, am = tl.max(work, axis=1, return_indices=True)
             work = tl.where(col == am[:, None], NEG, work)
-            pos = r * N + rt
-            rr = tl.sum((bound[None, :] <= pos[:, None]).to(tl.int32), axis=1)
-            rr = tl.where(rr < E, rr, -1)
             choice = tl.where(m > 0.5 * NEG, am.to(tl.int32), -1)
-            choice = tl.where(bad, rr, choice)
             tl.store(out_ptr + g * N * K + rt * K + r, choice.to(tl.int64), mask=inside)
 
 
@@ -610,9 +789,12 @@ def solve_large(
 
     # Workspace: one zeroed int32 block for counts, histograms, loads and flags.
     n_cnt, n_hist, n_bc = groups * e * m, groups * e * nb, groups * nblk * 2 * e
-    ws = torch.zeros(n_cnt + 2 * n_hist + n_bc + groups * e + groups, dtype=torch.int32, device=dev)
-    cnt, hsrc, hdst, bc, load, done = torch.split(
-        ws, [n_cnt, n_hist, n_hist, n_bc, groups * e, groups]
+    n_keep = groups * e * _KEEP_BINS
+    ws = torch.zeros(
+        n_cnt + 2 * n_hist + n_bc + groups * e + groups + n_keep, dtype=torch.int32, device=dev
+    )
+    cnt, hsrc, hdst, bc, load, done, khist = torch.split(
+        ws, [n_cnt, n_hist, n_hist, n_bc, groups * e, groups, n_keep]
     )
     key = torch.zeros(groups * e * e, dtype=torch.int64, device=dev)
     lo_min, hi_max = torch.aminmax(a.reshape(groups, n * e), dim=-1)
@@ -696,5 +878,59 @@ def solve_large(
             num_warps=4,
         )
     # Phase 5: output.
-    _output_kernel[grid_tok](a, held, load, cap, out, n, E=e, K=k, T=t, num_warps=nw)
+    _output(a, held, load, cap, khist, out, t, nw)
     return out
+
+
+def _output(
+    a: Tensor,
+    held: Tensor,
+    load: Tensor,
+    cap: Tensor,
+    khist: Tensor,
+    out: Tensor,
+    t: int,
+    num_warps: int,
+) -> None:
+    """Phase 5 (Eq. 7 exactly) into ``out`` (``[G, n, k]``) from the ``[G, n, e]`` int8 mask
+    ``held``, its ``[G, e]`` int32 loads and the capacities; ``khist`` is a zeroed int32
+    workspace of ``G * e * _KEEP_BINS`` (left zeroed).
+
+    Groups with unavoidable overload (``sum_j min(c_j, n) < n k``) first select each overloaded
+    expert's ``c_j`` best tokens (the PyTorch path's ``_finalize``): a radix select on the order
+    keys (digits of 11, 11 and 10 bits, a histogram and a per-expert pick each), then the ties'
+    ranks in token order. In every other group these launches return at once.
+    """
+    groups, n, e = a.shape
+    k = out.shape[-1]
+    nblk = triton.cdiv(n, t)
+    grid_tok = (groups, nblk)
+    sel = torch.empty(groups, 2, e, dtype=torch.int32, device=a.device)  # prefix, rem
+    ties = torch.empty(groups, nblk, e, dtype=torch.int32, device=a.device)
+    for first, (shift, width) in enumerate(_KEEP_DIGITS):
+        _keep_hist_kernel[grid_tok](
+            a,
+            held,
+            load,
+            cap,
+            sel,
+            khist,
+            n,
+            E=e,
+            K=k,
+            T=t,
+            NB=_KEEP_BINS,
+            SHIFT=shift,
+            W=width,
+            num_warps=num_warps,
+        )
+        _keep_select_kernel[(groups, e)](
+            khist, sel, load, cap, n, E=e, K=k, NB=_KEEP_BINS, W=width, FIRST=first == 0
+        )
+    _keep_ties_kernel[grid_tok](
+        a, held, load, cap, sel, ties, n, NBLK=nblk, E=e, K=k, T=t, num_warps=num_warps
+    )
+    _keep_drop_kernel[grid_tok](
+        a, held, load, cap, sel, ties, n, NBLK=nblk, E=e, K=k, T=t, PB=64, num_warps=num_warps
+    )
+    _output_kernel[grid_tok](a, held, load, cap, out, n, E=e, K=k, T=t, num_warps=num_warps)

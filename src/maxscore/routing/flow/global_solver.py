@@ -66,10 +66,17 @@ import torch
 from torch import Tensor
 
 from ..types import DROPPED, assignment_matrix
-from . import global_large, global_triton
+from . import global_cuda, global_large, global_triton
 from .registry import FlowSolverSpec, register_flow_solver
 
-__all__ = ["GlobalSolverBudget", "default_budget", "expert_prices", "fused_budget", "solve_global"]
+__all__ = [
+    "GlobalSolverBudget",
+    "cuda_budget",
+    "default_budget",
+    "expert_prices",
+    "fused_budget",
+    "solve_global",
+]
 
 
 class GlobalSolverBudget(NamedTuple):
@@ -97,6 +104,22 @@ def fused_budget(budget: GlobalSolverBudget) -> dict[str, int]:
     """``budget`` as the step-count keywords of :func:`.global_triton.solve_triton`: the fused
     kernel's repair moves at most one token per expert per round, so it gets twice the rounds."""
     return {**budget._asdict(), "repair_rounds": 2 * budget.repair_rounds}
+
+
+def cuda_budget(budget: GlobalSolverBudget) -> dict[str, int]:
+    """``budget`` as the step counts of :func:`.global_cuda.solve_cuda`.
+
+    The CUDA kernel's steps are cheap (a price step ~3 us, a cycle round ~2-8 us on an H200), so
+    it takes a third more price steps and twice the cycle rounds (early exit keeps the typical
+    group at ~10): better prices leave fewer cycles for the slowest group, and the extra rounds
+    move the overload of adversarial groups (a popular expert of zero capacity needs ~25) instead
+    of falling back to round-robin. Measured in ``benchmarks/flow_solver_notes.md`` (round 4).
+    """
+    return {
+        **fused_budget(budget),
+        "price_iterations": -(-4 * budget.price_iterations // 3),
+        "cycle_rounds": 2 * budget.cycle_rounds,
+    }
 
 
 def _effective_capacity(
@@ -290,7 +313,7 @@ def solve_global(
     repair_rounds: int | None = None,
     cycle_rounds: int | None = None,
     bf_iterations: int | None = None,
-    backend: Literal["auto", "torch", "triton", "large"] = "auto",
+    backend: Literal["auto", "torch", "cuda", "triton", "large"] = "auto",
 ) -> Tensor:
     """Solve Eq. (8) over Eq. (7)'s feasible set, batched over routing groups, without host sync.
 
@@ -304,11 +327,13 @@ def solve_global(
         cycle_rounds: cycle-cancelling rounds (phase 4).
         bf_iterations: Bellman-Ford relaxations per cycle round (``e + 1`` always finds a positive
             cycle when one exists; fewer find the short ones).
-        backend: ``"auto"`` runs the fused Triton kernel (:mod:`.global_triton`) where it applies
-            (CUDA, Triton importable, ``n`` and ``e`` powers of two, ``n e <= 8192``, ``k < e``),
-            else the PyTorch path, with phase 4 as one Triton launch where that applies (CUDA,
+        backend: ``"auto"`` runs the CUDA kernel (:mod:`.global_cuda`) where it applies (CUDA
+            with NVRTC, ``n <= 1024``, ``e <= 31``, ``k < e``), else the fused Triton kernel
+            (:mod:`.global_triton`) where it applies (CUDA, Triton importable, ``n`` and ``e``
+            powers of two, ``n e <= 8192``, ``k < e``), else the PyTorch path, with phase 4 as one Triton launch where that applies (CUDA,
             ``e`` a power of two, ``e <= 32``, ``k < e``); ``"torch"`` forces pure PyTorch,
-            ``"triton"`` the fused kernel (it raises if the kernel does not apply);
+            ``"cuda"`` the CUDA kernel and ``"triton"`` the fused Triton kernel (each raises if
+            it does not apply);
             ``"large"`` the multi-CTA Triton path for large groups (:mod:`.global_large`: CUDA,
             ``e`` a power of two, ``e <= 64``, ``k < e``, any ``n``; opt-in for now, see
             ``benchmarks/flow_solver_large.md``).
@@ -329,6 +354,12 @@ def solve_global(
     cycle_rounds = budget.cycle_rounds if cycle_rounds is None else cycle_rounds
     relaxations = budget.bf_iterations if bf_iterations is None else bf_iterations
     cap = _effective_capacity(capacity, groups, n, e, scores.device)
+
+    use_cuda = backend == "cuda" or (backend == "auto" and global_cuda.supported(scores, k))
+    if use_cuda:
+        steps = GlobalSolverBudget(price_iterations, repair_rounds, cycle_rounds, relaxations)
+        out = global_cuda.solve_cuda(scores, k, cap, **cuda_budget(steps))
+        return out[0] if single else out
 
     use_triton = backend == "triton" or (backend == "auto" and global_triton.supported(scores, k))
     if use_triton:

@@ -22,10 +22,12 @@ PyTorch path, all for speed and all still with a fixed number of steps:
   lists, and the graph phase runs on one-lane-per-node vectors (``tl.gather`` shuffles, no block
   barrier); measured 0.59 -> 0.39 ms for 32 x 512, e=16, k=2 (H200, benchmarks/flow_solver_notes.md,
   round 3), same gaps. With more list tiles per round (k=6) the sweep above stays faster;
-- a group still over capacity after every round (never seen on random instances with enough
-  capacity; seen on an adversarial one, a zero-capacity expert that every token prefers, whose
-  overload drains one token per cycle round) gets the round-robin assignment, which is always feasible; with total capacity short
-  of ``n k`` that is also what it returns (a maximum number of filled slots, affinities ignored).
+- a group still over capacity after every round follows the PyTorch path's final step (Eq. 7
+  exactly): with total capacity short of ``n k`` (``sum_j min(c_j, n) < n k``, overload
+  unavoidable) each overloaded expert keeps its ``c_j`` best tokens and drops the others
+  (:func:`_keep_best`, run only then); with enough capacity (never seen on random instances;
+  seen on an adversarial one, a zero-capacity expert that every token prefers, whose overload
+  drains one token per cycle round) it gets the round-robin assignment, which is always feasible.
 
 Fast path only: CUDA, ``n`` and ``e`` powers of two, ``n * e <= 8192``, ``k < e``. For larger
 groups :func:`cancel_cycles` runs phase 4 alone (same rules, one program per group, the mask in
@@ -111,6 +113,55 @@ if AVAILABLE:
             held = held | sel
             work = tl.where(sel, -1.0e30, work)
         return held
+
+    @triton.jit
+    def _ordered_key(a):
+        """int32 keys in the order of the float affinities ``a`` (``-0.0`` and ``0.0`` equal, as
+        in a sort): exact comparisons and ties, and a bisection of at most 32 steps."""
+        bits = tl.where(a == 0.0, 0.0, a).to(tl.int32, bitcast=True)
+        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+    @triton.jit
+    def _keep_best(a, held, cap, over):
+        """Eq. 7's capacity bound on an over-full 0/1 matrix ``held`` (``[R, E]``, one group):
+        each column flagged in ``over`` keeps its ``cap`` held entries of largest ``a`` (ties:
+        lower row, i.e. token, first) and drops the rest; other columns are returned unchanged.
+
+        The PyTorch path's ``_finalize`` rule. Exact selection without sorting: a 32-step
+        bisection on the int32 keys of :func:`_ordered_key` finds each column's ``cap``-th largest
+        held key ``v`` (one count over the rows per step); every entry above ``v`` is kept, and of
+        those equal to ``v`` the first ``cap - #above`` in row order (a cumulative count).
+        """
+        key = _ordered_key(a)
+        # Invariant: #{held, key >= lo} >= cap > #{held, key >= hi} (cap = 0: lo ends at 2^31-1).
+        lo = tl.full(cap.shape, -2147483648, dtype=tl.int64)
+        hi = tl.full(cap.shape, 2147483648, dtype=tl.int64)
+        for _b in range(32):
+            mid = (lo + hi) >> 1
+            cnt = tl.sum((held & (key >= mid.to(tl.int32)[None, :])).to(tl.int32), axis=0)
+            up = cnt >= cap
+            lo = tl.where(up, mid, lo)
+            hi = tl.where(up, hi, mid)
+        v = lo.to(tl.int32)[None, :]
+        above = held & (key > v)
+        tie = held & (key == v)
+        quota = cap - tl.sum(above.to(tl.int32), axis=0)
+        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based, in row order
+        keep = above | (tie & (tie_rank <= quota[None, :]))
+        return held & (keep | ~over[None, :])
+
+    @triton.jit
+    def _round_robin_mask(cap, rows, col, N, K: tl.constexpr):
+        """The round-robin fallback (the PyTorch path's ``_round_robin``) as a 0/1 mask of the
+        tokens ``rows``: slot position ``r n + i`` goes to the expert whose block of ``c_j``
+        consecutive positions holds it (none past the last block)."""
+        bound = tl.cumsum(cap, axis=0)
+        mask = col < 0
+        for r in tl.static_range(K):
+            pos = r * N + rows
+            rr = tl.sum((bound[None, :] <= pos[:, None]).to(tl.int32), axis=1)
+            mask = mask | (col == rr[:, None])
+        return mask
 
     @triton.jit
     def _select(thr, lo, hi, cap, STEPS: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr):
@@ -619,20 +670,27 @@ if AVAILABLE:
             if STATS:
                 tl.store(stats_ptr + g * 4 + 1, cyc)
 
-        # ---- Output: slots by decreasing affinity; round-robin fallback if still infeasible.
+        # ---- Output: slots by decreasing affinity (empty slots -1, last). Still over capacity
+        # (the PyTorch path's _finalize rule): with sum_j min(c_j, n) < n k the overload cannot
+        # be avoided, so each overloaded expert keeps its best tokens and drops the others;
+        # otherwise (the budget ran out) the group falls back to the round-robin assignment.
         if CYCLES > 0 and LISTS:  # reloaded: the affinities need no registers during phase 4
             a = tl.load(a_ptr + g * N * E + rn[:, None] * E + re[None, :])
         load = tl.sum(held.to(tl.int32), axis=0)
-        bad = (tl.sum(tl.where(load > cap, 1, 0), axis=0) > 0) & (not NO_FALLBACK)
-        bound = tl.cumsum(cap, axis=0)
+        over = load > cap
+        overloaded = (tl.sum(over.to(tl.int32), axis=0) > 0) & (not NO_FALLBACK)
+        enough = tl.sum(tl.minimum(cap, N), axis=0) >= N * K
+        bad = overloaded & enough
+        # Runtime branches: neither costs anything in a group within capacity.
+        if overloaded & (not enough):
+            held = _keep_best(a, held, cap, over)
+        if bad:  # as a mask, so that its slots are ordered like the others
+            held = _round_robin_mask(cap, rn, col, N, K)
         work = tl.where(held, a, NEG)
         for r in tl.static_range(K):
-            _m, am = tl.max(work, axis=1, return_indices=True)
+            m, am = tl.max(work, axis=1, return_indices=True)
             work = tl.where(col == am[:, None], NEG, work)
-            pos = r * N + rn
-            rr = tl.sum(tl.where(bound[None, :] <= pos[:, None], 1, 0), axis=1)
-            rr = tl.where(rr < E, rr, -1)
-            choice = tl.where(bad, rr, am.to(tl.int32))
+            choice = tl.where(m > 0.5 * NEG, am.to(tl.int32), -1)  # a dropped slot: empty
             tl.store(out_ptr + g * N * K + rn * K + r, choice.to(tl.int64))
 
     @triton.jit

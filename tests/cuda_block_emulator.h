@@ -1,0 +1,162 @@
+// A CPU emulator of one CUDA thread block, enough to run global_fused.cu under g++ in the tests:
+// one std::thread per CUDA thread, __syncthreads as a block barrier, warp intrinsics (ballot,
+// shuffles) through a per-warp exchange buffer and a warp barrier, atomics through
+// std::atomic_ref. Blocks run one after another. Every warp intrinsic in the kernel is called by
+// all 32 lanes of a warp (uniform control flow), which is what this emulation requires.
+#pragma once
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(...)
+#define __align__(x) alignas(x)
+#define __shared__ static
+#define extern_c_kernel
+
+struct Dim3 {
+  int x = 0;
+};
+inline thread_local Dim3 threadIdx;
+inline Dim3 blockIdx;
+
+struct BlockState {
+  std::unique_ptr<std::barrier<>> block;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::vector<uint64_t> exchange;  // [warps * 32]
+  std::atomic<int> or_acc[2];
+};
+inline BlockState* g_block = nullptr;
+inline thread_local int t_or_parity = 0;
+alignas(16) inline unsigned char g_dynamic_shared[256 * 1024];
+#define DYNAMIC_SHARED(name) unsigned char* name = g_dynamic_shared
+
+inline void __syncthreads() { g_block->block->arrive_and_wait(); }
+inline void __syncwarp() { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
+inline int __syncthreads_or(int p) {
+  const int par = t_or_parity;
+  t_or_parity ^= 1;
+  if (p) g_block->or_acc[par].fetch_or(1);
+  __syncthreads();
+  const int r = g_block->or_acc[par].load();
+  __syncthreads();
+  if (threadIdx.x == 0) g_block->or_acc[par].store(0);
+  return r;
+}
+
+template <typename T>
+inline uint64_t to_bits(T v) {
+  uint64_t b = 0;
+  std::memcpy(&b, &v, sizeof(T));
+  return b;
+}
+template <typename T>
+inline T from_bits(uint64_t b) {
+  T v;
+  std::memcpy(&v, &b, sizeof(T));
+  return v;
+}
+// Every lane publishes a value, then reads lane `src`'s value.
+template <typename T>
+inline T warp_exchange(T v, int src) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto& wb = *g_block->warps[warp];
+  g_block->exchange[warp * 32 + lane] = to_bits(v);
+  wb.arrive_and_wait();
+  const T r = from_bits<T>(g_block->exchange[warp * 32 + (src & 31)]);
+  wb.arrive_and_wait();
+  return r;
+}
+inline unsigned __ballot_sync(unsigned, int p) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto& wb = *g_block->warps[warp];
+  g_block->exchange[warp * 32 + lane] = p ? 1 : 0;
+  wb.arrive_and_wait();
+  unsigned r = 0;
+  for (int l = 0; l < 32; ++l) r |= (unsigned)(g_block->exchange[warp * 32 + l] & 1) << l;
+  wb.arrive_and_wait();
+  return r;
+}
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  return warp_exchange(v, src);
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int o) {
+  return warp_exchange(v, (threadIdx.x & 31) ^ o);
+}
+inline int __reduce_add_sync(unsigned, int v) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  auto& wb = *g_block->warps[warp];
+  g_block->exchange[warp * 32 + lane] = to_bits(v);
+  wb.arrive_and_wait();
+  int total = 0;
+  for (int l = 0; l < 32; ++l) total += from_bits<int>(g_block->exchange[warp * 32 + l]);
+  wb.arrive_and_wait();
+  return total;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline int __float_as_int(float f) { return from_bits<int>(to_bits(f)); }
+inline unsigned __float_as_uint(float f) { return from_bits<unsigned>(to_bits(f)); }
+inline float __int_as_float(int i) { return from_bits<float>(to_bits(i)); }
+inline long long clock64() { return 0; }
+
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+  return std::atomic_ref<T>(*p).fetch_add(v);
+}
+template <typename T>
+inline T atomicXor(T* p, T v) {
+  return std::atomic_ref<T>(*p).fetch_xor(v);
+}
+template <typename T>
+inline T atomicMax(T* p, T v) {
+  std::atomic_ref<T> r(*p);
+  T old = r.load();
+  while (old < v && !r.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+template <typename T>
+inline T atomicMin(T* p, T v) {
+  std::atomic_ref<T> r(*p);
+  T old = r.load();
+  while (v < old && !r.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+
+// Run `kernel` over `grid` blocks of `threads` threads, one block after another.
+template <typename F>
+inline void launch_blocks(int grid, int threads, F kernel) {
+  for (int b = 0; b < grid; ++b) {
+    BlockState st;
+    st.block = std::make_unique<std::barrier<>>(threads);
+    for (int w = 0; w < threads / 32; ++w) st.warps.push_back(std::make_unique<std::barrier<>>(32));
+    st.exchange.assign(threads, 0);
+    st.or_acc[0] = 0;
+    st.or_acc[1] = 0;
+    g_block = &st;
+    blockIdx.x = b;
+    std::vector<std::thread> pool;
+    pool.reserve(threads);
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([t, &kernel] {
+        threadIdx.x = t;
+        t_or_parity = 0;
+        kernel();
+      });
+    }
+    for (auto& th : pool) th.join();
+    g_block = nullptr;
+  }
+}
