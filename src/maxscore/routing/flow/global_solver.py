@@ -43,18 +43,22 @@ exists so the constraints hold exactly on any input). If ``sum_j min(c_j, n) < n
 must stay empty (``-1``); the solver then returns a feasible assignment that need not be a
 maximum flow.
 
-Four ways to run the same phases: pure PyTorch (CPU and CUDA, capturable in a CUDA graph;
-~1,700 small kernels per call); on CUDA for groups of ``n e <= 8192`` with ``n``, ``e`` powers
-of two, one fused Triton kernel per call (:mod:`.global_triton`, one program per group, the
-group's state in registers); on CUDA for one large group with ``e <= 16``, ``k <= 2`` (the
-shapes validated on skewed logits), the multi-CTA path (:mod:`.global_large`, every phase a fixed
-number of grid-wide launches); and on CUDA for other large groups (``e`` a power of two,
-``e <= 32``), PyTorch phases 1-3 with phase 4 as one Triton launch
-(:func:`.global_triton.cancel_cycles`). Measured (``benchmarks/flow_solver_notes.md``; 100
-instances each, n=512, e=16, k=2, capacity 64): median gap 0 on balanced and skewed logits,
-worst 1.7e-7 (balanced) and 2.2e-5 / 9.6e-6 (skewed; PyTorch / fused). Time per call on an H200
-in a CUDA graph, e=16, k=2: 32 x 512 tokens 0.39 ms fused (7.6 ms PyTorch); one group of 16,384
-tokens 0.70 ms multi-CTA (11.7 ms PyTorch).
+Five ways to run the same phases: pure PyTorch (CPU and CUDA, capturable in a CUDA graph;
+~1,700 small kernels per call); on CUDA for groups of ``n <= 1024`` tokens and ``e <= 31``
+experts, one CUDA kernel per call (:mod:`.global_cuda`, NVRTC-compiled, one thread block per
+group, one thread per token; its repair moves each expert's whole overload per round, like the
+PyTorch path); where NVRTC is missing, for ``n``, ``e`` powers of two and ``n e <= 8192``, one
+fused Triton kernel per call (:mod:`.global_triton`); on CUDA for one large group with
+``e <= 16``, ``k <= 2`` (the shapes validated on skewed logits), the multi-CTA path
+(:mod:`.global_large`); and on CUDA for other large groups (``e`` a power of two, ``e <= 32``),
+PyTorch phases 1-3 with phase 4 as one Triton launch (:func:`.global_triton.cancel_cycles`).
+Measured (``benchmarks/flow_solver_notes.md``, ``flow_solver_gpu.md``; 100 instances each,
+n=512, e=16, k=2, capacity 64): median gap 0 on balanced and skewed logits, worst 3.9e-7 (CUDA
+kernel), 1.7e-7 / 2.2e-5 (PyTorch). Time per call on an H100 in a CUDA graph, e=16, k=2:
+32 x 512 tokens 0.16 ms (CUDA kernel; Triton 0.39 ms, PyTorch 7.7 ms); one group of 16,384
+tokens 0.77 ms multi-CTA (PyTorch 11.7 ms on an H200). On a real router's nearly tied
+affinities (Base model early in training) the CUDA kernel's worst gap was 2e-3, the Triton
+kernel's (one eviction per expert per repair round) up to 0.39 (its round-robin fallback).
 """
 
 from __future__ import annotations
