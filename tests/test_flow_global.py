@@ -104,6 +104,21 @@ def test_adversarial(name: str, n: int, e: int, k: int, cap: list[int]) -> None:
     assert gaps.max() <= fh.WORST_GAP, gaps
 
 
+@pytest.mark.parametrize(("n", "e", "bound"), [(256, 32, fh.WORST_GAP), (512, 64, 2e-3)])
+def test_near_identical_rows_torch_path(n: int, e: int, bound: float) -> None:
+    """Rows = one shared vector + noise 0.1 (a router early in training), e > 16 (the PyTorch
+    path on GPUs): the default budget's 16 repair rounds clear the piled-up overload (4 left the
+    e = 64 groups to the round-robin fallback, gap ~0.18)."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 1, e, generator=gen) + 0.1 * torch.randn(3, n, e, generator=gen)
+    affinities = torch.softmax(logits, -1)
+    capacity = torch.full((e,), -(-2 * n // e))
+    index = solve_global(affinities, 2, capacity, backend="torch")
+    fh.check_constraints(index, 2, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, 2, capacity)
+    assert gaps.max() <= bound, gaps
+
+
 def test_short_capacity_is_feasible() -> None:
     """Total capacity below n*k: slots stay empty, but Eq. 7's bounds still hold."""
     affinities = fh.instances(5, 2, 64, 8, 1.0)
