@@ -183,3 +183,24 @@ def test_gpu_gap_targets_100_instances() -> None:
         fh.check_constraints(index, 2, cap, 16)
         gaps = fh.optimality_gaps(x, index, 2, cap)
         assert float(np.median(gaps)) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP
+
+
+def test_compile_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine whose NVRTC cannot build the kernel: ``"auto"`` warns once and takes the next
+    path (here the PyTorch one); ``backend="cuda"`` raises."""
+    from maxscore.routing.flow import global_solver
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise global_cuda.KernelCompileError("NVRTC compile failed: unsupported GPU architecture")
+
+    monkeypatch.setattr(global_cuda, "supported", lambda affinities, k: True)
+    monkeypatch.setattr(global_cuda, "solve_cuda", broken)
+    monkeypatch.setattr(global_cuda, "_disabled_reason", None)
+    x = fh.instances(4, 2, 32, 4, 1.0)
+    cap = torch.full((4,), 16)
+    with pytest.raises(global_cuda.KernelCompileError):
+        global_solver.solve_global(x, 2, cap, backend="cuda")
+    with pytest.warns(RuntimeWarning, match="CUDA flow-solver kernel is unavailable"):
+        index = global_solver.solve_global(x, 2, cap)
+    fh.check_constraints(index, 2, cap, 4)
+    assert global_cuda._disabled_reason is not None

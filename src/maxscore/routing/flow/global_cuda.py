@@ -13,9 +13,9 @@ runtime-compilation helpers (``torch.cuda._utils``, private; present since PyTor
 launched on the current stream, so calls are capturable in CUDA graphs and need no host sync.
 Where NVRTC or those helpers are missing, :func:`available` is false and the Triton kernel runs.
 
-Applies to CUDA tensors with ``n <= 1024`` tokens per group (one thread each), ``2 <= e <= 31``
-experts (the graph's ``e + 1`` nodes on one warp's lanes) and ``1 <= k < e``; any ``n``, not only
-powers of two.
+Applies to CUDA tensors on GPUs of compute capability 8.0 or newer with ``n <= 1024`` tokens per
+group (one thread each), ``2 <= e <= 31`` experts (the graph's ``e + 1`` nodes on one warp's
+lanes) and ``1 <= k < e``; any ``n``, not only powers of two.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "KernelCompileError",
     "available",
+    "disable",
     "kernel_defines",
     "kernel_source",
     "shared_bytes",
@@ -39,8 +41,22 @@ __all__ = [
 
 MAX_TOKENS = 1024  # one thread per token
 MAX_EXPERTS = 31  # e + 1 graph nodes on the 32 lanes of a warp; expert sets as 32-bit masks
+MIN_CAPABILITY = (8, 0)  # __reduce_add_sync (warp reductions) needs sm_80
 KERNEL_NAME = "global_fused_kernel"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+_disabled_reason: str | None = None
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC could not compile or load the kernel on this machine."""
+
+
+def disable(reason: str) -> None:
+    """Stop offering the kernel in this process (:func:`supported` is false from now on)."""
+    global _disabled_reason
+    _disabled_reason = reason
 
 
 def kernel_source() -> str:
@@ -114,13 +130,16 @@ def available() -> bool:
 
 def supported(affinities: Tensor, k: int) -> bool:
     """Whether the CUDA kernel handles this shape and device."""
-    if affinities.dim() != 3 or not affinities.is_cuda or not available():
+    if affinities.dim() != 3 or not affinities.is_cuda or _disabled_reason or not available():
         return False
     _, n, e = affinities.shape
     if not (1 <= n <= MAX_TOKENS and 2 <= e <= MAX_EXPERTS and 1 <= k < e):
         return False
-    limit = torch.cuda.get_device_properties(affinities.device).shared_memory_per_block_optin
-    return shared_bytes(n, e) + 16 * 1024 <= limit
+    props = torch.cuda.get_device_properties(affinities.device)
+    if (props.major, props.minor) < MIN_CAPABILITY:
+        return False
+    # the static part (the Shared struct, ~14 KB) comes on top of the dynamic part
+    return shared_bytes(n, e) + 16 * 1024 <= props.shared_memory_per_block_optin
 
 
 def _nvrtc_cubin(source: str, arch: str) -> bytes:
@@ -133,7 +152,8 @@ def _nvrtc_cubin(source: str, arch: str) -> bytes:
         if result != 0:
             lib.nvrtcGetErrorString.restype = ctypes.c_char_p
             text = lib.nvrtcGetErrorString(result)
-            raise RuntimeError(f"NVRTC {what} failed: {text.decode() if text else result}")
+            message = text.decode() if text else result
+            raise KernelCompileError(f"NVRTC {what} failed: {message}")
 
     check(
         lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name, 0, None, None), "create"
@@ -147,7 +167,7 @@ def _nvrtc_cubin(source: str, arch: str) -> bytes:
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        raise RuntimeError(f"NVRTC could not compile {KERNEL_NAME}:\n{log.value.decode()}")
+        raise KernelCompileError(f"NVRTC could not compile {KERNEL_NAME}:\n{log.value.decode()}")
     size = ctypes.c_size_t()
     check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
     cubin = ctypes.create_string_buffer(size.value)
@@ -164,7 +184,10 @@ def _compiled(device_index: int, defines: tuple[tuple[str, str], ...], dynamic_b
     with torch.cuda.device(device_index):
         props = torch.cuda.get_device_properties(device_index)
         cubin = _nvrtc_cubin(_with_defines(dict(defines)), f"{props.major}{props.minor}")
-        kernel = _utils._cuda_load_module(cubin, [KERNEL_NAME])[KERNEL_NAME]
+        try:
+            kernel = _utils._cuda_load_module(cubin, [KERNEL_NAME])[KERNEL_NAME]
+        except RuntimeError as exc:
+            raise KernelCompileError(f"could not load {KERNEL_NAME}: {exc}") from exc
         # Static plus dynamic shared memory above 48 KiB must be allowed explicitly (set always:
         # torch's own helper skips it when the dynamic part alone is below 48 KiB).
         libcuda = _utils._get_gpu_runtime_library()
@@ -192,8 +215,9 @@ def solve_cuda(
     ``budget``: the step counts of :func:`kernel_defines` (``price_iterations``,
     ``repair_rounds``, ``cycle_rounds``, ``bf_iterations``; optionally ``bisect0``, ``bisect``,
     ``window``, ``early_exit``). Returns ``[G, n, k]`` long expert indices, each token's experts
-    by decreasing affinity (ties: lower expert), ``-1`` last. ``stats`` (``[G, 4]`` int32), if given, receives the repair and
-    cycle rounds each group used; ``clocks`` (``[G, 8]`` int64) the SM clock at the phase
+    by decreasing affinity (ties: lower expert), ``-1`` last. ``stats`` (``[G, 4]`` int32), if
+    given, receives the repair and cycle rounds each group used; ``clocks`` (``[G, 8]`` int64)
+    the SM clock at the phase
     boundaries (load, prices, repair, cycles, finalize), for profiling.
     """
     if not supported(affinities, k):

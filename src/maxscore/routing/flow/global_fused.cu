@@ -11,8 +11,9 @@
 // Why CUDA here: a group's state fits one block's shared memory, so the dependent steps are warp
 // votes, shuffles and shared-memory round trips instead of Triton's register-tile reductions and
 // global scratch. Phase 1 gives each expert's price selection to one warp (a bisection on warp
-// sums, no block barrier per step); phase 4 gives each source expert's best moves to one warp
-// (scanning the assignment masks with ballots) and the graph to warp 0: two barriers per round.
+// sums, no block barrier per step); phase 3 selects each expert's evictions and arrivals in one
+// warp; phase 4 gives each source expert's best moves to one warp (its token list in shared
+// memory) and the graph to warp 0: two barriers per round.
 //
 // Compile-time constants (prepended by the launcher): N tokens, E experts (<= 31), K experts per
 // token (< E), THREADS (N rounded up to 32), PRICE_IT, BISECT0, BISECT, WINDOW, REPAIR, CYCLES,
@@ -25,7 +26,6 @@
 #define TOKENS_PER_LANE ((N + 31) / 32)
 #define AS (E + 1)  // padded row stride of the affinities in shared memory (no bank conflicts)
 #define NODES (E + 1)  // expert graph: experts 0..E-1 and the sink E
-#define VP ((E + 1) <= 2 ? 2 : (E + 1) <= 4 ? 4 : (E + 1) <= 8 ? 8 : (E + 1) <= 16 ? 16 : 32)
 #define DST_LANES (E <= 2 ? 2 : E <= 4 ? 4 : E <= 8 ? 8 : E <= 16 ? 16 : 32)
 
 #ifndef DYNAMIC_SHARED  // the CPU emulator of the tests defines its own

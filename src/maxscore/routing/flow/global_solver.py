@@ -64,6 +64,7 @@ kernel's (one eviction per expert per repair round) up to 0.39 (its round-robin 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Literal, NamedTuple
 
 import torch
@@ -368,8 +369,22 @@ def solve_global(
     use_cuda = backend == "cuda" or (backend == "auto" and global_cuda.supported(scores, k))
     if use_cuda:
         steps = GlobalSolverBudget(price_iterations, repair_rounds, cycle_rounds, relaxations)
-        out = global_cuda.solve_cuda(scores, k, cap, **cuda_budget(steps))
-        return out[0] if single else out
+        try:
+            out = global_cuda.solve_cuda(scores, k, cap, **cuda_budget(steps))
+        except global_cuda.KernelCompileError as exc:
+            if backend == "cuda":
+                raise
+            # A toolchain that cannot build the kernel here (e.g. an NVRTC older than the GPU):
+            # say so once and take the next path for the rest of the process.
+            warnings.warn(
+                f"maxscore: the CUDA flow-solver kernel is unavailable ({exc}); "
+                "using the Triton / PyTorch paths",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            global_cuda.disable(str(exc))
+        else:
+            return out[0] if single else out
 
     use_triton = backend == "triton" or (backend == "auto" and global_triton.supported(scores, k))
     if use_triton:
