@@ -27,14 +27,27 @@ extern "C" void run_solver(const float* a, const int* cap, long long* out, int* 
 """
 
 
+@functools.cache
 def compiler_available() -> bool:
-    return shutil.which("g++") is not None
+    """g++ with C++20 ``<barrier>`` (GCC 11+), which the emulator needs."""
+    if shutil.which("g++") is None:
+        return False
+    probe = "#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n"
+    done = subprocess.run(
+        ["g++", "-std=c++20", "-pthread", "-x", "c++", "-", "-o", "/dev/null"],
+        input=probe,
+        capture_output=True,
+        text=True,
+    )
+    return done.returncode == 0
 
 
 @functools.cache
 def _library(defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
     kernel = Path(global_cuda.__file__).with_name("global_fused.cu")
-    key = hashlib.sha256((repr(defines) + kernel.read_text()).encode()).hexdigest()[:16]
+    emulator = (HERE / "cuda_block_emulator.h").read_text()
+    text = repr(defines) + kernel.read_text() + emulator
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     build = Path(tempfile.gettempdir()) / "maxscore_cuda_emulated"
     build.mkdir(exist_ok=True)
     lib = build / f"solver_{key}.so"
