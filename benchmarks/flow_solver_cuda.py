@@ -60,6 +60,8 @@ def cuda_variants(e: int) -> dict[str, dict]:
         "cuda c16": {**base, "cycle_rounds": 16},
         "cuda c24": {**base, "cycle_rounds": 24},
         "cuda bf6": {**base, "bf_iterations": 6},
+        "cuda m4": {**base, "moves": 4},
+        "cuda m4 c16": {**base, "moves": 4, "cycle_rounds": 16},
     }
 
 

@@ -30,6 +30,8 @@ from maxscore.routing.flow.global_solver import (
     solve_global,
 )
 
+MOVE_VARIANTS = {"m4": {"moves": 4}, "m4 c16": {"moves": 4, "cycle_rounds": 16}}
+
 
 def capture(model: torch.nn.Module, batch: torch.Tensor) -> list[tuple]:
     """(affinities, k, capacity) of every solver call in one forward pass."""
@@ -107,6 +109,18 @@ def main() -> None:
             gap = ((opt - flow_objective(sub, out[:8].cpu())) / opt).numpy()
             tgap = ((opt - flow_objective(sub, tout[:8].cpu())) / opt).numpy()
             pgap = ((opt - flow_objective(sub, torch_out.cpu())) / opt).numpy()
+            # Parallel cycle copies (moves > 1, flow_solver_notes.md round 4): time and gaps.
+            variants = {}
+            for label, extra in MOVE_VARIANTS.items():
+                opts = {**cuda_budget(budget), **extra}
+                vout = global_cuda.solve_cuda(x, k, capg, **opts)
+                vms, _ = graph_timer(
+                    lambda a, c=capg, k=k, o=opts: global_cuda.solve_cuda(a, k, c, **o),
+                    [x],
+                    args.reps,
+                )
+                vgap = ((opt - flow_objective(sub, vout[:8].cpu())) / opt).numpy()
+                variants[label] = {"graph_ms": round(vms, 4), "gap_max_first8": float(vgap.max())}
             spread = (x.amax(dim=(1, 2)) - x.amin(dim=(1, 2))).median().item()
             row = {
                 "stage": stage,
@@ -123,6 +137,7 @@ def main() -> None:
                 "gap_max_first8": float(np.max(gap)),
                 "triton_gap_max_first8": float(np.max(tgap)),
                 "torch_gap_max_first8": float(np.max(pgap)),
+                "cuda_variants": variants,
                 **split,
             }
             rows.append(row)

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+using std::min;
+
 #define __global__
 #define __device__
 #define __forceinline__ inline

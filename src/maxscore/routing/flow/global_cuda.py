@@ -41,6 +41,7 @@ __all__ = [
 
 MAX_TOKENS = 1024  # one thread per token
 MAX_EXPERTS = 31  # e + 1 graph nodes on the 32 lanes of a warp; expert sets as 32-bit masks
+MAX_MOVES = 4  # the largest ``moves`` budget that supported() makes room for
 MIN_CAPABILITY = (8, 0)  # __reduce_add_sync (warp reductions) needs sm_80
 KERNEL_NAME = "global_fused_kernel"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -64,10 +65,13 @@ def kernel_source() -> str:
     return importlib.resources.files(__package__).joinpath("global_fused.cu").read_text()
 
 
-def shared_bytes(n: int, e: int) -> int:
+def shared_bytes(n: int, e: int, moves: int = 1) -> int:
     """Dynamic shared memory of one block: affinities and price thresholds ``[n, e + 1]`` fp32
-    (rows padded by one word against bank conflicts), assignment masks ``[n]`` u32."""
-    return 8 * n * (e + 1) + 4 * n
+    (rows padded by one word against bank conflicts), assignment masks ``[n]`` u32; with
+    ``moves > 1`` the 2nd..``moves``-th best moves per expert pair and the tokens leaving each
+    expert on a cycle."""
+    extra = (moves - 1) * 32 * 32 * 8 + 32 * moves * 4 if moves > 1 else 0
+    return 8 * n * (e + 1) + 4 * n + extra
 
 
 def kernel_defines(
@@ -83,8 +87,13 @@ def kernel_defines(
     bisect: int = 8,
     window: float = 0.0625,
     early_exit: bool = True,
+    moves: int = 1,
 ) -> dict[str, str]:
-    """The compile-time constants of ``global_fused.cu`` for one shape and budget."""
+    """The compile-time constants of ``global_fused.cu`` for one shape and budget.
+
+    ``moves``: parallel copies of each cycle applied per round in phase 4 (each with the next
+    best token of every edge, while the copy's gain stays positive); 1 = one token per edge.
+    """
     return {
         "N": str(n),
         "E": str(e),
@@ -99,6 +108,7 @@ def kernel_defines(
         "BF": str(max(0, bf_iterations)),
         "JUMPS": str(max(1, math.ceil(math.log2(e + 1)))),
         "EARLY_EXIT": "1" if early_exit else "0",
+        "MOVES": str(max(1, moves)),
     }
 
 
@@ -139,7 +149,7 @@ def supported(affinities: Tensor, k: int) -> bool:
     if (props.major, props.minor) < MIN_CAPABILITY:
         return False
     # the static part (the Shared struct, ~14 KB) comes on top of the dynamic part
-    return shared_bytes(n, e) + 16 * 1024 <= props.shared_memory_per_block_optin
+    return shared_bytes(n, e, MAX_MOVES) + 16 * 1024 <= props.shared_memory_per_block_optin
 
 
 def _nvrtc_cubin(source: str, arch: str) -> bytes:
@@ -230,7 +240,7 @@ def solve_cuda(
     cap = capacity.to(device=a.device, dtype=torch.int32).expand(groups, e).contiguous()
     out = torch.empty(groups, n, k, dtype=torch.long, device=a.device)
     defines = kernel_defines(n, e, k, **budget)  # type: ignore[arg-type]
-    dynamic = shared_bytes(n, e)
+    dynamic = shared_bytes(n, e, int(defines["MOVES"]))
     device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     kernel = _compiled(device_index, tuple(defines.items()), dynamic)
     flags = (1 if stats is not None else 0) | (2 if clocks is not None else 0)

@@ -17,7 +17,11 @@
 //
 // Compile-time constants (prepended by the launcher): N tokens, E experts (<= 31), K experts per
 // token (< E), THREADS (N rounded up to 32), PRICE_IT, BISECT0, BISECT, WINDOW, REPAIR, CYCLES,
-// BF (Bellman-Ford relaxations), JUMPS (pointer doublings, 2^JUMPS >= E + 1), EARLY_EXIT.
+// BF (Bellman-Ford relaxations), JUMPS (pointer doublings, 2^JUMPS >= E + 1), EARLY_EXIT, MOVES
+// (parallel units per cycle and round in phase 4; 1 = one token per edge).
+#ifndef MOVES
+#define MOVES 1
+#endif
 
 #define FULL_MASK 0xffffffffu
 #define NEG_VAL (-1.0e30f)
@@ -184,6 +188,209 @@ __device__ __forceinline__ bool selected(const Shared& sh, u32 key, int j, int t
   return key < sh.sel_hi[j] || (key == sh.sel_hi[j] && t < sh.sel_tok[j]);
 }
 
+#if MOVES > 1
+// Phase 4, MOVES > 1: warp u's lanes find, for destination v = lane % DST_LANES, the MOVES best
+// single-token moves u -> v (gain desc; ties: earlier in u's list, then lower lane group) and
+// write them to sh.edge_w / edge_t (the best) and more_w / more_t (the rest).
+__device__ __forceinline__ void best_moves(Shared& sh, const unsigned short* list_s,
+                                           const u32* held_s, const float* a_s, float* more_w,
+                                           int* more_t, int u, int v, int len, int lane) {
+  float bw[MOVES];
+  int bt[MOVES];
+#pragma unroll
+  for (int m = 0; m < MOVES; ++m) {
+    bw[m] = NEG_VAL;
+    bt[m] = 0x7fffffff;
+  }
+  if (v < E) {
+    for (int s = lane / DST_LANES; s < len; s += 32 / DST_LANES) {
+      const int t = list_s[u * N + s];
+      if ((held_s[t] >> v) & 1u) continue;
+      const float gain = a_s[t * AS + v] - a_s[t * AS + u];
+      if (!(gain > bw[MOVES - 1])) continue;
+      bool done = false;  // insertion into the sorted top-MOVES (strict >: earlier entries first)
+#pragma unroll
+      for (int m = MOVES - 1; m > 0; --m) {
+        if (!done) {
+          if (gain > bw[m - 1]) {
+            bw[m] = bw[m - 1];
+            bt[m] = bt[m - 1];
+          } else {
+            bw[m] = gain;
+            bt[m] = t;
+            done = true;
+          }
+        }
+      }
+      if (!done) {
+        bw[0] = gain;
+        bt[0] = t;
+      }
+    }
+  }
+  // Merge the lane groups' lists pairwise (a butterfly): the rank of an entry in the merged list
+  // is its own index plus the partner entries ahead of it (ties: the lower lane group first).
+#pragma unroll
+  for (int o = DST_LANES; o < 32; o <<= 1) {
+    const bool lower = (lane & o) == 0;
+    float pw[MOVES];
+    int pt[MOVES];
+#pragma unroll
+    for (int m = 0; m < MOVES; ++m) {
+      pw[m] = __shfl_xor_sync(FULL_MASK, bw[m], o);
+      pt[m] = __shfl_xor_sync(FULL_MASK, bt[m], o);
+    }
+    float rw[MOVES];
+    int rt[MOVES];
+#pragma unroll
+    for (int m = 0; m < MOVES; ++m) {
+      rw[m] = NEG_VAL;
+      rt[m] = 0x7fffffff;
+    }
+#pragma unroll
+    for (int i = 0; i < MOVES; ++i) {
+      int ra = i, rb = i;  // ranks of my entry i and of the partner's entry i
+#pragma unroll
+      for (int m = 0; m < MOVES; ++m) {
+        ra += pw[m] > bw[i] || (pw[m] == bw[i] && !lower);
+        rb += bw[m] > pw[i] || (bw[m] == pw[i] && lower);
+      }
+#pragma unroll
+      for (int m = 0; m < MOVES; ++m) {
+        if (ra == m) {
+          rw[m] = bw[i];
+          rt[m] = bt[i];
+        }
+        if (rb == m) {
+          rw[m] = pw[i];
+          rt[m] = pt[i];
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < MOVES; ++m) {
+      bw[m] = rw[m];
+      bt[m] = rt[m];
+    }
+  }
+  if (lane < E) {
+    sh.edge_w[u * 32 + lane] = bw[0];
+    sh.edge_t[u * 32 + lane] = bt[0];
+#pragma unroll
+    for (int m = 1; m < MOVES; ++m) {
+      more_w[(m - 1) * 1024 + u * 32 + lane] = bw[m];
+      more_t[(m - 1) * 1024 + u * 32 + lane] = bt[m];
+    }
+  }
+}
+
+// Phase 4, MOVES > 1, in warp 0 (lane v = node v, predecessor `pred`, on a cycle or not): each
+// cycle of the predecessor graph is applied up to MOVES times in parallel, the j-th time with
+// the j-th best token of each of its expert edges, while the j-th copy's gain (sum over its
+// edges; a sink edge u -> S needs j + 1 units of spare capacity at u, S -> v pays the overload
+// reward only while v has j + 1 units of overload) stays positive. Gains of the j-th copies do not
+// increase with j, so the copies applied are 0..J-1. Returns the lanes whose in-edge moved tokens.
+__device__ __forceinline__ u32 apply_cycles(Shared& sh, unsigned short* list_s,
+                                            unsigned short* idx_s, u32* held_s,
+                                            const float* more_w, const int* more_t,
+                                            int* succ_more, int v, int pred, bool on_cycle,
+                                            int load_v, int cap_v, float penalty, float tol) {
+  const bool is_exp = v < E;
+  // Cycle id: the smallest node on the cycle (pointer doubling with a running minimum).
+  int nxt = pred >= 0 ? pred : v;
+  int cid = v;
+#pragma unroll
+  for (int s = 0; s < JUMPS; ++s) {
+    const int m2 = __shfl_sync(FULL_MASK, cid, nxt);
+    nxt = __shfl_sync(FULL_MASK, nxt, nxt);
+    cid = min(cid, m2);
+  }
+  const int src = pred >= 0 ? pred : 0;
+  const int load_p = __shfl_sync(FULL_MASK, load_v, src);
+  const int cap_p = __shfl_sync(FULL_MASK, cap_v, src);
+  const bool expert_edge = on_cycle && pred >= 0 && pred < E && is_exp;
+  float w[MOVES];
+#pragma unroll
+  for (int j = 0; j < MOVES; ++j) {
+    float x = 0.0f;
+    if (expert_edge)
+      x = (j == 0 ? sh.edge_w[pred * 32 + v] : more_w[(j - 1) * 1024 + pred * 32 + v]) - tol;
+    else if (on_cycle && pred >= 0 && pred < E && v == E)  // pred -> S
+      x = (cap_p - load_p > j ? 0.0f : NEG_VAL) - tol;
+    else if (on_cycle && pred == E && is_exp)  // S -> v
+      x = (load_v - cap_v > j ? penalty : 0.0f) - tol;
+    w[j] = x;
+  }
+  float sum[MOVES];
+#pragma unroll
+  for (int j = 0; j < MOVES; ++j) sum[j] = 0.0f;
+  for (int l = 0; l < 32; ++l) {  // in lane order on every lane: identical sums on a cycle
+    const int cl = __shfl_sync(FULL_MASK, cid, l);
+    const bool ol = __shfl_sync(FULL_MASK, (int)on_cycle, l) != 0;
+#pragma unroll
+    for (int j = 0; j < MOVES; ++j) {
+      const float x = __shfl_sync(FULL_MASK, w[j], l);
+      if (ol && cl == cid) sum[j] += x;
+    }
+  }
+  int copies = 1;  // the cycle Bellman-Ford found gains > tol per edge: at least one copy
+#pragma unroll
+  for (int j = 1; j < MOVES; ++j)
+    if (copies == j && sum[j] > 0.0f) copies = j + 1;
+  if (expert_edge) {
+#pragma unroll
+    for (int j = 0; j < MOVES; ++j) {
+      if (j < copies) {
+        const int t = j == 0 ? sh.edge_t[pred * 32 + v] : more_t[(j - 1) * 1024 + pred * 32 + v];
+        // A token on two edges of a cycle (k >= 2) gets both moves; XOR composes them.
+        atomicXor(&held_s[t], (1u << pred) | (1u << v));
+        succ_more[pred * MOVES + j] = t;  // the tokens leaving pred
+      }
+    }
+  }
+  const u32 in_bits = __ballot_sync(FULL_MASK, expert_edge);
+  bool has_out = false;  // node v loses tokens iff the edge to its successor moves some
+#pragma unroll
+  for (int l = 0; l < NODES; ++l) {
+    const int pl = __shfl_sync(FULL_MASK, pred, l);
+    if (((in_bits >> l) & 1u) && pl == v) has_out = true;
+  }
+  __syncwarp();  // succ_more written by the successors' lanes
+  if (is_exp && on_cycle) {
+    unsigned short* list = list_s + v * N;
+    int len = load_v;
+#pragma unroll
+    for (int j = 0; j < MOVES; ++j) {
+      if (j < copies) {
+        const int t_in = expert_edge
+                             ? (j == 0 ? sh.edge_t[pred * 32 + v]
+                                       : more_t[(j - 1) * 1024 + pred * 32 + v])
+                             : 0;
+        if (expert_edge && has_out) {  // t_in takes t_out's slot
+          const int t_out = succ_more[v * MOVES + j];
+          const int pos = idx_s[t_out * E + v];
+          list[pos] = (unsigned short)t_in;
+          idx_s[t_in * E + v] = (unsigned short)pos;
+        } else if (has_out) {  // entered from the sink: t_out's slot gets the last entry
+          const int t_out = succ_more[v * MOVES + j];
+          const int pos = idx_s[t_out * E + v];
+          const int last = list[len - 1];
+          list[pos] = (unsigned short)last;
+          idx_s[last * E + v] = (unsigned short)pos;
+          --len;
+        } else if (expert_edge) {  // left to the sink: t_in is appended
+          list[len] = (unsigned short)t_in;
+          idx_s[t_in * E + v] = (unsigned short)len;
+          ++len;
+        }
+      }
+    }
+    sh.load[v] = len;
+  }
+  return in_bits;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     global_fused_kernel(const float* __restrict__ affinities, const int* __restrict__ capacity,
                         long long* __restrict__ out, int* __restrict__ stats,
@@ -200,6 +407,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   // Phase 4 reuses the thresholds' space (4 N (E + 1) bytes >= 4 N E): token lists, positions.
   unsigned short* list_s = reinterpret_cast<unsigned short*>(thr_s);  // [E][N] tokens of expert
   unsigned short* idx_s = list_s + E * N;  // [N][E] position of token t in expert j's list
+#if MOVES > 1
+  // Phase 4 with MOVES > 1: the 2nd..MOVES-th best move per expert pair, and the tokens leaving
+  // each expert on a cycle, after the masks (held_s).
+  float* more_w = reinterpret_cast<float*>(held_s + N);              // [MOVES-1][32 * 32]
+  int* more_t = reinterpret_cast<int*>(more_w + (MOVES - 1) * 1024);  // [MOVES-1][32 * 32]
+  int* succ_more = more_t + (MOVES - 1) * 1024;                       // [32][MOVES]
+#endif
 
   const int g = blockIdx.x;
   const int tid = threadIdx.x;
@@ -434,6 +648,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     for (int u = warp; u < E; u += WARPS) {
       const int v = lane % DST_LANES;
       const int len = sh.load[u];
+#if MOVES > 1
+      best_moves(sh, list_s, held_s, a_s, more_w, more_t, u, v, len, lane);
+#else
       float best = NEG_VAL;
       int btok = 0x7fffffff;
       if (v < E) {
@@ -461,6 +678,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         sh.edge_w[u * 32 + lane] = best;
         sh.edge_t[u * 32 + lane] = btok;
       }
+#endif
     }
     __syncthreads();
     if (warp == 0) {
@@ -515,6 +733,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) image |= __shfl_xor_sync(FULL_MASK, image, o);
       const bool on_cycle = ((image >> v) & 1u) && pred >= 0;
+#if MOVES > 1
+      const u32 in_bits = apply_cycles(sh, list_s, idx_s, held_s, more_w, more_t, succ_more, v,
+                                       pred, on_cycle, load_v, cap_v, penalty, tol);
+#else
       // Edge pred[v] -> v between two experts moves its token t_in from pred[v] to v.
       const bool has_in = on_cycle && pred < E && is_exp;
       const int t_in = has_in ? sh.edge_t[pred * 32 + v] : 0;
@@ -552,6 +774,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           sh.load[v] = load_v + 1;
         }
       }
+#endif
       if (lane == 0) sh.flag = in_bits != 0;
     }
     __syncthreads();
