@@ -57,8 +57,9 @@ n=512, e=16, k=2, capacity 64): median gap 0 on balanced and skewed logits, wors
 kernel), 1.7e-7 / 2.2e-5 (PyTorch). Time per call on an H100 in a CUDA graph, e=16, k=2:
 32 x 512 tokens 0.16 ms (CUDA kernel; Triton 0.39 ms, PyTorch 7.7 ms); one group of 16,384
 tokens 0.77 ms multi-CTA (PyTorch 11.7 ms on an H200). On a real router's nearly tied
-affinities (Base model early in training) the CUDA kernel's worst gap was 2e-3, the Triton
-kernel's (one eviction per expert per repair round) up to 0.39 (its round-robin fallback).
+affinities (Base model early in training) the CUDA kernel's worst gap was 2e-3; the Triton
+kernel then repaired one eviction per expert per round and fell back to round-robin there (gaps
+up to 0.39); it now repairs like the PyTorch path (CPU-checked, not re-timed on a GPU).
 """
 
 from __future__ import annotations
@@ -112,25 +113,25 @@ def default_budget(e: int) -> GlobalSolverBudget:
 
 
 def fused_budget(budget: GlobalSolverBudget) -> dict[str, int]:
-    """``budget`` as the step-count keywords of :func:`.global_triton.solve_triton`: the fused
-    kernel's repair moves at most one token per expert per round, so it gets twice the rounds."""
-    return {**budget._asdict(), "repair_rounds": 2 * budget.repair_rounds}
+    """``budget`` as the step-count keywords of the fused kernels (:mod:`.global_triton`; the
+    CUDA kernel through :func:`cuda_budget`): twice the repair and cycle rounds. Their rounds
+    stop early per group once nothing moves, so only groups that need them pay: on nearly tied
+    affinities (a router early in training) a group needs more than the PyTorch path's fixed
+    count, and a popular expert of zero capacity needs ~25 cycle rounds to drain through the sink
+    (round 4 of ``benchmarks/flow_solver_notes.md``)."""
+    return {
+        **budget._asdict(),
+        "repair_rounds": 2 * budget.repair_rounds,
+        "cycle_rounds": 2 * budget.cycle_rounds,
+    }
 
 
 def cuda_budget(budget: GlobalSolverBudget) -> dict[str, int]:
-    """``budget`` as the step counts of :func:`.global_cuda.solve_cuda`.
-
-    The CUDA kernel's steps are cheap (a price step ~3 us, a cycle round ~2-8 us on an H200), so
-    it takes a third more price steps and twice the cycle rounds (early exit keeps the typical
-    group at ~10): better prices leave fewer cycles for the slowest group, and the extra rounds
-    move the overload of adversarial groups (a popular expert of zero capacity needs ~25) instead
-    of falling back to round-robin. Measured in ``benchmarks/flow_solver_notes.md`` (round 4).
-    """
-    return {
-        **fused_budget(budget),
-        "price_iterations": -(-4 * budget.price_iterations // 3),
-        "cycle_rounds": 2 * budget.cycle_rounds,
-    }
+    """``budget`` as the step counts of :func:`.global_cuda.solve_cuda`: :func:`fused_budget`
+    with a third more price steps. The CUDA kernel's price steps are cheap (~3 us on an H100),
+    and better prices leave fewer cycle rounds for the slowest group (measured: 16 steps 0.139 ms
+    with 15 rounds, 12 steps 0.152 ms with 21 rounds; ``benchmarks/flow_solver_notes.md``)."""
+    return {**fused_budget(budget), "price_iterations": -(-4 * budget.price_iterations // 3)}
 
 
 def _effective_capacity(

@@ -8,8 +8,10 @@ PyTorch path, all for speed and all still with a fixed number of steps:
 - prices: the ``(c_j+1)``-th largest threshold is found by bisection (a count per step) rather
   than by sorting the column; the first Jacobi step bisects the full range, later ones a window
   around the current price;
-- repair: each overloaded expert evicts one token per round (its cheapest move to an expert with
-  spare capacity), each receiving expert accepts the cheapest arrivals up to its spare capacity;
+- repair: the PyTorch path's rounds (each overloaded expert evicts its whole excess, its
+  cheapest moves to experts with spare capacity; each receiving expert accepts its cheapest
+  arrivals up to its spare capacity), both selections exact by (loss, token) via a bisection on
+  int32 keys (:func:`_select_smallest`) instead of sorting;
 - repair and cycle rounds stop early, per group and on the device, once a round moves nothing
   (the remaining rounds would be no-ops); the round counts stay bounded, nothing reaches the host;
 - cycle rounds build the ``e x e`` best-move matrix in one sweep: the assignment is written to
@@ -122,32 +124,51 @@ if AVAILABLE:
         return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
     @triton.jit
+    def _select_smallest(key, flag, limit):
+        """Column-wise exact selection: of the entries flagged in ``flag`` (``[R, E]``), each
+        column ``j`` selects its ``limit[j]`` smallest ``key`` (int32, ``[R, E]`` or ``[R, 1]``),
+        ties by lower row (token) first; all of them where fewer are flagged, none where
+        ``limit[j] <= 0``. Returns the ``[R, E]`` mask of the selected entries.
+
+        The order of a stable sort by key (the PyTorch path's ``_rank_along_tokens``) without
+        sorting: where some column has more flagged entries than its limit, a 32-step bisection
+        finds each column's ``limit``-th smallest flagged key ``v`` (one count over the rows per
+        step); every flagged entry below ``v`` is selected, and of those equal to ``v`` the first
+        ``limit - #below`` in row order (a cumulative count).
+        """
+        total = tl.sum(flag.to(tl.int32), axis=0)
+        # v = 2^31 - 1 selects every flagged entry (up to the tie quota): right where a column
+        # has at most ``limit`` of them, so the bisection runs only where one has more.
+        v = tl.full(limit.shape, 2147483647, dtype=tl.int32)
+        if tl.sum((total > limit).to(tl.int32), axis=0) > 0:
+            # Invariant: #{flag, key <= lo} < limit <= #{flag, key <= hi} (where limit <= 0: hi
+            # ends at -2^31 and the quota below is <= 0, nothing selected; where limit >= total:
+            # hi stays at 2^31 - 1).
+            lo = tl.full(limit.shape, -2147483649, dtype=tl.int64)
+            hi = tl.full(limit.shape, 2147483647, dtype=tl.int64)
+            for _b in range(32):
+                mid = (lo + hi) >> 1
+                cnt = tl.sum((flag & (key <= mid.to(tl.int32)[None, :])).to(tl.int32), axis=0)
+                up = cnt >= limit
+                hi = tl.where(up, mid, hi)
+                lo = tl.where(up, lo, mid)
+            v = hi.to(tl.int32)
+        below = flag & (key < v[None, :])
+        tie = flag & (key == v[None, :])
+        quota = limit - tl.sum(below.to(tl.int32), axis=0)
+        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based, in row order
+        return below | (tie & (tie_rank <= quota[None, :]))
+
+    @triton.jit
     def _keep_best(a, held, cap, over):
         """Eq. 7's capacity bound on an over-full 0/1 matrix ``held`` (``[R, E]``, one group):
         each column flagged in ``over`` keeps its ``cap`` held entries of largest ``a`` (ties:
         lower row, i.e. token, first) and drops the rest; other columns are returned unchanged.
 
-        The PyTorch path's ``_finalize`` rule. Exact selection without sorting: a 32-step
-        bisection on the int32 keys of :func:`_ordered_key` finds each column's ``cap``-th largest
-        held key ``v`` (one count over the rows per step); every entry above ``v`` is kept, and of
-        those equal to ``v`` the first ``cap - #above`` in row order (a cumulative count).
+        The PyTorch path's ``_finalize`` rule: :func:`_select_smallest` on the reversed keys of
+        :func:`_ordered_key` (``~key`` = ``-key - 1`` reverses the int32 order exactly).
         """
-        key = _ordered_key(a)
-        # Invariant: #{held, key >= lo} >= cap > #{held, key >= hi} (cap = 0: lo ends at 2^31-1).
-        lo = tl.full(cap.shape, -2147483648, dtype=tl.int64)
-        hi = tl.full(cap.shape, 2147483648, dtype=tl.int64)
-        for _b in range(32):
-            mid = (lo + hi) >> 1
-            cnt = tl.sum((held & (key >= mid.to(tl.int32)[None, :])).to(tl.int32), axis=0)
-            up = cnt >= cap
-            lo = tl.where(up, mid, lo)
-            hi = tl.where(up, hi, mid)
-        v = lo.to(tl.int32)[None, :]
-        above = held & (key > v)
-        tie = held & (key == v)
-        quota = cap - tl.sum(above.to(tl.int32), axis=0)
-        tie_rank = tl.cumsum(tie.to(tl.int32), axis=0)  # 1-based, in row order
-        keep = above | (tie & (tie_rank <= quota[None, :]))
+        keep = _select_smallest(~_ordered_key(a), held, cap)
         return held & (keep | ~over[None, :])
 
     @triton.jit
@@ -489,9 +510,15 @@ if AVAILABLE:
         # ---- Phase 2: rounding, each token takes its top-k of A - p (as a 0/1 matrix).
         held = _top_k(a - p[None, :], col, N, E, K)
 
-        # ---- Phase 3: repair, one eviction per overloaded expert per round.
-        # A round that moves nothing would repeat forever: stop the group there (no host sync, the
-        # bound REPAIR still holds).
+        # ---- Phase 3: repair (the PyTorch path's _repair_round, round for round). Each
+        # overloaded expert evicts its whole excess per round: its `load - cap` cheapest
+        # candidates by (loss, token), loss = a_ij - a_i,dest to the token's best non-held expert
+        # with spare capacity, one eviction per token (its cheapest source); each destination
+        # accepts its `cap - load` cheapest arrivals by (loss, token). One eviction per expert per
+        # round could not clear the tens to hundreds of nearly tied tokens that rounding piles
+        # onto the same experts early in training (those groups ended in the round-robin
+        # fallback, gaps up to 0.39). A round that moves nothing would repeat forever: stop the
+        # group there (no host sync, the bound REPAIR still holds).
         if REPAIR > 0:  # a zero-trip loop here failed to compile (Triton 3.6, sm_90)
             rep = tl.zeros([], dtype=tl.int32)
             go = rep < REPAIR
@@ -503,28 +530,17 @@ if AVAILABLE:
                 dval, dest = tl.max(tl.where(open_dest, a, NEG), axis=1, return_indices=True)
                 has_dest = dval > 0.5 * NEG
                 loss = tl.where(held & over[None, :] & has_dest[:, None], a - dval[:, None], BIG)
-                _tmin, tsrc = tl.min(loss, axis=1, return_indices=True)
-                loss = tl.where(col == tsrc[:, None], loss, BIG)  # one eviction per token
-                emin, etok = tl.min(loss, axis=0, return_indices=True)  # per expert
-                evicting = emin < 0.5 * BIG
-                # destination of each expert's evicted token
-                pick = (row == etok[None, :]) & evicting[None, :]
-                edest = tl.sum(tl.where(pick, dest[:, None], 0), axis=0)
-                # each destination accepts its cheapest arrivals, up to its spare capacity
-                same = (edest[:, None] == edest[None, :]) & evicting[None, :]  # [a, a'] same target
-                ahead = (emin[None, :] < emin[:, None]) | (
-                    (emin[None, :] == emin[:, None]) & (re[None, :] < re[:, None])
-                )
-                rank = tl.sum(tl.where(same & ahead, 1, 0), axis=1)
-                room = tl.sum(
-                    tl.where(edest[:, None] == re[None, :], (cap - load)[None, :], 0), axis=1
-                )
-                won = evicting & (rank < room)
-                move_tok = tl.sum(tl.where(pick & won[None, :], 1, 0), axis=1) > 0  # [N]
-                move_dst = tl.sum(tl.where(pick & won[None, :], edest[None, :], 0), axis=1)
-                move_src = tl.sum(tl.where(pick & won[None, :], col, 0), axis=1)
-                held = tl.where(move_tok[:, None] & (col == move_src[:, None]), False, held)
-                held = tl.where(move_tok[:, None] & (col == move_dst[:, None]), True, held)
+                tmin, tsrc = tl.min(loss, axis=1, return_indices=True)  # ties: lower expert
+                # Per token: one candidate (its source) and one key; [N] vectors, broadcast.
+                key = _ordered_key(tmin)[:, None]
+                cand = (col == tsrc[:, None]) & (tmin < 0.5 * BIG)[:, None]
+                evict = _select_smallest(key, cand, tl.maximum(load - cap, 0))
+                evicted = tl.max(evict.to(tl.int32), axis=1) > 0  # [N]
+                arrive = (col == dest[:, None]) & evicted[:, None]
+                accept = _select_smallest(key, arrive, tl.maximum(cap - load, 0))
+                move_tok = tl.max(accept.to(tl.int32), axis=1) > 0  # [N]
+                held = tl.where(move_tok[:, None] & (col == tsrc[:, None]), False, held)
+                held = tl.where(move_tok[:, None] & (col == dest[:, None]), True, held)
                 rep += 1
                 go = (rep < REPAIR) & (
                     (tl.sum(move_tok.to(tl.int32), axis=0) > 0) | (not EARLY_EXIT)
@@ -845,11 +861,14 @@ def solve_triton(
     num_warps: int = 8,
     stats: Tensor | None = None,
     lists: bool | None = None,
+    no_fallback: bool = False,
 ) -> Tensor:
     """Run the fused kernel; ``capacity`` is the ``[G, e]`` effective capacity (<= n).
 
     Slots come out in decreasing affinity (ties: lower expert index first). ``stats``, if given,
     is a ``[G, 4]`` int32 tensor that receives the repair and cycle rounds each group used.
+    ``no_fallback`` (tests only) skips the final step: the assignment the phases left, overload
+    included, so that a phase can be compared with the PyTorch path's.
     """
     groups, n, e = affinities.shape
     a = affinities.float().contiguous()
@@ -913,6 +932,7 @@ def solve_triton(
         LISTS=lists,
         CBC=cbc,
         LB=list_len,
+        NO_FALLBACK=no_fallback,
         num_warps=num_warps,
     )
     return out
