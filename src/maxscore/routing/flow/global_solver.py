@@ -342,8 +342,10 @@ def solve_global(
         backend: ``"auto"`` runs the CUDA kernel (:mod:`.global_cuda`) where it applies (CUDA
             with NVRTC, ``n <= 1024``, ``e <= 31``, ``k < e``), else the fused Triton kernel
             (:mod:`.global_triton`) where it applies (CUDA, Triton importable, ``n`` and ``e``
-            powers of two, ``n e <= 8192``, ``k < e``), else the PyTorch path, with phase 4 as one Triton launch where that applies (CUDA,
-            ``e`` a power of two, ``e <= 32``, ``k < e``); ``"torch"`` forces pure PyTorch,
+            powers of two, ``n e <= 8192``, ``k < e``), else the PyTorch path, with phase 4 as
+            one Triton launch where that applies (CUDA, ``e`` a power of two, ``e <= 32``,
+            ``k < e``); a CUDA kernel NVRTC cannot build warns once and is skipped from then on;
+            ``"torch"`` forces pure PyTorch,
             ``"cuda"`` the CUDA kernel and ``"triton"`` the fused Triton kernel (each raises if
             it does not apply);
             ``"large"`` the multi-CTA Triton path for large groups (:mod:`.global_large`: CUDA,
