@@ -104,13 +104,16 @@ def test_adversarial(name: str, n: int, e: int, k: int, cap: list[int]) -> None:
     assert gaps.max() <= fh.WORST_GAP, gaps
 
 
-@pytest.mark.parametrize(("n", "e", "bound"), [(256, 32, fh.WORST_GAP), (512, 64, 2e-3)])
-def test_near_identical_rows_torch_path(n: int, e: int, bound: float) -> None:
-    """Rows = one shared vector + noise 0.1 (a router early in training), e > 16 (the PyTorch
-    path on GPUs): the default budget's 16 repair rounds clear the piled-up overload (4 left the
-    e = 64 groups to the round-robin fallback, gap ~0.18)."""
+@pytest.mark.parametrize(
+    ("n", "e", "noise", "bound"),
+    [(256, 32, 0.1, fh.WORST_GAP), (512, 64, 0.1, 2e-3), (512, 64, 0.03, 5e-3)],
+)
+def test_near_identical_rows_torch_path(n: int, e: int, noise: float, bound: float) -> None:
+    """Rows = one shared vector + noise (a router early in training), e > 16 (the PyTorch path
+    on GPUs): the default budget's 32 repair rounds clear the piled-up overload (4 left the
+    e = 64 groups to the round-robin fallback at noise 0.1, gap ~0.18; 16 at noise 0.03, 0.06)."""
     gen = torch.Generator().manual_seed(7)
-    logits = torch.randn(1, 1, e, generator=gen) + 0.1 * torch.randn(3, n, e, generator=gen)
+    logits = torch.randn(1, 1, e, generator=gen) + noise * torch.randn(3, n, e, generator=gen)
     affinities = torch.softmax(logits, -1)
     capacity = torch.full((e,), -(-2 * n // e))
     index = solve_global(affinities, 2, capacity, backend="torch")

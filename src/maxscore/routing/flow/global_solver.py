@@ -101,15 +101,17 @@ def default_budget(e: int) -> GlobalSolverBudget:
     e > 16 gets twice the price steps and cycle rounds. Ten Bellman-Ford relaxations find the short
     cycles that matter (a longer cycle is found in a later round once shorter ones are gone).
 
-    e > 16 also gets 16 repair rounds: on nearly tied affinities (a router early in training)
-    each round's arrivals pile onto the few destinations every token prefers, so the overload
-    drains over many rounds; measured on the CPU (n = 512, e = 64, k = 2, rows = one shared
-    vector + noise 0.1): 4 rounds left the groups to the round-robin fallback (gap 0.18), 16 gave
-    gaps <= 8e-4 (round 4 of flow_solver_notes.md).
+    e > 16 also gets 32 repair rounds: on nearly tied affinities (a router early in training)
+    the stalled prices leave a large overload (up to ~700 of 1,024 slots at e = 64) and each
+    round's arrivals pile onto the few destinations every token prefers, so it drains over many
+    rounds; measured on the CPU (n = 512, e = 64, k = 2, rows = one shared vector + noise): with
+    noise 0.1, 4 rounds left the groups to the round-robin fallback (gap 0.18), 16 gave <= 8e-4;
+    with noise 0.03, 16 rounds still fell back (0.06), 32 gave <= 3.7e-3 (round 4 of
+    flow_solver_notes.md).
     """
     if e <= 16:
         return GlobalSolverBudget(12, 4, 16, min(e + 1, 10))
-    return GlobalSolverBudget(24, 16, 32, 10)
+    return GlobalSolverBudget(24, 32, 32, 10)
 
 
 def fused_budget(budget: GlobalSolverBudget) -> dict[str, int]:
