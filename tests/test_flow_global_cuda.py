@@ -235,3 +235,17 @@ def test_compile_failure_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
         index = global_solver.solve_global(x, 2, cap)
     fh.check_constraints(index, 2, cap, 4)
     assert global_cuda._disabled_reason is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_affinities_stay_feasible(backend: str) -> None:
+    """NaN rows, a whole NaN group, +inf: the answer is meaningless but Eq. 7 still holds exactly
+    (the routing strategies promise a structurally valid assignment on any scores)."""
+    x = fh.instances(3, 2, 64, 8, 1.0)
+    x[0, 5] = float("nan")
+    x[0, 7, 3] = float("inf")
+    x[0, 9, 1] = float("-inf")
+    x[1] = float("nan")
+    cap = torch.full((8,), 16)
+    index, _ = run(backend, x, 2, cap, **budget(8))
+    fh.check_constraints(index, 2, cap, 8)
