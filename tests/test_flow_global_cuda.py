@@ -249,3 +249,34 @@ def test_non_finite_affinities_stay_feasible(backend: str) -> None:
     cap = torch.full((8,), 16)
     index, _ = run(backend, x, 2, cap, **budget(8))
     fh.check_constraints(index, 2, cap, 8)
+
+
+def test_property_constraints_emulated() -> None:
+    """Hypothesis over capacities (zero, unequal, above n, short), tied and spread affinities:
+    Eq. 7 exactly, and every slot filled whenever sum_j min(c_j, n) >= n k (CPU emulation)."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    if not cuda_emulated.compiler_available():
+        pytest.skip("needs g++ for the CPU emulation of the CUDA kernel")
+    shapes = [(24, 6, 2), (40, 8, 3), (33, 4, 1)]  # few shapes: one g++ build each
+
+    @settings(max_examples=25, deadline=None)
+    @given(data=st.data())
+    def check(data: st.DataObject) -> None:
+        n, e, k = data.draw(st.sampled_from(shapes))
+        cap = torch.tensor(data.draw(st.lists(st.integers(0, n + 2), min_size=e, max_size=e)))
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+        scale = data.draw(st.sampled_from([0.0, 1.0, 5.0]))
+        x = torch.softmax(scale * torch.randn(2, n, e, generator=gen), -1)
+        if data.draw(st.booleans()):  # coarse values: many exact ties between tokens
+            x = (x * 4).round() / 4
+        index, _ = cuda_emulated.solve_emulated(
+            x, k, cap.clamp(0, n).expand(2, e).contiguous(), **budget(e)
+        )
+        fh.check_constraints(index, k, cap, e)
+        if int(cap.clamp(0, n).sum()) >= n * k:
+            assert bool((index >= 0).all())
+
+    check()
