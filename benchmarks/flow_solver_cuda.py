@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from flow_solver_fused import affinities, feasible, gaps
-from flow_solver_gpu import graph_timer
+from flow_solver_gpu import ACCEPTANCE_CAPACITY, acceptance_set, graph_timer
 from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, global_cuda, global_triton
 from maxscore.routing.flow.global_solver import (
     cuda_budget,
@@ -158,13 +158,9 @@ def main() -> None:
 
     gap_rows = []
     if not args.quick:
-        cap = torch.full((16,), 64, dtype=torch.long)
+        cap = ACCEPTANCE_CAPACITY
         for bias in (0.0, 1.0):
-            gen = torch.Generator().manual_seed(2024)
-            logits = torch.randn(100, 512, 16, generator=gen) + bias * torch.randn(
-                100, 1, 16, generator=gen
-            )
-            x = torch.softmax(logits, dim=-1)
+            x = acceptance_set(bias)
             opt = flow_objective(x, exact(x, 2, cap))
             for name, opts in cuda_variants(16).items():
                 stats = torch.zeros(100, 4, dtype=torch.int32, device=dev)

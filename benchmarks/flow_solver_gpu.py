@@ -230,19 +230,28 @@ def fused_call(
     )
 
 
+ACCEPTANCE_CAPACITY = torch.full((16,), 64, dtype=torch.long)
+
+
+def acceptance_set(bias: float) -> Tensor:
+    """Issue 3's gap instances: 100 groups, n=512, e=16 (k=2, capacity 64), softmax of N(0, 1)
+    logits plus a per-expert bias of std ``bias`` (0 = balanced, 1 = skewed), CPU, fixed seed."""
+    gen = torch.Generator().manual_seed(2024)
+    logits = torch.randn(100, 512, 16, generator=gen) + bias * torch.randn(
+        100, 1, 16, generator=gen
+    )
+    return torch.softmax(logits, dim=-1)
+
+
 def gap_eval(out_dir: Path) -> None:
     """Issue 3's acceptance measurement on the GPU paths: n=512, e=16, k=2, capacity 64, 100
     instances each of balanced and skewed (bias std 1) logits, exact optimum on the CPU."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     exact = FLOW_SOLVERS["exact"].solve
-    cap = torch.full((16,), 64, dtype=torch.long)
+    cap = ACCEPTANCE_CAPACITY
     results = []
     for bias in (0.0, 1.0):
-        gen = torch.Generator().manual_seed(2024)
-        logits = torch.randn(100, 512, 16, generator=gen) + bias * torch.randn(
-            100, 1, 16, generator=gen
-        )
-        aff = torch.softmax(logits, dim=-1)
+        aff = acceptance_set(bias)
         t0 = time.perf_counter()
         opt = flow_objective(aff, exact(aff, 2, cap))
         exact_s = time.perf_counter() - t0

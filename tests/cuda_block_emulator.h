@@ -4,6 +4,7 @@
 // std::atomic_ref. Blocks run one after another. Every warp intrinsic in the kernel is called by
 // all 32 lanes of a warp (uniform control flow), which is what this emulation requires.
 #pragma once
+#include <array>
 #include <atomic>
 #include <barrier>
 #include <cmath>
@@ -66,43 +67,35 @@ inline T from_bits(uint64_t b) {
   std::memcpy(&v, &b, sizeof(T));
   return v;
 }
-// Every lane publishes a value, then reads lane `src`'s value.
+// Every lane of the warp publishes a value; every lane gets all 32 (one warp-wide exchange).
 template <typename T>
-inline T warp_exchange(T v, int src) {
+inline std::array<T, 32> warp_values(T v) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   auto& wb = *g_block->warps[warp];
   g_block->exchange[warp * 32 + lane] = to_bits(v);
   wb.arrive_and_wait();
-  const T r = from_bits<T>(g_block->exchange[warp * 32 + (src & 31)]);
-  wb.arrive_and_wait();
-  return r;
+  std::array<T, 32> all;
+  for (int l = 0; l < 32; ++l) all[l] = from_bits<T>(g_block->exchange[warp * 32 + l]);
+  wb.arrive_and_wait();  // nobody overwrites the buffer before every lane has read it
+  return all;
 }
 inline unsigned __ballot_sync(unsigned, int p) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto& wb = *g_block->warps[warp];
-  g_block->exchange[warp * 32 + lane] = p ? 1 : 0;
-  wb.arrive_and_wait();
+  const auto all = warp_values(p ? 1 : 0);
   unsigned r = 0;
-  for (int l = 0; l < 32; ++l) r |= (unsigned)(g_block->exchange[warp * 32 + l] & 1) << l;
-  wb.arrive_and_wait();
+  for (int l = 0; l < 32; ++l) r |= (unsigned)all[l] << l;
   return r;
 }
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src) {
-  return warp_exchange(v, src);
+  return warp_values(v)[src & 31];
 }
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int o) {
-  return warp_exchange(v, (threadIdx.x & 31) ^ o);
+  return warp_values(v)[(threadIdx.x & 31) ^ o];
 }
 inline int __reduce_add_sync(unsigned, int v) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto& wb = *g_block->warps[warp];
-  g_block->exchange[warp * 32 + lane] = to_bits(v);
-  wb.arrive_and_wait();
   int total = 0;
-  for (int l = 0; l < 32; ++l) total += from_bits<int>(g_block->exchange[warp * 32 + l]);
-  wb.arrive_and_wait();
+  for (int x : warp_values(v)) total += x;
   return total;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }

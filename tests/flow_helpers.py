@@ -30,6 +30,44 @@ def instances(
     return torch.softmax(logits, dim=-1).to(device)
 
 
+def near_tied(seed: int, count: int, n: int, e: int, noise: float) -> torch.Tensor:
+    """Every token's row one shared vector plus small noise: what a router produces early in
+    training (``benchmarks/flow_solver_router_inputs.py``), the hardest inputs for the solver."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1, 1, e, generator=gen) + noise * torch.randn(count, n, e, generator=gen)
+    return torch.softmax(logits, -1)
+
+
+# (name, n, e, k, capacities): ties, one popular expert (also of zero capacity), n < e, unequal,
+# zero and above-n capacities, k = e and k = e - 1.
+ADVERSARIAL = [
+    ("ties-all-equal", 64, 8, 2, [16] * 8),
+    ("identical-rows", 64, 8, 2, [16] * 8),
+    ("one-expert-preferred", 128, 8, 2, [32] * 8),
+    ("n-less-than-e", 5, 16, 2, [1] * 16),
+    ("unequal-capacities", 100, 6, 2, [0, 100, 10, 30, 40, 20]),
+    ("k-equals-e", 40, 4, 4, [40] * 4),
+    ("k-equals-e-minus-1", 40, 4, 3, [30] * 4),
+    ("k-1-tight", 64, 8, 1, [8] * 8),
+    ("capacity-above-n", 20, 4, 2, [50, 50, 0, 0]),
+    ("zero-capacity-popular", 64, 8, 2, [0, 24, 24, 24, 24, 24, 4, 4]),
+]
+
+
+def adversarial_affinities(name: str, n: int, e: int) -> torch.Tensor:
+    """Two groups of the affinities of :data:`ADVERSARIAL` case ``name``."""
+    gen = torch.Generator().manual_seed(11)
+    if name == "ties-all-equal":
+        return torch.full((2, n, e), 1.0 / e)
+    if name == "identical-rows":
+        return torch.softmax(torch.randn(2, 1, e, generator=gen), -1).expand(2, n, e).contiguous()
+    if name in ("one-expert-preferred", "zero-capacity-popular"):
+        logits = torch.randn(2, n, e, generator=gen)
+        logits[..., 0] += 8.0
+        return torch.softmax(logits, -1)
+    return torch.softmax(3 * torch.randn(2, n, e, generator=gen), -1)
+
+
 def check_constraints(index: torch.Tensor, k: int, capacity: torch.Tensor, e: int) -> None:
     """Eq. 7 exactly: k distinct experts per token (when capacity allows), loads <= capacity."""
     index, capacity = index.cpu(), capacity.cpu()

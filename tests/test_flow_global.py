@@ -70,33 +70,9 @@ def test_matches_scipy_lp() -> None:
         assert (-res.fun - got[g]) / -res.fun <= fh.WORST_GAP
 
 
-@pytest.mark.parametrize(
-    ("name", "n", "e", "k", "cap"),
-    [
-        ("ties-all-equal", 64, 8, 2, [16] * 8),
-        ("identical-rows", 64, 8, 2, [16] * 8),
-        ("one-expert-preferred", 128, 8, 2, [32] * 8),
-        ("n-less-than-e", 5, 16, 2, [1] * 16),
-        ("unequal-capacities", 100, 6, 2, [0, 100, 10, 30, 40, 20]),
-        ("k-equals-e", 40, 4, 4, [40] * 4),
-        ("k-equals-e-minus-1", 40, 4, 3, [30] * 4),
-        ("k-1-tight", 64, 8, 1, [8] * 8),
-        ("capacity-above-n", 20, 4, 2, [50, 50, 0, 0]),
-        ("zero-capacity-popular", 64, 8, 2, [0, 24, 24, 24, 24, 24, 4, 4]),
-    ],
-)
+@pytest.mark.parametrize(("name", "n", "e", "k", "cap"), fh.ADVERSARIAL)
 def test_adversarial(name: str, n: int, e: int, k: int, cap: list[int]) -> None:
-    gen = torch.Generator().manual_seed(11)
-    if name == "ties-all-equal":
-        affinities = torch.full((2, n, e), 1.0 / e)
-    elif name == "identical-rows":
-        affinities = torch.softmax(torch.randn(2, 1, e, generator=gen), -1).expand(2, n, e)
-    elif name in ("one-expert-preferred", "zero-capacity-popular"):
-        logits = torch.randn(2, n, e, generator=gen)
-        logits[..., 0] += 8.0
-        affinities = torch.softmax(logits, -1)
-    else:
-        affinities = torch.softmax(3 * torch.randn(2, n, e, generator=gen), -1)
+    affinities = fh.adversarial_affinities(name, n, e)
     capacity = torch.tensor(cap, dtype=torch.long)
     index = solve_global(affinities.contiguous(), k, capacity)
     fh.check_constraints(index, k, capacity, e)
@@ -112,9 +88,7 @@ def test_near_identical_rows_torch_path(n: int, e: int, noise: float, bound: flo
     """Rows = one shared vector + noise (a router early in training), e > 16 (the PyTorch path
     on GPUs): the default budget's 32 repair rounds clear the piled-up overload (4 left the
     e = 64 groups to the round-robin fallback at noise 0.1, gap ~0.18; 16 at noise 0.03, 0.06)."""
-    gen = torch.Generator().manual_seed(7)
-    logits = torch.randn(1, 1, e, generator=gen) + noise * torch.randn(3, n, e, generator=gen)
-    affinities = torch.softmax(logits, -1)
+    affinities = fh.near_tied(7, 3, n, e, noise)
     capacity = torch.full((e,), -(-2 * n // e))
     index = solve_global(affinities, 2, capacity, backend="torch")
     fh.check_constraints(index, 2, capacity, e)

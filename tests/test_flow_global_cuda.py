@@ -56,30 +56,7 @@ def test_random_instances_within_gap(backend: str, n: int, e: int, k: int, bias:
     assert gaps.min() >= -1e-9 and gaps.max() <= fh.WORST_GAP, gaps
 
 
-ADVERSARIAL = [
-    ("ties-all-equal", 64, 8, 2, [16] * 8),
-    ("identical-rows", 64, 8, 2, [16] * 8),
-    ("one-expert-preferred", 128, 8, 2, [32] * 8),
-    ("n-less-than-e", 5, 16, 2, [1] * 16),
-    ("unequal-capacities", 100, 6, 2, [0, 100, 10, 30, 40, 20]),
-    ("k-equals-e-minus-1", 40, 4, 3, [30] * 4),
-    ("k-1-tight", 64, 8, 1, [8] * 8),
-    ("capacity-above-n", 20, 4, 2, [50, 50, 0, 0]),
-    ("zero-capacity-popular", 64, 8, 2, [0, 24, 24, 24, 24, 24, 4, 4]),
-]
-
-
-def adversarial_affinities(name: str, n: int, e: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(11)
-    if name == "ties-all-equal":
-        return torch.full((2, n, e), 1.0 / e)
-    if name == "identical-rows":
-        return torch.softmax(torch.randn(2, 1, e, generator=gen), -1).expand(2, n, e).contiguous()
-    if name in ("one-expert-preferred", "zero-capacity-popular"):
-        logits = torch.randn(2, n, e, generator=gen)
-        logits[..., 0] += 8.0
-        return torch.softmax(logits, -1)
-    return torch.softmax(3 * torch.randn(2, n, e, generator=gen), -1)
+ADVERSARIAL = [case for case in fh.ADVERSARIAL if case[3] < case[2]]  # the kernel needs k < e
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -90,7 +67,7 @@ def test_adversarial(backend: str, name: str, n: int, e: int, k: int, cap: list[
     """Ties, one popular expert (also with zero capacity), n < e, unequal / zero / above-n
     capacities: Eq. 7 exactly and the gap bound (32 cycle rounds move the zero-capacity
     expert's overload, which needs ~25)."""
-    x = adversarial_affinities(name, n, e)
+    x = fh.adversarial_affinities(name, n, e)
     capacity = torch.tensor(cap)
     index, _ = run(backend, x, k, capacity.clamp(0, n), **budget(e))
     fh.check_constraints(index, k, capacity, e)
@@ -105,9 +82,7 @@ def test_near_identical_rows(backend: str, n: int, e: int, noise: float) -> None
     in training (benchmarks/flow_solver_router_inputs.py). Rounding at the prices piles nearly
     tied tokens onto the same experts; the repair must move the whole overload in few rounds
     (one eviction per expert per round fell back to round-robin here: gap ~0.14)."""
-    gen = torch.Generator().manual_seed(5)
-    logits = torch.randn(1, 1, e, generator=gen) + noise * torch.randn(3, n, e, generator=gen)
-    x = torch.softmax(logits, -1)
+    x = fh.near_tied(5, 3, n, e, noise)
     cap = torch.full((e,), -(-2 * n // e))
     index, _ = run(backend, x, 2, cap, **budget(e))
     fh.check_constraints(index, 2, cap, e)
@@ -124,13 +99,7 @@ def test_parallel_cycle_copies(backend: str, name: str, noise: float | None, cyc
     every edge). Eq. 7 exactly, never worse than one copy per round on the same budget, within
     the gap bound; also the adversarial zero-capacity-popular case (sink paths, list edits)."""
     n, e = 128, 16
-    if noise is None:
-        x = fh.instances(13, 3, n, e, 1.0)
-    else:
-        gen = torch.Generator().manual_seed(9)
-        x = torch.softmax(
-            torch.randn(1, 1, e, generator=gen) + noise * torch.randn(3, n, e, generator=gen), -1
-        )
+    x = fh.instances(13, 3, n, e, 1.0) if noise is None else fh.near_tied(9, 3, n, e, noise)
     cap = torch.full((e,), -(-2 * n // e))
     one, _ = run(backend, x, 2, cap, **budget(e, cycle_rounds=cycles))
     four, _ = run(backend, x, 2, cap, **budget(e, cycle_rounds=cycles, moves=4))
@@ -139,7 +108,7 @@ def test_parallel_cycle_copies(backend: str, name: str, noise: float | None, cyc
     gaps_four = fh.optimality_gaps(x, four, 2, cap)
     assert gaps_four.max() <= fh.WORST_GAP, gaps_four
     assert gaps_four.mean() <= gaps_one.mean() + 1e-6, (gaps_four, gaps_one)
-    adversarial = adversarial_affinities("zero-capacity-popular", 64, 8)
+    adversarial = fh.adversarial_affinities("zero-capacity-popular", 64, 8)
     capacity = torch.tensor([0, 24, 24, 24, 24, 24, 4, 4])
     index, _ = run(backend, adversarial, 2, capacity, **budget(8, moves=4))
     fh.check_constraints(index, 2, capacity, 8)

@@ -183,13 +183,6 @@ def test_round_robin_fallback_slots_ordered() -> None:
     assert torch.equal(out, _finalize(x, _round_robin(cap, n, k), cap))
 
 
-def _near_tied(seed: int, groups: int, n: int, e: int, noise: float) -> torch.Tensor:
-    """Every token's row one shared vector plus small noise: a router early in training."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(1, 1, e, generator=gen) + noise * torch.randn(groups, n, e, generator=gen)
-    return torch.softmax(logits, -1)
-
-
 @pytest.mark.parametrize(
     ("n", "e", "noise", "seed"),
     [(128, 8, 0.1, 0), (128, 8, 0.03, 5), (64, 16, 0.1, 2), (64, 16, 0.05, 1)],
@@ -203,7 +196,7 @@ def test_near_identical_rows_bulk_repair(n: int, e: int, noise: float, seed: int
     device = fh.triton_device()
     if device is None:
         pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
-    x = _near_tied(seed, 3, n, e, noise)
+    x = fh.near_tied(seed, 3, n, e, noise)
     cap = torch.full((e,), -(-2 * n // e))
     caps = cap.expand(3, e).contiguous().to(device)
     budget = fused_budget(default_budget(e))
@@ -222,7 +215,7 @@ def _repair_instance(kind: str, seed: int, n: int, e: int, k: int) -> tuple[torc
     gen = torch.Generator().manual_seed(seed)
     cap = torch.full((2, e), -(-k * n // e))
     if kind == "near-tied":
-        x = _near_tied(seed, 2, n, e, 0.05)
+        x = fh.near_tied(seed, 2, n, e, 0.05)
     elif kind == "ties":  # quarter steps: many equal losses (token order decides), -0.0 losses
         x = torch.randint(0, 4, (2, n, e), generator=gen).float() / 4
         cap[:, 0] = 0  # short capacity: overload that no round can clear
