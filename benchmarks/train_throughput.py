@@ -56,6 +56,31 @@ def flops_per_token(model: Any, seq_len: int) -> tuple[float, int]:
     return 6.0 * n_active + attention, n_active
 
 
+def _parse_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with a JSON value (``moves=4``, ``num_hidden_layers=2``)."""
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key:
+            raise ValueError
+        return key, json.loads(value)
+    except ValueError:
+        sys.exit(f"option {text!r} is not KEY=VALUE with a JSON value (e.g. moves=4)")
+
+
+def _set_solver_options(options: dict[str, int]) -> None:
+    """``--solver-option``: extra keywords of the CUDA flow kernel (e.g. ``moves=4``,
+    ``cycle_rounds=16``) for every solver call of the run, to time a variant before adopting it."""
+    from maxscore.routing.flow import global_solver
+
+    default = global_solver.cuda_budget
+
+    def varied(budget: Any) -> dict[str, int]:
+        return {**default(budget), **options}
+
+    global_solver.cuda_budget = varied
+    print(f"CUDA flow kernel options: {options}", flush=True)
+
+
 def run_throughput(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
 
@@ -92,8 +117,9 @@ def run_throughput(args: argparse.Namespace) -> None:
         """torch.profiler + cProfile over optimizer steps warmup+1 .. warmup+n (``--profile-steps``):
         where the Trainer path's host time goes, and the GPU's busy fraction."""
 
-        def __init__(self, warmup: int, steps: int, path: Path) -> None:
+        def __init__(self, warmup: int, steps: int, path: Path, shapes: bool) -> None:
             self.first, self.last, self.path = warmup, warmup + steps, path
+            self.shapes = shapes
             self.prof: Any = None
             self.py: Any = None
             self.t0 = 0.0
@@ -105,7 +131,10 @@ def run_throughput(args: argparse.Namespace) -> None:
 
             if state.global_step == self.first:
                 _sync()
-                self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self.prof = profile(
+                    activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                    record_shapes=self.shapes,
+                )
                 self.prof.__enter__()
                 self.py = cProfile.Profile()
                 self.py.enable()
@@ -122,22 +151,32 @@ def run_throughput(args: argparse.Namespace) -> None:
                 busy = sum(e.device_time for e in self.prof.events() if e.device_type == cuda)
                 text = io.StringIO()
                 pstats.Stats(self.py, stream=text).sort_stats("cumulative").print_stats(45)
-                table = self.prof.key_averages().table(
+                averages = self.prof.key_averages()
+                host = averages.table(
                     sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
                 )
+                gpu = averages.table(
+                    sort_by="self_device_time_total", row_limit=60, max_name_column_width=90
+                )
+                by_shape = ""
+                if self.shapes:  # which tensors the top kernels touch (sizes and dtypes)
+                    by_shape = self.prof.key_averages(group_by_input_shape=True).table(
+                        sort_by="self_device_time_total", row_limit=40, max_name_column_width=40
+                    )
                 self.path.write_text(
                     f"wall {wall:.3f} s over {self.last - self.first} optimizer steps; GPU busy "
-                    f"{busy / 1e6 / wall:.2f}\n\n{table}\n\n{text.getvalue()}"
+                    f"{busy / 1e6 / wall:.2f}\n\n== by GPU time\n{gpu}\n\n== by host time\n"
+                    f"{host}\n\n{text.getvalue()}\n\n== by GPU time and input shapes\n{by_shape}"
                 )
             return control
 
+    if args.solver_option:
+        _set_solver_options(dict(_parse_option(o) for o in args.solver_option))
     for router in args.routers.split(","):
         model_preset = args.model  # router "dense" makes every MLP a dense SwiGLU
         cfg = TrainConfig(
             model=model_preset,
-            model_overrides={
-                k: json.loads(v) for k, v in (o.split("=", 1) for o in args.model_option)
-            },
+            model_overrides={k: v for k, v in (_parse_option(o) for o in args.model_option)},
             router=router,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
@@ -166,7 +205,9 @@ def run_throughput(args: argparse.Namespace) -> None:
         callbacks: list[Any] = [timer]
         if args.profile_steps:
             path = out / f"trainer_profile_{router}.txt"
-            callbacks.append(StepProfiler(args.warmup, args.profile_steps, path))
+            callbacks.append(
+                StepProfiler(args.warmup, args.profile_steps, path, args.profile_shapes)
+            )
         result = train(cfg, callbacks=callbacks)
         fpt, n_active = flops_per_token(timer.model, args.seq_len)
         tokens = timer.steps * args.batch_size * args.grad_accum * args.seq_len
@@ -218,6 +259,7 @@ def run_throughput(args: argparse.Namespace) -> None:
         "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)",
         "gradient_checkpointing": args.gradient_checkpointing,
         "peak_flops": H100_BF16_PEAK,
+        "solver_options": dict(_parse_option(o) for o in args.solver_option) or None,
     }
     tag = f"_{args.tag}" if args.tag else ""
     (out / f"train_throughput{tag}.json").write_text(
@@ -334,11 +376,17 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--compile-mode", default="default", help="TrainConfig.compile_mode")
     t.add_argument("--gradient-checkpointing", action="store_true")
     t.add_argument("--model-option", action="append", default=[], help="KEY=VALUE (dry runs)")
+    t.add_argument(
+        "--solver-option", action="append", default=[], help="KEY=VALUE, CUDA flow kernel"
+    )
     t.add_argument("--allow-cpu", action="store_true", help="dry run without a GPU")
     t.add_argument("--output", default=os.environ.get("OUT", "benchmarks"))
     t.add_argument("--tag", default="", help="suffix of the result files")
     t.add_argument(
         "--profile-steps", type=int, default=0, help="profile N steps after warmup (host + GPU)"
+    )
+    t.add_argument(
+        "--profile-shapes", action="store_true", help="with --profile-steps: input shapes too"
     )
     t.add_argument("--runs-dir", default="/tmp/maxscore-bench-runs", help="run directories")
     d = sub.add_parser("ddp-report", help="compare a 1-GPU and a DDP run's loss curves")

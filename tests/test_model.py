@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import maxscore
@@ -155,6 +156,33 @@ def test_left_padding_matches_unpadded() -> None:
         out = model(padded, attention_mask=mask).logits
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[:, 3:], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_default_positions_skip_the_packed_sequence_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers checks given position ids for packed sequences with a host sync; the model's
+    own default positions are one sequence per row, so a training forward must not pay for it.
+    Positions the caller passes still reach the check (and its block-diagonal mask)."""
+    import transformers.masking_utils as masking
+
+    calls: list[Tensor] = []
+    original = masking.find_packed_sequence_indices
+
+    def recording(position_ids: Tensor) -> Tensor | None:
+        calls.append(position_ids)
+        return original(position_ids)
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", recording)
+    model = tiny()
+    x = tokens(2, 12)
+    model(x, labels=x)
+    assert calls == []
+    packed = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]] * 2)
+    model.eval()  # causal routing: a token's experts do not depend on other tokens
+    with torch.no_grad():
+        out = model(x, position_ids=packed, use_cache=False).logits
+        second = model(x[:, 6:], use_cache=False).logits  # the second packed document on its own
+    assert len(calls) == 1
+    torch.testing.assert_close(out[:, 6:], second, atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------

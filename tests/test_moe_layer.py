@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from flow_helpers import triton_device
 from maxscore.moe import (
     DenseMLP,
     MoE,
@@ -163,6 +164,34 @@ def test_grouped_mm_loop_handles_empty_groups() -> None:
     ends = torch.tensor([2, 2, 7, 7], dtype=torch.int32)
     out = _grouped_mm_loop(a, b, ends)
     torch.testing.assert_close(out, torch.cat([a[:2] @ b[0], a[2:] @ b[2]]))
+
+
+@pytest.mark.parametrize("config", range(5))
+@pytest.mark.parametrize(("t", "s", "d"), [(13, 2, 40), (9, 3, 300), (1, 1, 513)])
+def test_sum_slot_rows_kernel_every_tile_matches_loop(config: int, t: int, s: int, d: int) -> None:
+    """The gather-sum kernel under each autotuner configuration (ragged token and column tails,
+    empty slots) against a per-token loop; needs a GPU or TRITON_INTERPRET=1."""
+    device = triton_device()
+    if device is None:
+        pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(config)
+    rows = 2 * t * s
+    src = torch.randn(rows, d, generator=g).to(device=device, dtype=torch.bfloat16)
+    slot_row = torch.randint(-1, rows, (t, s), generator=g).to(device)
+    cfg = dispatch_mod._SUM_SLOT_ROWS_CONFIGS[config]
+    out = src.new_empty(t, d)
+    grid = (-(-t // cfg.kwargs["tokens"]), -(-d // cfg.kwargs["block"]))
+    dispatch_mod._sum_slot_rows_kernel[grid](
+        src, slot_row, out, t, d, slots=s, num_warps=cfg.num_warps, **cfg.kwargs
+    )
+    expected = torch.zeros(t, d)
+    for i in range(t):
+        for r in slot_row[i].tolist():
+            if r >= 0:
+                expected[i] += src[r].float().cpu()
+    # fp32 sums, one bf16 rounding (the interpreter truncates where a GPU rounds to nearest)
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(dispatch_mod._sum_slot_rows(src, slot_row), out)
 
 
 # --------------------------------------------------------------------------------------------

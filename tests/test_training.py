@@ -87,6 +87,38 @@ def test_collate_blocks_stacks_without_padding_machinery() -> None:
     assert torch.equal(batch["labels"], blocks[[2, 0]])
 
 
+def test_mixed_precision_outputs_stay_half_precision() -> None:
+    """accelerate casts a bf16-autocast model's outputs to fp32 (an fp32 copy of the logits per
+    micro-batch); the trainer removes that conversion and keeps autocast: same loss, bf16 logits."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from maxscore.models import LlamaMoEForCausalLM, get_model_config
+    from maxscore.training.trainer import keep_half_precision_outputs
+
+    torch.manual_seed(0)
+    model = LlamaMoEForCausalLM(get_model_config("tiny", router="gshard", vocab_size=128))
+    # accelerate's process-wide state may hold another precision from earlier tests' Trainers.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+        prepared = accelerator.prepare_model(model)
+        x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            before = prepared(input_ids=x, labels=x)
+            assert before.logits.dtype == torch.float32  # accelerate's conversion
+            assert keep_half_precision_outputs(prepared)
+            assert not keep_half_precision_outputs(prepared)  # already removed
+            after = prepared(input_ids=x, labels=x)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert after.logits.dtype == torch.bfloat16  # still under autocast
+    assert after.loss.dtype == torch.float32
+    torch.testing.assert_close(after.loss, before.loss)
+    torch.testing.assert_close(after.logits.float(), before.logits)
+    assert not keep_half_precision_outputs(LlamaMoEForCausalLM(model.config))  # never wrapped
+
+
 def test_paper_recipe_fills_the_papers_setup_and_explicit_flags_win() -> None:
     cfg = apply_recipe(TrainConfig(recipe="paper", router="gshard", max_steps=10), {"max_steps"})
     assert (cfg.seq_len, cfg.lr, cfg.weight_decay) == (512, 3e-5, 0.1)

@@ -360,6 +360,9 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
 
         length = inputs_embeds.shape[1]
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        # Only positions the caller gave can describe packed sequences; the mask builder checks
+        # them with a host sync (`find_packed_sequence_indices`), so ours are not passed to it.
+        given_position_ids = position_ids
         if position_ids is None:
             if attention_mask is not None and attention_mask.dim() == 2:
                 # Count only real tokens, so a left-padded sequence gets the positions it would
@@ -377,7 +380,7 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            position_ids=position_ids,
+            position_ids=given_position_ids,
             **{_MASK_CACHE_ARGUMENT: past_key_values},
         )
         cos, sin = rotary_cos_sin(

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from maxscore.routing.ranking import top_experts
+
 __all__ = [
     "AFFINITY_OPERATORS",
     "OPERATORS_USING_TEMPERATURE",
@@ -174,9 +176,9 @@ def softtopk_affinity(logits: Tensor, k: int, t: Tensor | float) -> Tensor:
 
     so the top-1 keeps its softmax weight, the rank-r choice (r <= k) is boosted by
     ``1 + t (r - 1)`` and every expert outside the top ``k - 1`` by ``1 + t (k - 1)``. Ranks come
-    from the logits (ties broken by :func:`torch.topk`); they are piecewise constant, so gradients
-    flow through the softmax only. With ``t > 0`` a boosted lower-ranked expert can end up with
-    a larger affinity than the top-1 (e.g. ``p = (.5, .2)``, ``t = 3`` gives ``(.5, .8)``), so the
+    from the logits (ties broken by the lower expert index, :mod:`.ranking`); they are piecewise
+    constant, so gradients flow through the softmax only. With ``t > 0`` a boosted lower-ranked
+    expert can end up with a larger affinity than the top-1 (e.g. ``p = (.5, .2)``, ``t = 3`` gives ``(.5, .8)``), so the
     router selects experts on this operator at ``t = 0`` (the softmax) and uses the boosted values
     as combine weights only. ``t`` may be a 0-dim tensor (the schedule's value, kept on the
     device) or a float; it decays during training (:mod:`maxscore.routing.schedule`).
@@ -200,7 +202,7 @@ def softtopk_boost(probs: Tensor, logits: Tensor, k: int, t: Tensor | float) -> 
     # by comparison with the expert ids, not by a scatter into a constant tensor, which torch
     # 2.11-2.13's inductor miscompiles inside the router (the scattered values are lost).
     steps = torch.arange(k - 1, dtype=x.dtype, device=x.device)  # r - 1 for r = 1 .. k-1
-    top = torch.topk(x, k - 1, dim=-1, sorted=True).indices  # [..., k-1]
+    top = top_experts(x, k - 1)  # [..., k-1]
     at_rank = top.unsqueeze(-1) == torch.arange(x.shape[-1], device=x.device)  # [..., k-1, e]
     extra = (k - 1) - ((k - 1 - steps).unsqueeze(-1) * at_rank).sum(dim=-2)
     # ``t`` is used as given (python float or 0-dim device tensor): converting a float to a

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.losses import assignment_matrix
+from maxscore.routing.ranking import top_experts
 
 __all__ = ["STAT_KEYS", "LazyRoutingStatistics", "routing_statistics", "with_extra_statistics"]
 
@@ -75,7 +76,7 @@ def routing_statistics(
     k = min(k, e)
     assigned = assignment_matrix(expert_index, e, torch.float32)  # [G, n, e]
 
-    top_idx = torch.topk(rank_scores.detach().float(), k, dim=-1, sorted=True).indices
+    top_idx = top_experts(rank_scores.detach().float(), k)
     kept = assigned.gather(-1, top_idx)  # 1 where the r-th choice was assigned
     drop_rate_by_rank = 1.0 - kept.mean(dim=(0, 1))
     mean_affinity_by_rank = a.gather(-1, top_idx).mean(dim=(0, 1))

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.config import RouterConfig
+from maxscore.routing.ranking import ranked_experts, top_experts
 from maxscore.routing.types import DROPPED, assignment_matrix
 
 AssignFn = Callable[[Tensor, int, Tensor | None, RouterConfig], Tensor]
@@ -164,28 +165,6 @@ def _validate(
 # --------------------------------------------------------------------------------------------
 
 
-def ranked_experts(scores: Tensor, allowed: Tensor | None = None) -> Tensor:
-    """Experts of each row in descending score order, ties broken by the lower expert index.
-
-    Args:
-        scores: ``[..., e]``.
-        allowed: optional ``[..., e]`` bool; allowed experts come first (in score order), then the
-            others (also in score order). Ordering by the mask, not by writing ``-inf`` into the
-            scores, keeps an allowed expert whose own score is ``-inf`` ahead of a masked one.
-
-    Returns:
-        ``[..., e]`` long permutation of expert indices.
-    """
-    # torch.sort(stable=True) keeps equal keys in input order, which makes ties deterministic
-    # (torch.topk gives no tie-breaking guarantee).
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    if allowed is not None:
-        allowed_sorted = allowed.gather(-1, order).to(torch.uint8)
-        second = torch.sort(allowed_sorted, dim=-1, descending=True, stable=True).indices
-        order = order.gather(-1, second)
-    return order
-
-
 def keep_within_capacity(
     expert_index: Tensor, capacity: Tensor, priority: Tensor | None = None
 ) -> Tensor:
@@ -250,7 +229,7 @@ def cumsum_last(x: Tensor, dtype: torch.dtype = torch.long) -> Tensor:
 
 def _topk_indices(scores: Tensor, k: int) -> Tensor:
     """``[G, n, k]`` each token's top-k experts, slot r = r-th choice, deterministic ties."""
-    return ranked_experts(scores)[..., :k]
+    return top_experts(scores, k)
 
 
 def _expert_load(expert_index: Tensor, e: int) -> Tensor:
