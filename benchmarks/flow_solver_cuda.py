@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flow_solver_fused import affinities, feasible, gaps
+from flow_solver_fused import affinities, feasible, gap_row, gaps
 from flow_solver_gpu import ACCEPTANCE_CAPACITY, acceptance_set, graph_timer
 from maxscore.routing.flow import FLOW_SOLVERS, flow_objective, global_cuda, global_triton
 from maxscore.routing.flow.global_solver import (
@@ -165,14 +165,8 @@ def main() -> None:
             for name, opts in cuda_variants(16).items():
                 stats = torch.zeros(100, 4, dtype=torch.int32, device=dev)
                 out = global_cuda.solve_cuda(x.to(dev), 2, cap.to(dev), **opts, stats=stats)
-                gp = gaps(x, out, opt)
                 r = {
-                    "bias": bias,
-                    "variant": name,
-                    "feasible": feasible(out, 2, cap, 16),
-                    "gap_median": float(np.median(gp)),
-                    "gap_p90": float(np.quantile(gp, 0.9)),
-                    "gap_max": float(gp.max()),
+                    **gap_row(bias, name, x, out, opt, cap),
                     "cycle_rounds_max": int(stats[:, 1].max()),
                 }
                 gap_rows.append(r)

@@ -194,27 +194,14 @@ def _swiglu_backward_fake(gate_up: Tensor, weight: Tensor, grad_h: Tensor) -> tu
     return torch.empty_like(gate_up), torch.empty_like(weight)
 
 
-def _swiglu_forward_kernel(gate_up: Tensor, weight: Tensor) -> Tensor:
-    if torch.compiler.is_compiling():
-        return _swiglu_forward_op(gate_up, weight)
-    return _swiglu_forward_triton(gate_up, weight)
-
-
-def _swiglu_backward_kernel(
-    gate_up: Tensor, weight: Tensor, grad_h: Tensor
-) -> tuple[Tensor, Tensor]:
-    if torch.compiler.is_compiling():
-        return _swiglu_backward_op(gate_up, weight, grad_h)
-    return _swiglu_backward_triton(gate_up, weight, grad_h)
-
-
 class _WeightedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
         gate_up, weight = gate_up.contiguous(), weight.contiguous()
         ctx.save_for_backward(gate_up, weight)
         if gate_up.dim() == 2 and _use_triton(gate_up):
-            return _swiglu_forward_kernel(gate_up, weight)
+            compiling = torch.compiler.is_compiling()  # eager calls skip the operator dispatch
+            return (_swiglu_forward_op if compiling else _swiglu_forward_triton)(gate_up, weight)
         return _call("swiglu_fwd", _swiglu_forward, gate_up, weight)
 
     @staticmethod
@@ -222,7 +209,9 @@ class _WeightedSwiGLU(torch.autograd.Function):
         gate_up, weight = ctx.saved_tensors
         grad_h = grad_h.contiguous()
         if gate_up.dim() == 2 and _use_triton(gate_up):
-            d_gate_up, d_weight = _swiglu_backward_kernel(gate_up, weight, grad_h)
+            compiling = torch.compiler.is_compiling()
+            kernel = _swiglu_backward_op if compiling else _swiglu_backward_triton
+            d_gate_up, d_weight = kernel(gate_up, weight, grad_h)
         else:
             d_gate_up, d_weight = _call("swiglu_bwd", _swiglu_backward, gate_up, weight, grad_h)
         return d_gate_up, (d_weight if ctx.needs_input_grad[1] else None)

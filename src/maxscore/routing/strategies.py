@@ -227,11 +227,6 @@ def cumsum_last(x: Tensor, dtype: torch.dtype = torch.long) -> Tensor:
     return x.movedim(-1, 0).cumsum(0, dtype=dtype).movedim(0, -1)
 
 
-def _topk_indices(scores: Tensor, k: int) -> Tensor:
-    """``[G, n, k]`` each token's top-k experts, slot r = r-th choice, deterministic ties."""
-    return top_experts(scores, k)
-
-
 def _expert_load(expert_index: Tensor, e: int) -> Tensor:
     """``[G, e]`` long, tokens per expert in each group (empty slots ignored)."""
     g = expert_index.shape[0]
@@ -272,7 +267,7 @@ def assign_topk(scores: Tensor, k: int, capacity: Tensor | None, config: RouterC
     """
     cap = _validate("topk", scores, k, capacity, needs_capacity=True)
     assert cap is not None
-    idx = _topk_indices(scores, k)
+    idx = top_experts(scores, k)
     keep = keep_within_capacity(idx, cap, _capacity_priority(scores, idx, config))
     return torch.where(keep, idx, DROPPED)
 
@@ -412,7 +407,7 @@ def assign_sinkhorn(
     col_mass = col.clamp(min=_MASS_FLOOR).expand(g, -1)
     log_plan = sinkhorn_log_plan(log_kernel, row_mass, col_mass, config.sinkhorn_iterations)
     # A NaN plan entry (only from NaN scores) would make the ranking arbitrary but still valid.
-    idx = ranked_experts(log_plan)[..., :k]
+    idx = top_experts(log_plan, k)
     keep = keep_within_capacity(idx, cap, log_plan.gather(2, idx))
     return torch.where(keep, idx, DROPPED)
 
@@ -452,7 +447,7 @@ def assign_dropless(
     depend only on its own scores.
     """
     _validate("dropless", scores, k, capacity, needs_capacity=False)
-    return _topk_indices(scores, k)
+    return top_experts(scores, k)
 
 
 @torch.no_grad()
@@ -483,7 +478,7 @@ def assign_group_limited(
             f"{keep_groups * per_group} experts, fewer than k={k}"
         )
     group_score = scores.reshape(g, n, groups, per_group).amax(dim=-1)  # [G, n, groups]
-    best_groups = ranked_experts(group_score)[..., :keep_groups]
+    best_groups = top_experts(group_score, keep_groups)
     allowed_group = torch.zeros(g, n, groups, dtype=torch.bool, device=scores.device)
     allowed_group.scatter_(2, best_groups, True)
     allowed = allowed_group.repeat_interleave(per_group, dim=2)  # [G, n, e]

@@ -35,9 +35,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import torch
+from accelerate.utils.operations import ConvertOutputsToFp32
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -139,10 +141,6 @@ def keep_half_precision_outputs(model: Any) -> bool:
     removed. Accelerate wraps the model before DDP does, so the wrapper sits on the inner module;
     the outer one is checked too. Returns whether a conversion was removed.
     """
-    from types import MethodType
-
-    from accelerate.utils.operations import ConvertOutputsToFp32
-
     removed = False
     for target in {id(m): m for m in (model, unwrap(model))}.values():
         forward = target.__dict__.get("forward")  # accelerate sets an instance attribute
