@@ -72,10 +72,17 @@ def phase_split(clocks: Tensor, stats: Tensor) -> dict:
     d = (c[:, 1:6] - c[:, 0:5]) / rate * 1e6
     total = (c[:, 5] - c[:, 0]) / rate * 1e6
     slow = int(total.argmax())
+    # clocks[:, 6:8]: the cycle phase's edge scans (with their barrier) and warp 0's graph part,
+    # summed over the rounds
+    sub = c[:, 6:8] / rate * 1e6
     return {
         "slowest_us": {p: round(float(d[slow, i]), 2) for i, p in enumerate(PHASES)},
         "slowest_total_us": round(float(total[slow]), 2),
         "slowest_rounds": stats[slow, :2].tolist(),
+        "slowest_cycle_split_us": {
+            "edges": round(float(sub[slow, 0]), 2),
+            "graph": round(float(sub[slow, 1]), 2),
+        },
         "mean_us": {p: round(float(d[:, i].mean()), 2) for i, p in enumerate(PHASES)},
     }
 

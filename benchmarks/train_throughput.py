@@ -163,6 +163,20 @@ def run_throughput(args: argparse.Namespace) -> None:
                     by_shape = self.prof.key_averages(group_by_input_shape=True).table(
                         sort_by="self_device_time_total", row_limit=40, max_name_column_width=40
                     )
+                # Every kernel's GPU time, for diffing two routers' steps (not only the top 60).
+                kernels = sorted(
+                    (
+                        {
+                            "name": e.key,
+                            "gpu_us": e.self_device_time_total / (self.last - self.first),
+                            "calls": e.count / (self.last - self.first),
+                        }
+                        for e in averages
+                        if e.self_device_time_total > 0
+                    ),
+                    key=lambda row: -row["gpu_us"],
+                )
+                self.path.with_suffix(".json").write_text(json.dumps(kernels, indent=1))
                 self.path.write_text(
                     f"wall {wall:.3f} s over {self.last - self.first} optimizer steps; GPU busy "
                     f"{busy / 1e6 / wall:.2f}\n\n== by GPU time\n{gpu}\n\n== by host time\n"

@@ -171,6 +171,25 @@ def test_gpu_matches_emulation_and_graph_replay() -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_clocks() -> None:
+    """``clocks``: the phase boundaries (slots 0-5) in order; the cycle phase's edge scans and
+    graph work (slots 6 and 7, summed over its rounds) both measured and within its span."""
+    if not (torch.cuda.is_available() and global_cuda.available()):
+        pytest.skip("needs a CUDA GPU with NVRTC")
+    n, e, k = 128, 16, 2
+    x = fh.near_tied(9, 4, n, e, 0.03).cuda()  # near-tied rows: many cycle rounds
+    cap = torch.full((4, e), -(-k * n // e), device="cuda")
+    stats = torch.zeros(4, 4, dtype=torch.int32, device="cuda")
+    clocks = torch.zeros(4, 8, dtype=torch.int64, device="cuda")
+    global_cuda.solve_cuda(x, k, cap, **budget(e), stats=stats, clocks=clocks)
+    c, rounds = clocks.cpu(), stats[:, 1].cpu()
+    assert bool((c[:, 1:6] >= c[:, :5]).all())
+    assert bool((rounds > 0).all())
+    assert bool((c[:, 6] > 0).all() and (c[:, 7] > 0).all())
+    assert bool((c[:, 6] + c[:, 7] <= c[:, 4] - c[:, 3]).all())
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_gap_targets_100_instances() -> None:
     """Issue 3's acceptance: n=512, e=16, k=2, c=64, 100 balanced + 100 skewed instances."""

@@ -157,3 +157,22 @@ def test_split_into_groups() -> None:
     )
     with pytest.raises(ValueError, match="multiple of the group size"):
         split_into_groups(x, RouterConfig(group="tokens", group_size=5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [None, 40])
+def test_compiled_gpu_statistics_equal_the_eager_ones(capacity: int | None) -> None:
+    """On CUDA the lazy statistics run through torch.compile: same values as eager."""
+    from maxscore.routing import statistics
+    from maxscore.routing.statistics import LazyRoutingStatistics
+
+    gen = torch.Generator().manual_seed(0)
+    affinities = torch.rand(4, 64, 8, generator=gen).softmax(-1).cuda()
+    index = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(256)]).view(4, 64, 2)
+    index[torch.rand(4, 64, 2, generator=gen) < 0.2] = -1
+    cap = None if capacity is None else torch.full((8,), capacity).cuda()
+    lazy = LazyRoutingStatistics(affinities, index.cuda(), cap, 2)
+    eager = routing_statistics(affinities, index.cuda(), cap, 2)
+    for key in STAT_KEYS:
+        torch.testing.assert_close(lazy[key], eager[key])
+    assert not statistics._compiled.get("failed"), "fell back to the eager statistics"

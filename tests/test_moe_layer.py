@@ -104,6 +104,7 @@ def test_padded_and_grouped_match_naive(
 ) -> None:
     if positions == "sort":  # the large-problem branch of the slot-position computation
         monkeypatch.setattr(dispatch_mod, "_ONE_HOT_LIMIT", 0)
+        monkeypatch.setattr(dispatch_mod, "_SCAN_ROW_LIMIT", 0)  # (the kernel, if it would run)
     torch.manual_seed(0)
     t, d, f = 16, 8, 12
     experts = SwiGLUExperts(e, d, f, init_std=0.3)
@@ -166,7 +167,7 @@ def test_grouped_mm_loop_handles_empty_groups() -> None:
     torch.testing.assert_close(out, torch.cat([a[:2] @ b[0], a[2:] @ b[2]]))
 
 
-@pytest.mark.parametrize("config", range(5))
+@pytest.mark.parametrize("config", range(len(getattr(dispatch_mod, "_SUM_SLOT_ROWS_CONFIGS", []))))
 @pytest.mark.parametrize(("t", "s", "d"), [(13, 2, 40), (9, 3, 300), (1, 1, 513)])
 def test_sum_slot_rows_kernel_every_tile_matches_loop(config: int, t: int, s: int, d: int) -> None:
     """The gather-sum kernel under each autotuner configuration (ragged token and column tails,
@@ -192,6 +193,30 @@ def test_sum_slot_rows_kernel_every_tile_matches_loop(config: int, t: int, s: in
     # fp32 sums, one bf16 rounding (the interpreter truncates where a GPU rounds to nearest)
     torch.testing.assert_close(out.float().cpu(), expected, rtol=2**-7, atol=1e-6)
     torch.testing.assert_close(dispatch_mod._sum_slot_rows(src, slot_row), out)
+
+
+@pytest.mark.parametrize(
+    ("groups", "m", "num_keys"), [(3, 50, 4), (128, 1024, 16), (2, 3000, 16), (5, 7, 1), (1, 1, 0)]
+)
+def test_key_positions_kernel_matches_running_count(groups: int, m: int, num_keys: int) -> None:
+    """The Triton slot-position kernel (one program per row, chunks carried across: 3000 entries
+    are three chunks) against a running count per key; needs a GPU or TRITON_INTERPRET=1."""
+    device = triton_device()
+    if device is None:
+        pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
+    gen = torch.Generator().manual_seed(m)
+    key = torch.randint(0, num_keys + 1, (groups, m), generator=gen)
+    key[0, : m // 2] = 0  # one popular key: long runs
+    position, counts = dispatch_mod._positions(key.to(device), num_keys)
+    assert counts is not None
+    expected = torch.empty_like(key)
+    for g in range(groups):
+        seen = [0] * (num_keys + 1)
+        for i, j in enumerate(key[g].tolist()):
+            expected[g, i] = seen[j]
+            seen[j] += 1
+        assert counts[g].tolist() == seen
+    assert torch.equal(position.cpu(), expected)
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,6 +119,30 @@ def test_mixed_precision_outputs_stay_half_precision() -> None:
     assert not keep_half_precision_outputs(LlamaMoEForCausalLM(model.config))  # never wrapped
 
 
+def test_training_batches_are_full_and_evaluation_keeps_every_block(tmp_path: Path) -> None:
+    """An epoch's partial last batch is dropped in training only (a constant batch shape for the
+    compiled layers); the evaluation loader still yields every block."""
+    from transformers import TrainingArguments
+
+    from maxscore.models import LlamaMoEForCausalLM, get_model_config
+    from maxscore.training.data import collate_blocks
+    from maxscore.training.trainer import MaxScoreTrainer
+
+    blocks = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(5)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+        report_to="none", use_cpu=True, remove_unused_columns=False,
+    )  # fmt: skip
+    model = LlamaMoEForCausalLM(get_model_config("tiny", router="gshard", vocab_size=128))
+    trainer = MaxScoreTrainer(
+        model=model, args=args, train_dataset=blocks, eval_dataset=blocks,
+        data_collator=collate_blocks, tokens_per_step=16, save_total_limit=1,
+    )  # fmt: skip
+    assert [len(b["input_ids"]) for b in trainer.get_train_dataloader()] == [2, 2]
+    assert [len(b["input_ids"]) for b in trainer.get_eval_dataloader()] == [2, 2, 1]
+    assert trainer.args.dataloader_drop_last is False
+
+
 def test_paper_recipe_fills_the_papers_setup_and_explicit_flags_win() -> None:
     cfg = apply_recipe(TrainConfig(recipe="paper", router="gshard", max_steps=10), {"max_steps"})
     assert (cfg.seq_len, cfg.lr, cfg.weight_decay) == (512, 3e-5, 0.1)

@@ -462,7 +462,16 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         instead of an fp32 copy of the logits and separate softmax kernels. ``compile_kwargs``
         go to ``nn.Module.compile`` (e.g. ``mode="max-autotune-no-cudagraphs"``).
         ``tests/test_model.py`` checks compiled against eager losses and gradients.
+
+        Shapes are static by default (``dynamic=False``): a new batch or sequence size compiles
+        a graph of its own instead of turning the first one into a shape-generic graph. On an
+        H100 (torch 2.11), the shape-generic graph of the GShard layer (one routing group per
+        batch, so the group size is symbolic) failed a device-side index assertion in a
+        scatter / gather kernel when the batch size changed from 128 to 60 sequences; static
+        graphs ran (``benchmarks/train_throughput.md``, fifth session). Static graphs are also
+        what CUDA graphs and the autotuned kernels want.
         """
+        compile_kwargs.setdefault("dynamic", False)
         for layer in self.model.layers:
             layer.compile(**compile_kwargs)
         self._compiled_loss = torch.compile(self.loss_function, **compile_kwargs)

@@ -28,14 +28,15 @@ def load_balancing_loss(
         expert_index: ``[G, n, S]`` (or ``[n, S]``) final assignment, ``-1`` = empty slot.
         form: which loss.
         scale: multiplies the result (the router passes λ, saving a kernel per call; for the
-            gshard form with ``e`` a power of two the product is bitwise the same as ``λ · L``).
+            gshard form with ``e`` and ``G·n`` powers of two the product is bitwise ``λ · L``).
 
     Forms:
 
     * ``"gshard"`` (default; the authors' code, GShard / Switch / fairseq):
       ``L = e · sum_j mean_i(A_ij) · f_j`` with ``f_j`` the fraction of the group's tokens whose
-      top-1 choice (argmax of ``A``, before any capacity drop) is expert ``j``. Computed as
-      ``L = e · mean_i mean_A[argmax_i]`` (the same sum grouped by token; one gather).
+      top-1 choice (argmax of ``A``, before any capacity drop) is expert ``j``, computed from
+      the per-expert top-1 counts (a one-hot sum: no scatter in the backward pass, whose
+      atomic adds onto ``e`` addresses cost ~0.1 ms per Base layer on an H100).
     * ``"eq9"``, the paper's Eq. (9) as printed (without λ):
       ``L = (1/e) · sum_j mean_i(A_ij) · mean_i(P_ij)`` with ``P`` the final assignment
       (Eq. 7), i.e. every kept slot, after capacity.
@@ -59,12 +60,13 @@ def load_balancing_loss(
     e = affinities.shape[-1]
     mean_affinity = affinities.mean(dim=1)  # [G, e]
     if form == "gshard":
-        # sum_j mean_i(A_ij) f_j with f_j = (1/n) #{i: argmax_i = j} is the mean over tokens of
-        # mean_A[argmax_i]: one gather instead of a one-hot, its mean and a product-sum (same
-        # value up to fp32 summation order; every group has n tokens, so the mean over groups
-        # is the mean over all G*n entries).
-        top1 = affinities.detach().argmax(dim=-1)  # [G, n]
-        return mean_affinity.gather(1, top1).mean() * (e * scale)
+        # f_j = (1/n) #{i: argmax_i = j}, from a one-hot sum (constant: no gradient). Every
+        # group has n tokens, so the mean over groups of sum_j mean_A f_j is one sum over G*n.
+        top1 = affinities.detach().argmax(dim=-1, keepdim=True)  # [G, n, 1]
+        experts = torch.arange(e, device=affinities.device)
+        counts = (top1 == experts).sum(dim=1, dtype=affinities.dtype)  # [G, e]
+        g, n = affinities.shape[:2]
+        return (mean_affinity * counts).sum() * (e * scale / (g * n))
     if form == "eq9":
         load = assignment_matrix(expert_index, e, affinities.dtype).mean(dim=1)  # [G, e]
         loss = ((mean_affinity * load).sum(dim=-1) / e).mean()

@@ -37,12 +37,46 @@ def ranked_experts(scores: Tensor, allowed: Tensor | None = None) -> Tensor:
     return order
 
 
+#: Up to this many ranks, :func:`top_experts` takes repeated argmaxes instead of a sort.
+_ARGMAX_RANKS = 4
+
+
+def _order_key(scores: Tensor) -> Tensor:
+    """Integer keys ordered like the scores in a descending sort: NaN largest, -0.0 == 0.0.
+
+    A float's bits, read as a signed integer, order the non-negative floats; flipping the value
+    bits of the negative ones orders those too (the usual total-order trick). Every NaN maps to
+    the largest key, as NaN sorts first. The smallest key (a NaN bit pattern before the
+    mapping) is never produced, so it can mark taken entries.
+    """
+    wide = scores.dtype == torch.float64
+    x = (scores if wide else scores.float()) + 0.0  # -0.0 + 0.0 = +0.0: equal keys, as in sort
+    bits = x.view(torch.int64 if wide else torch.int32)
+    info = torch.iinfo(bits.dtype)
+    key = bits ^ ((bits >> (info.bits - 1)) & info.max)
+    return torch.where(torch.isnan(x), info.max, key)
+
+
 def top_experts(scores: Tensor, k: int) -> Tensor:
     """The ``k`` best experts of each row (``[..., e] -> [..., k]`` long), best first.
 
     Same order as :func:`ranked_experts`; ``k = 1`` is an ``argmax`` (first maximum), which
-    torch.compile fuses into the surrounding kernel.
+    torch.compile fuses into the surrounding kernel. Up to ``_ARGMAX_RANKS`` ranks (fewer than
+    ``e``) it is ``k`` argmaxes over integer order keys, each taking the first maximum (the
+    lower index on ties) and then marking it taken: a few passes over the row instead of a
+    sort, which on CUDA costs ~0.23 ms for ``[65536, 16]`` rows (H100; the per-step routing
+    statistics rank every layer's tokens).
     """
     if k == 1:
         return scores.argmax(dim=-1, keepdim=True)
-    return ranked_experts(scores)[..., :k]
+    if not scores.is_floating_point() or k > _ARGMAX_RANKS or k >= scores.shape[-1]:
+        return ranked_experts(scores)[..., :k]
+    key = _order_key(scores)
+    taken = torch.iinfo(key.dtype).min
+    ranks = []
+    for r in range(k):
+        best = key.argmax(dim=-1, keepdim=True)
+        ranks.append(best)
+        if r + 1 < k:
+            key = key.scatter(-1, best, taken)
+    return torch.cat(ranks, dim=-1)

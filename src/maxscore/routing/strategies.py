@@ -177,7 +177,7 @@ def keep_within_capacity(
 
     Sort-based (memory ``O(G*n*S + G*e)``, no ``[G, n*S, e]`` one-hot): slots are sorted by
     (expert, priority rank), a slot's position inside its expert is its sorted index minus the
-    expert's offset (an exclusive cumsum of the per-expert counts).
+    expert's first sorted index.
 
     Args:
         expert_index: ``[G, n, S]`` long, ``-1`` for empty slots (they are never kept).
@@ -205,10 +205,10 @@ def keep_within_capacity(
     key = expert_or_sink * m + prio_rank  # unique per slot within a group
     sorted_key, perm = torch.sort(key, dim=1)
     expert_sorted = torch.div(sorted_key, m, rounding_mode="floor")
-    counts = torch.zeros(g, e + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(1, expert_or_sink, torch.ones_like(expert_or_sink))
-    offsets = cumsum_last(counts) - counts
-    position = arange - offsets.gather(1, expert_sorted)  # 0-based place in the expert's queue
+    # 0-based place in the expert's queue: sorted index minus the expert's first sorted index
+    # (a binary search of the sorted row; per-expert counts by scatter_add are atomic adds of
+    # every slot onto e + 1 addresses, which serialise on a GPU).
+    position = arange - torch.searchsorted(expert_sorted, expert_sorted)
     cap = torch.cat(
         [capacity.expand(g, e), torch.zeros(g, 1, dtype=capacity.dtype, device=device)], dim=1
     )

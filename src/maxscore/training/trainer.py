@@ -390,6 +390,23 @@ class MaxScoreTrainer(Trainer):
         self._moe_layers: list[int] = []
         self.add_callback(_RoutingAccumulator(self))
 
+    def get_train_dataloader(self) -> Any:
+        """Full micro-batches only: an epoch's partial last batch is left out (training only).
+
+        A run longer than an epoch of a map-style dataset would otherwise meet one smaller batch
+        per epoch: a different shape for the compiled layers (a recompilation mid-run, and with
+        GShard's one routing group per batch a different capacity) and a noisier step. At
+        most ``global batch - 1`` blocks per epoch go unused (the data is reshuffled each
+        epoch); ``prepare`` guarantees at least one full global batch. Evaluation
+        keeps every block.
+        """
+        previous = self.args.dataloader_drop_last
+        self.args.dataloader_drop_last = True
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.args.dataloader_drop_last = previous
+
     # -- losses and routing statistics, kept on the device ----------------------------------
     def compute_loss(
         self,

@@ -226,9 +226,11 @@ def solve_cuda(
     ``repair_rounds``, ``cycle_rounds``, ``bf_iterations``; optionally ``bisect0``, ``bisect``,
     ``window``, ``early_exit``). Returns ``[G, n, k]`` long expert indices, each token's experts
     by decreasing affinity (ties: lower expert), ``-1`` last. ``stats`` (``[G, 4]`` int32), if
-    given, receives the repair and cycle rounds each group used; ``clocks`` (``[G, 8]`` int64)
-    the SM clock at the phase
-    boundaries (load, prices, repair, cycles, finalize), for profiling.
+    given, receives the repair and cycle rounds each group used; ``clocks`` (``[G, 8]`` int64),
+    for profiling, the SM clock at the phase boundaries in slots 0-5 (start, then the ends of
+    load, prices, repair, cycles, finalize) and in slots 6 and 7 the SM cycles of the cycle
+    phase's two parts summed over its rounds: the edge scans (with their barrier) and warp 0's
+    graph work (Bellman-Ford, cycle search, moves).
     """
     if not supported(affinities, k):
         raise ValueError(
