@@ -6,10 +6,16 @@ of 512 tokens: an epoch's partial last batch, then another shape). ``--dynamic a
 torch.compile's default (a second shape makes the graph shape-generic), ``static`` what
 ``compile_layers`` now passes (one graph per shape).
 
-Measured on an H100 (torch 2.11.0+cu130): GShard with ``auto`` stops at the first 60-sequence
-batch with a device-side assertion in a scatter / gather kernel (index out of bounds), with the
-code of the fourth session as well; ``static`` runs every shape; MaxScore runs with both (its
-routing groups are sequences, so the group size stays 512). Prints one line per step.
+Measured on an H100 (torch 2.11.0+cu130), before the fix: GShard with ``auto`` stopped at the
+first 60-sequence batch with a device-side assertion in a scatter / gather kernel (index out of
+bounds); ``static`` ran every shape; MaxScore ran with both (its routing groups are sequences,
+so the group size stays 512). The cause, found afterwards on the CPU (where the same graph
+corrupted memory): ``expert_capacity``'s float formula traced to a capacity one too large for
+a symbolic group size (1,921 instead of 1,920 at n = 15,360), so the router kept more slots than
+the expert buffers hold. It is integer arithmetic now (tests
+``test_expert_capacity_is_exact_in_a_shape_generic_compiled_graph`` and
+``test_compiled_gshard_layer_with_a_changing_batch_size_matches_eager``); this script was not
+re-run on a GPU after the fix. Prints one line per step.
 
 ``PYTHONPATH=src python3 benchmarks/compile_shape_change.py --router gshard --dynamic static``
 """

@@ -144,6 +144,24 @@ def test_expert_capacity() -> None:
         expert_capacity(0, 4, 2)
 
 
+@pytest.mark.parametrize("factor", [1.0, 1.25, 1.2])
+def test_expert_capacity_is_exact_in_a_shape_generic_compiled_graph(factor: float) -> None:
+    """With a symbolic group size (torch.compile's graph after a second batch size) the capacity
+    is the same integer as eagerly; the former float formula traced to 1,921 for n = 15,360."""
+    torch._dynamo.reset()
+
+    def capacity_of(x: torch.Tensor) -> torch.Tensor:
+        return torch.full((16,), expert_capacity(x.shape[0], 16, 2, factor, 1))
+
+    compiled = torch.compile(capacity_of, dynamic=True, fullgraph=True)
+    for n in (32768, 15360, 8704, 25, 7):
+        expected = expert_capacity(n, 16, 2, factor, 1)
+        assert int(compiled(torch.zeros(n))[0]) == expected, n
+    # the exact rational rule: ceil(factor * k * n / e), no float rounding up
+    assert expert_capacity(15360, 16, 2, 1.0, 1) == 1920
+    assert expert_capacity(50, 10, 2, 1.2, 1) == 12
+
+
 def test_split_into_groups() -> None:
     x = torch.arange(2 * 6).reshape(2, 6)
     assert split_into_groups(x, RouterConfig(group="sequence")).shape == (2, 6)

@@ -348,6 +348,26 @@ def test_cached_index_constants_match_fresh_plans(monkeypatch: pytest.MonkeyPatc
             assert torch.equal(va, vb) and torch.equal(va, vc), name
 
 
+def test_compiled_gshard_layer_with_a_changing_batch_size_matches_eager() -> None:
+    """torch.compile's default turns the layer graph shape-generic at the second batch size (one
+    GShard routing group per batch: a symbolic group size). Values and input gradients still
+    equal eager mode; before the capacity rule used exact integer arithmetic, the graph routed
+    with a wrong capacity and wrote out of bounds (CPU and H100)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = MoE(32, 16, 2, router="gshard")
+    compiled = torch.compile(layer, dynamic=None)
+    for batch in (64, 64, 30):
+        x = torch.randn(batch, 512, 32, requires_grad=True)
+        y, _ = compiled(x)
+        (grad,) = torch.autograd.grad(y.square().sum(), x)
+        x_ref = x.detach().requires_grad_()
+        y_ref, _ = layer(x_ref)
+        (grad_ref,) = torch.autograd.grad(y_ref.square().sum(), x_ref)
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(grad, grad_ref, atol=1e-5, rtol=1e-4)
+
+
 def test_dense_preset_and_config_router() -> None:
     with pytest.raises(ValueError, match="DenseMLP"):
         MoE(hidden_size=16, num_experts=4, top_k=2, router="dense")

@@ -464,12 +464,11 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         ``tests/test_model.py`` checks compiled against eager losses and gradients.
 
         Shapes are static by default (``dynamic=False``): a new batch or sequence size compiles
-        a graph of its own instead of turning the first one into a shape-generic graph. On an
-        H100 (torch 2.11), the shape-generic graph of the GShard layer (one routing group per
-        batch, so the group size is symbolic) failed a device-side index assertion in a
-        scatter / gather kernel when the batch size changed from 128 to 60 sequences; static
-        graphs ran (``benchmarks/train_throughput.md``, fifth session). Static graphs are also
-        what CUDA graphs and the autotuned kernels want.
+        a graph of its own instead of turning the first one into a shape-generic graph, which
+        is what CUDA graphs and the autotuned kernels want. (A shape-generic graph is correct
+        too since the capacity rule is exact integer arithmetic: with a symbolic group size the
+        former float formula gave GShard a capacity one above its buffers' and the layer wrote
+        out of bounds; ``benchmarks/train_throughput.md``, fifth session.)
         """
         compile_kwargs.setdefault("dynamic", False)
         for layer in self.model.layers:

@@ -9,7 +9,7 @@ order.
 
 from __future__ import annotations
 
-import math
+from fractions import Fraction
 
 from torch import Tensor
 
@@ -60,6 +60,12 @@ def expert_capacity(
         raise ValueError(f"need n, e, k >= 1, got n={n}, e={e}, k={k}")
     if capacity_factor <= 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-    # Round first so e.g. 1.2 * 5 = 6.000000000000001 does not become 7.
-    c = math.ceil(round(capacity_factor * k * n / e, 9))
+    # Exact integer arithmetic on the factor as a fraction (1.2 -> 6/5), so 1.2 * 5 = 6 is not
+    # rounded up to 7, and so that under torch.compile with a symbolic n (a shape-generic
+    # graph) the capacity is the same integer: the former float expression
+    # ceil(round(f * k * n / e, 9)) traced to 1,921 instead of 1,920 for n = 15,360, and the
+    # router's capacity then disagreed with the expert buffers (wrong routing, writes out of
+    # bounds; benchmarks/train_throughput.md, fifth session).
+    factor = Fraction(capacity_factor).limit_denominator(10**9)
+    c = -(-(factor.numerator * k * n) // (factor.denominator * e))
     return min(max(c, min_capacity), n)
