@@ -10,16 +10,16 @@ At the Base preset's training shapes (micro-batch 128 x 512 tokens, e = 16, k = 
 * the gather-sum kernel (``dispatch._sum_slot_rows``): every autotuner configuration's time, with
   every slot filled (MaxScore) and with a third of the slots empty (a dropping router).
 
-CUDA-event timing, median of ``--reps`` calls after warm-up. Writes ``dispatch_kernels.json``.
+CUDA-event timing (``moe_layer.timed``), median of ``--reps`` calls after warm-up. Writes
+``dispatch_kernels.json``.
 
-``PYTHONPATH=src python3 benchmarks/dispatch_kernels.py --out DIR``
+``PYTHONPATH=src:benchmarks python3 benchmarks/dispatch_kernels.py --out DIR``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,20 +28,11 @@ import triton
 
 from maxscore.moe import dispatch
 from maxscore.routing import ranking
+from moe_layer import timed
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return timed(fn, warmup=5, iters=reps)[0]
 
 
 def positions_rows(reps: int) -> list[dict]:

@@ -181,7 +181,7 @@ def test_split_into_groups() -> None:
 @pytest.mark.parametrize("capacity", [None, 40])
 def test_compiled_gpu_statistics_equal_the_eager_ones(capacity: int | None) -> None:
     """On CUDA the lazy statistics run through torch.compile: same values as eager."""
-    from maxscore.routing import statistics
+    from maxscore import compiled
     from maxscore.routing.statistics import LazyRoutingStatistics
 
     gen = torch.Generator().manual_seed(0)
@@ -193,4 +193,4 @@ def test_compiled_gpu_statistics_equal_the_eager_ones(capacity: int | None) -> N
     eager = routing_statistics(affinities, index.cuda(), cap, 2)
     for key in STAT_KEYS:
         torch.testing.assert_close(lazy[key], eager[key])
-    assert not statistics._compiled.get("failed"), "fell back to the eager statistics"
+    assert "routing_statistics" not in compiled._FAILED, "fell back to the eager statistics"

@@ -137,9 +137,8 @@ def _positions(
     g, m = key.shape
     k1 = num_keys + 1
     device = key.device
-    if _use_triton(key) and m <= _SCAN_ROW_LIMIT and k1 <= _SCAN_KEY_LIMIT:
-        position, counts = _key_positions(key.contiguous(), k1)
-        return position, counts
+    if use_triton_kernels(key) and m <= _SCAN_ROW_LIMIT and k1 <= _SCAN_KEY_LIMIT:
+        return _key_positions(key.contiguous(), k1)
     if not key.is_cuda and g * m * k1 <= _ONE_HOT_LIMIT:
         hit = key.unsqueeze(-1) == torch.arange(k1, device=device)
         running = hit.cumsum(1, dtype=torch.int32)
@@ -296,9 +295,9 @@ except Exception:  # no Triton: the torch fallback below
     _HAVE_TRITON = False
 
 
-def _use_triton(t: Tensor) -> bool:
-    """Whether the Triton kernels run for ``t``: on a GPU, or on the CPU under the interpreter
-    (tests); ``MAXSCORE_TRITON=0`` turns them off."""
+def use_triton_kernels(t: Tensor) -> bool:
+    """Whether the Triton kernels (here and in ``experts.py``) run for ``t``: on a GPU, or on the
+    CPU under the interpreter (tests); ``MAXSCORE_TRITON=0`` turns them off."""
     if not _HAVE_TRITON or os.environ.get("MAXSCORE_TRITON", "1") == "0":
         return False
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
@@ -313,17 +312,16 @@ _SCAN_KEY_LIMIT = 64
 def _key_positions_triton(key: Tensor, k1: int) -> tuple[Tensor, Tensor]:
     g, m = key.shape
     position = torch.empty(g, m, dtype=torch.long, device=key.device)
+    if g == 0 or m == 0:
+        return position, torch.zeros(g, k1, dtype=torch.long, device=key.device)
     counts = torch.empty(g, k1, dtype=torch.long, device=key.device)
     keys = max(16, triton.next_power_of_2(k1))
     block = max(16, min(1024, triton.next_power_of_2(m), 16384 // keys))
-    if g and m:
-        warps = 8 if block * keys >= 8192 else 4
-        _key_positions_kernel[(g,)](
-            key, position, counts, m, k1, block=block, keys=keys, chunks=triton.cdiv(m, block),
-            num_warps=warps,
-        )  # fmt: skip
-    else:
-        counts.zero_()
+    warps = 8 if block * keys >= 8192 else 4
+    _key_positions_kernel[(g,)](
+        key, position, counts, m, k1, block=block, keys=keys, chunks=triton.cdiv(m, block),
+        num_warps=warps,
+    )  # fmt: skip
     return position, counts
 
 
@@ -380,7 +378,7 @@ def _sum_slot_rows_fake(src: Tensor, slot_row: Tensor) -> Tensor:
 def _sum_slot_rows(src: Tensor, slot_row: Tensor) -> Tensor:
     """``out[t] = sum_{s: slot_row[t, s] >= 0} src[slot_row[t, s]]`` (``[R, D] -> [T, D]``)."""
     t, s = slot_row.shape
-    if _use_triton(src):
+    if use_triton_kernels(src):
         if torch.compiler.is_compiling():
             return _sum_slot_rows_op(src, slot_row)
         return _sum_slot_rows_triton(src, slot_row)

@@ -21,14 +21,20 @@ reduction fused in); elsewhere as plain torch ops.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from maxscore.moe.dispatch import DispatchPlan, combine_rows, gather_rows, grouped_mm
+from maxscore.compiled import call_compiled
+from maxscore.moe.dispatch import (
+    DispatchPlan,
+    combine_rows,
+    gather_rows,
+    grouped_mm,
+    use_triton_kernels,
+)
 
 __all__ = ["DenseMLP", "SwiGLUExperts", "weighted_swiglu"]
 
@@ -62,40 +68,12 @@ def _swiglu_backward(gate_up: Tensor, weight: Tensor, grad_h: Tensor) -> tuple[T
 # On CUDA without Triton kernels (MAXSCORE_TRITON=0, or Triton missing) the two elementwise
 # functions above are compiled with torch.compile (a few fused kernels instead of ~10 eager
 # launches over [rows, F]; measured 2x slower than the Triton kernels below on an H100, and 2x
-# faster than eager); set MAXSCORE_COMPILE=0 to disable that too.
-_COMPILED: dict[str, Callable[..., object]] = {}
-_COMPILE_FAILED = False
-
-
-def _maybe_compiled(name: str, fn: Callable[..., object], x: Tensor) -> Callable:
-    global _COMPILE_FAILED
-    # Only the half-precision training path is compiled; fp32 on a GPU is for checks.
-    if (
-        x.device.type != "cuda"
-        or x.dtype not in (torch.bfloat16, torch.float16)
-        or _COMPILE_FAILED
-        or os.environ.get("MAXSCORE_COMPILE", "1") == "0"
-    ):
-        return fn
-    if name not in _COMPILED:
-        try:
-            _COMPILED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
-        except Exception:  # pragma: no cover - depends on the GPU toolchain
-            _COMPILE_FAILED = True
-            return fn
-    return _COMPILED[name]
-
-
+# faster than eager); set MAXSCORE_COMPILE=0 to disable that too. Only the half-precision
+# training path is compiled; fp32 on a GPU is for checks.
 def _call(name: str, fn: Callable[..., object], *args: Tensor):
-    global _COMPILE_FAILED
-    impl = _maybe_compiled(name, fn, args[0])
-    if impl is fn:
-        return fn(*args)
-    try:
-        return impl(*args)
-    except Exception:  # pragma: no cover - a broken inductor/triton install: stay correct, eager
-        _COMPILE_FAILED = True
-        return fn(*args)
+    x = args[0]
+    half_on_gpu = x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16)
+    return call_compiled(name, fn, *args, enabled=half_on_gpu, dynamic=True)
 
 
 # Hand-written Triton kernels (one pass over [rows, 2F] each way, the row reduction of the
@@ -135,17 +113,8 @@ try:  # pragma: no cover - exercised on GPU machines (and with TRITON_INTERPRET=
         # Partial row sum of the weight gradient; the few column blocks are summed after.
         tl.store(dw_ptr + row * tl.num_programs(1) + col_block, tl.sum(dh * silu * u, axis=0))
 
-    _HAVE_TRITON = True
 except Exception:  # no Triton (CPU-only installs): the torch implementations above are used
-    _HAVE_TRITON = False
-
-
-def _use_triton(x: Tensor) -> bool:
-    return (
-        _HAVE_TRITON
-        and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-        and os.environ.get("MAXSCORE_TRITON", "1") != "0"
-    )
+    pass
 
 
 def _swiglu_forward_triton(gate_up: Tensor, weight: Tensor) -> Tensor:
@@ -199,7 +168,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
     def forward(ctx, gate_up: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
         gate_up, weight = gate_up.contiguous(), weight.contiguous()
         ctx.save_for_backward(gate_up, weight)
-        if gate_up.dim() == 2 and _use_triton(gate_up):
+        if gate_up.dim() == 2 and use_triton_kernels(gate_up):
             compiling = torch.compiler.is_compiling()  # eager calls skip the operator dispatch
             return (_swiglu_forward_op if compiling else _swiglu_forward_triton)(gate_up, weight)
         return _call("swiglu_fwd", _swiglu_forward, gate_up, weight)
@@ -208,7 +177,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
     def backward(ctx, grad_h: Tensor) -> tuple[Tensor, Tensor | None]:  # type: ignore[override]
         gate_up, weight = ctx.saved_tensors
         grad_h = grad_h.contiguous()
-        if gate_up.dim() == 2 and _use_triton(gate_up):
+        if gate_up.dim() == 2 and use_triton_kernels(gate_up):
             compiling = torch.compiler.is_compiling()
             kernel = _swiglu_backward_op if compiling else _swiglu_backward_triton
             d_gate_up, d_weight = kernel(gate_up, weight, grad_h)

@@ -16,13 +16,12 @@ no statistics kernels unless someone reads them.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
 
+from maxscore.compiled import call_compiled
 from maxscore.routing.losses import assignment_matrix
 from maxscore.routing.ranking import top_experts
 
@@ -100,41 +99,6 @@ def routing_statistics(
     }
 
 
-_compiled: dict[str, Any] = {}
-
-
-def _statistics_for(affinities: Tensor) -> Callable[..., dict[str, Tensor]]:
-    """:func:`routing_statistics`, compiled on CUDA devices.
-
-    The trainer reads every MoE layer's statistics after every optimizer step (for the logged
-    means). Eagerly that is ~25 small kernels per layer on ``[G, n, e]`` tensors (0.3 ms per
-    Base layer on an H100 with the former sort-based ranking); compiled, ~0.04 ms
-    (``benchmarks/train_throughput.md``, fifth session). One graph serves every layer of a
-    shape. Where compilation fails (no compiler toolchain, an unsupported build), the eager
-    function runs from then on, with one warning.
-    """
-    if not affinities.is_cuda or _compiled.get("failed") or torch.compiler.is_compiling():
-        return routing_statistics
-    fn = _compiled.get("fn")
-    if fn is None:
-        fn = _compiled["fn"] = torch.compile(routing_statistics, dynamic=False, fullgraph=True)
-
-    def guarded(*args: Any) -> dict[str, Tensor]:
-        try:
-            return fn(*args)
-        except Exception as exc:  # any compiler failure; a genuine error recurs eagerly
-            _compiled["failed"] = True
-            warnings.warn(
-                f"routing statistics: torch.compile failed ({type(exc).__name__}: {exc}); "
-                "computing them eagerly from now on",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return routing_statistics(*args)
-
-    return guarded
-
-
 class _PendingStatistics:
     """The inputs of one :func:`routing_statistics` call, evaluated at most once."""
 
@@ -158,8 +122,19 @@ class _PendingStatistics:
     def get(self) -> dict[str, Tensor]:
         if self.result is None:
             assert self.affinities is not None and self.expert_index is not None
-            self.result = _statistics_for(self.affinities)(
-                self.affinities, self.expert_index, self.capacity, self.k, self.rank_scores
+            # The trainer reads every MoE layer's statistics after every optimizer step (for
+            # the logged means). Eagerly that is ~25 small kernels per layer on [G, n, e]
+            # tensors (0.3 ms per Base layer on an H100 with the former sort-based ranking);
+            # compiled on CUDA, ~0.04 ms (benchmarks/train_throughput.md, fifth session).
+            self.result = call_compiled(
+                "routing_statistics",
+                routing_statistics,
+                self.affinities,
+                self.expert_index,
+                self.capacity,
+                self.k,
+                self.rank_scores,
+                enabled=self.affinities.is_cuda,
             )
             # The inputs are no longer needed: let them be freed.
             self.affinities = self.expert_index = self.capacity = self.rank_scores = None
