@@ -160,6 +160,38 @@ def test_capacity_overflow_is_dropped_not_overwritten() -> None:
         torch.testing.assert_close(y[i], experts.expert(j, x[i]))
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_experts_gather_rows_in_the_autocast_dtype(
+    grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under bf16 autocast an fp32 input is cast once, before the gather, so the buffer rows are
+    bf16 (what the expert matmuls use); values and input gradient match the fp32 layer to bf16
+    precision, and the gradient reaching the fp32 input is fp32."""
+    t, e, s, d = 24, 4, 2, 16
+    experts = SwiGLUExperts(e, d, 12, init_std=0.3)
+    idx, w, _ = synthetic_routing(t, e, s, groups=1, capacity=None if grouped else t, seed=5)
+    w = w.detach()
+    plan = grouped_dispatch_plan(idx, w, e) if grouped else padded_dispatch_plan(idx, w, e, 1, t)
+    x = torch.randn(t, d, requires_grad=True)
+    seen: list[torch.dtype] = []
+    gather = dispatch_mod.gather_rows
+
+    def spy(tokens: Tensor, p):  # type: ignore[no-untyped-def]
+        seen.append(tokens.dtype)
+        return gather(tokens, p)
+
+    monkeypatch.setattr("maxscore.moe.experts.gather_rows", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = experts(x, plan)
+    y.float().sum().backward()
+    assert seen == [torch.bfloat16]
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    x32 = x.detach().clone().requires_grad_(True)
+    experts(x32, plan).sum().backward()
+    torch.testing.assert_close(y.float(), experts(x.detach(), plan), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(x.grad, x32.grad, rtol=0.05, atol=0.05)
+
+
 def test_grouped_mm_loop_handles_empty_groups() -> None:
     a, b = torch.randn(7, 3), torch.randn(4, 3, 5)
     ends = torch.tensor([2, 2, 7, 7], dtype=torch.int32)

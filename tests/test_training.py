@@ -536,3 +536,33 @@ def test_readme_main_command_exactly(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "perplexity:" in out.stdout and "token drop rate:" in out.stdout
     assert (tmp_path / "runs" / "tiny-maxscore" / "summary.json").is_file()
+
+
+@pytest.mark.gpu
+def test_gpu_training_clips_inside_the_fused_adamw_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the Trainer's fused AdamW applies the gradient clipping itself (``clipping.py``);
+    the weights after a few clipped steps equal those of the Trainer's own clip_grad_norm_."""
+    from maxscore.training import trainer as trainer_mod
+
+    calls: list[float] = []
+    folded = trainer_mod.clip_grad_norm_in_fused_adam
+
+    def spy(optimizer, parameters, max_norm):  # type: ignore[no-untyped-def]
+        calls.append(max_norm)
+        return folded(optimizer, parameters, max_norm)
+
+    weights = []
+    for fold in (True, False):
+        monkeypatch.setattr(trainer_mod, "clip_grad_norm_in_fused_adam", spy)
+        if not fold:
+            monkeypatch.setattr(trainer_mod, "fused_adam", lambda optimizer: None)
+        cfg = small_config(tmp_path, f"fold_{fold}", max_grad_norm=1e-3, save_steps=0, seed=3)
+        result = train(cfg)
+        assert result.final_checkpoint is not None
+        weights.append(load_file(str(result.final_checkpoint / "model.safetensors")))
+        assert (len(calls) == cfg.max_steps) == fold  # one clip per optimizer step
+        calls.clear()
+    for name, value in weights[0].items():
+        torch.testing.assert_close(value, weights[1][name], rtol=2e-3, atol=1e-5, msg=name)

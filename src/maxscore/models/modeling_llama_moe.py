@@ -111,7 +111,8 @@ class LlamaMoECausalLMOutputWithPast(MoeCausalLMOutputWithPast):
 
 
 class LlamaMoERMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in fp32 and cast back (stable under bf16)."""
+    """Root-mean-square layer norm, computed in fp32 (weight included) and cast back to the
+    input's dtype (stable under bf16; one rounding)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -122,7 +123,7 @@ class LlamaMoERMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return (self.weight * x32).to(dtype)
 
 
 def rotary_cos_sin(
@@ -388,6 +389,11 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         )
 
         hidden = inputs_embeds
+        device_type = hidden.device.type
+        if torch.is_autocast_enabled(device_type) and not self.config.fp32_residual_connection:
+            # The residual stream in the autocast dtype (the paper's DeepSpeed-bf16 setup); the
+            # embedding table is fp32, so its rows would otherwise make every add fp32.
+            hidden = hidden.to(torch.get_autocast_dtype(device_type))
         all_hidden: list[Tensor] = []
         router_logits: list[Tensor] = []
         aux_total: Tensor | None = None

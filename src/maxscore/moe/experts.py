@@ -31,6 +31,7 @@ from maxscore.compiled import call_compiled
 from maxscore.moe.dispatch import (
     DispatchPlan,
     combine_rows,
+    compute_dtype,
     gather_rows,
     grouped_mm,
     use_triton_kernels,
@@ -200,6 +201,17 @@ def weighted_swiglu(gate_up: Tensor, weight: Tensor) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def _in_compute_dtype(x: Tensor) -> Tensor:
+    """``x`` in the dtype the expert matmuls use (bf16 under bf16 autocast), before the gather.
+
+    Casting the ``[T, D]`` tokens once (fused into the norm before it when compiled) instead of
+    the ``[R, D]`` gathered rows halves the bytes the gather reads, and its gradient comes back
+    as bf16 rows summed per token into bf16 (fp32 accumulation) rather than as fp32 copies of
+    every row: ~3 ms of a 167 ms Base step on an H100 with an fp32 residual stream.
+    """
+    return x.to(compute_dtype(x))
+
+
 class SwiGLUExperts(nn.Module):
     """``e`` SwiGLU experts with stacked weights (see the module docstring for the layout).
 
@@ -248,7 +260,7 @@ class SwiGLUExperts(nn.Module):
         contiguous ``[G*c, D]`` matrix and a single batched matmul runs all experts.
         """
         e, f = self.num_experts, self.intermediate_size
-        xd = gather_rows(x, plan).view(e, -1, x.shape[-1])
+        xd = gather_rows(_in_compute_dtype(x), plan).view(e, -1, x.shape[-1])
         gu = torch.bmm(xd, self.gate_up)
         # 2-D view: the same (compiled) activation kernel serves both paths.
         h = weighted_swiglu(gu.view(-1, 2 * f), plan.row_weight).view(e, -1, f)
@@ -258,7 +270,7 @@ class SwiGLUExperts(nn.Module):
     def forward_grouped(self, x: Tensor, plan: DispatchPlan) -> Tensor:
         """Eq. (1) for variable expert loads: rows sorted by expert, grouped matmul by offsets."""
         assert plan.group_end is not None, "forward_grouped needs a grouped dispatch plan"
-        xd = gather_rows(x, plan)
+        xd = gather_rows(_in_compute_dtype(x), plan)
         gu = grouped_mm(xd, self.gate_up, plan.group_end)
         h = weighted_swiglu(gu, plan.row_weight)
         out = grouped_mm(h, self.down, plan.group_end)

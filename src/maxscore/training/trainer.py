@@ -39,11 +39,13 @@ from types import MethodType
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from accelerate.utils.operations import ConvertOutputsToFp32
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from maxscore.training import checkpoint as ckpt
+from maxscore.training.clipping import clip_grad_norm_in_fused_adam, fused_adam
 from maxscore.training.config import PAPER_GLOBAL_BATCH, RUNTIME_FIELDS, ConfigError, TrainConfig
 from maxscore.training.data import (
     TrainingData,
@@ -406,6 +408,16 @@ class MaxScoreTrainer(Trainer):
             return super().get_train_dataloader()
         finally:
             self.args.dataloader_drop_last = previous
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        """Clipping inside the fused AdamW step where that is exact (``clipping.py``): one pass
+        fewer over the fp32 gradients. Elsewhere (DeepSpeed, FSDP, a GradScaler, another
+        optimizer) the Trainer's own ``clip_grad_norm_``."""
+        optimizer = fused_adam(self.optimizer)
+        plain = self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+        if optimizer is None or not plain or self.accelerator.scaler is not None:
+            return super()._clip_grad_norm(model)
+        return clip_grad_norm_in_fused_adam(optimizer, model.parameters(), self.args.max_grad_norm)
 
     # -- losses and routing statistics, kept on the device ----------------------------------
     def compute_loss(
