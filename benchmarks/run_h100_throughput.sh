@@ -8,5 +8,5 @@ set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD/benchmarks PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 470 python3 benchmarks/train_throughput.py throughput --routers gshard,maxscore,dropless,dense \
-  --steps 260 --warmup 160 --compile --batch-size 128 --output "$OUT" --tag compile_b128_h100_260steps \
+  --steps 260 --warmup 160 --compile --batch-size 128 --output "$OUT" --tag "${TAG:-compile_b128_h100_260steps}" \
   2>&1 | grep -E "^\||Error"

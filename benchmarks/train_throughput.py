@@ -236,9 +236,6 @@ def run_throughput(args: argparse.Namespace) -> None:
             },
             "model": model_preset,
             "model_overrides": cfg.model_overrides or None,
-            "residual_stream": "fp32"
-            if timer.model.config.fp32_residual_connection
-            else "bf16 (autocast dtype)",
             "activated_matmul_params": n_active,
             "flops_per_token": fpt,
             "timed_steps": timer.steps,

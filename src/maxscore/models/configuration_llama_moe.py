@@ -58,14 +58,6 @@ class LlamaMoEConfig(PreTrainedConfig):
         first_k_dense: the first ``first_k_dense`` layers use a dense MLP (DeepSeek-style).
         moe_layer_freq: after ``first_k_dense``, every ``moe_layer_freq``-th layer is MoE (the
             others dense).
-        fp32_residual_connection: under autocast (bf16 training), keep the residual stream (the
-            embeddings and every block's output) in fp32 (default). ``False`` carries it in the
-            autocast dtype, as DeepSpeed's bf16 mode (the paper's setup: bf16 weights and
-            activations over fp32 master weights) and Megatron-core do: ~10% faster Base steps on
-            an H100, but in our 260-step Base runs a clearly worse loss (MaxScore 4.46 against
-            4.21, GShard 4.39 against ~4.31; ``benchmarks/train_throughput.md``), so it is
-            opt-in. The norms and the router compute in fp32 either way; no effect without
-            autocast (fp32 training).
     """
 
     model_type = "maxscore_llama_moe"
@@ -101,7 +93,6 @@ class LlamaMoEConfig(PreTrainedConfig):
     eval_routing: str = "causal"
     first_k_dense: int = 0
     moe_layer_freq: int = 1
-    fp32_residual_connection: bool = True
 
     def __post_init__(self, **kwargs: Any) -> None:
         self._validate_shapes()
@@ -116,6 +107,10 @@ class LlamaMoEConfig(PreTrainedConfig):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
+        if not isinstance(self.output_router_logits, bool):
+            raise ValueError(
+                f"output_router_logits must be true or false, got {self.output_router_logits!r}"
+            )
         for name in (
             "vocab_size",
             "hidden_size",

@@ -389,11 +389,6 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         )
 
         hidden = inputs_embeds
-        device_type = hidden.device.type
-        if torch.is_autocast_enabled(device_type) and not self.config.fp32_residual_connection:
-            # The residual stream in the autocast dtype (the paper's DeepSpeed-bf16 setup); the
-            # embedding table is fp32, so its rows would otherwise make every add fp32.
-            hidden = hidden.to(torch.get_autocast_dtype(device_type))
         all_hidden: list[Tensor] = []
         router_logits: list[Tensor] = []
         aux_total: Tensor | None = None
