@@ -14,8 +14,9 @@ corrupted memory): ``expert_capacity``'s float formula traced to a capacity one 
 a symbolic group size (1,921 instead of 1,920 at n = 15,360), so the router kept more slots than
 the expert buffers hold. It is integer arithmetic now (tests
 ``test_expert_capacity_is_exact_in_a_shape_generic_compiled_graph`` and
-``test_compiled_gshard_layer_with_a_changing_batch_size_matches_eager``); this script was not
-re-run on a GPU after the fix. Prints one line per step.
+``test_compiled_gshard_layer_with_a_changing_batch_size_matches_eager``). Re-run on an H100 after
+the fix (sixth session) with ``--dynamic auto``: GShard ran all six batch shapes
+(``compile_shape_change_h100_s6.txt``). Prints one line per step.
 
 ``PYTHONPATH=src python3 benchmarks/compile_shape_change.py --router gshard --dynamic static``
 """
