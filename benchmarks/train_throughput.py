@@ -26,6 +26,7 @@ Two modes:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -65,6 +66,21 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         sys.exit(f"option {text!r} is not KEY=VALUE with a JSON value (e.g. moves=4)")
+
+
+def _sdpa_backends(first: str) -> contextlib.AbstractContextManager:
+    """``--sdpa-backend``: try this SDPA backend first (``default`` leaves PyTorch's order)."""
+    if first == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    backends = [order[first], *(b for name, b in order.items() if name != first)]
+    return sdpa_kernel([*backends, SDPBackend.MATH], set_priority=True)
 
 
 def _set_solver_options(options: dict[str, int]) -> None:
@@ -222,7 +238,8 @@ def run_throughput(args: argparse.Namespace) -> None:
             callbacks.append(
                 StepProfiler(args.warmup, args.profile_steps, path, args.profile_shapes)
             )
-        result = train(cfg, callbacks=callbacks)
+        with _sdpa_backends(args.sdpa_backend):
+            result = train(cfg, callbacks=callbacks)
         fpt, n_active = flops_per_token(timer.model, args.seq_len)
         tokens = timer.steps * args.batch_size * args.grad_accum * args.seq_len
         seconds = timer.t1 - timer.t0
@@ -274,6 +291,7 @@ def run_throughput(args: argparse.Namespace) -> None:
         "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)",
         "gradient_checkpointing": args.gradient_checkpointing,
         "peak_flops": H100_BF16_PEAK,
+        "sdpa_backend_first": args.sdpa_backend,
         "solver_options": dict(_parse_option(o) for o in args.solver_option) or None,
     }
     tag = f"_{args.tag}" if args.tag else ""
@@ -395,6 +413,12 @@ def main(argv: list[str] | None = None) -> None:
         "--solver-option", action="append", default=[], help="KEY=VALUE, CUDA flow kernel"
     )
     t.add_argument("--allow-cpu", action="store_true", help="dry run without a GPU")
+    t.add_argument(
+        "--sdpa-backend",
+        choices=("default", "cudnn", "flash", "efficient"),
+        default="default",
+        help="the attention backend PyTorch tries first",
+    )
     t.add_argument("--output", default=os.environ.get("OUT", "benchmarks"))
     t.add_argument("--tag", default="", help="suffix of the result files")
     t.add_argument(
