@@ -39,6 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from sdpa_backends import BACKENDS
 
 H100_BF16_PEAK = 989e12
 
@@ -72,14 +75,7 @@ def _sdpa_backends(first: str) -> contextlib.AbstractContextManager:
     """``--sdpa-backend``: try this SDPA backend first (``default`` leaves PyTorch's order)."""
     if first == "default":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = {
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    }
-    backends = [order[first], *(b for name, b in order.items() if name != first)]
+    backends = [BACKENDS[first], *(b for name, b in BACKENDS.items() if name != first)]
     return sdpa_kernel([*backends, SDPBackend.MATH], set_priority=True)
 
 
@@ -415,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--allow-cpu", action="store_true", help="dry run without a GPU")
     t.add_argument(
         "--sdpa-backend",
-        choices=("default", "cudnn", "flash", "efficient"),
+        choices=("default", *BACKENDS),
         default="default",
         help="the attention backend PyTorch tries first",
     )

@@ -420,13 +420,6 @@ class _CombineRows(torch.autograd.Function):
         return grad.index_select(0, source_token), None, None
 
 
-def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype a matmul will see ``x`` in: autocast's where it is on, else ``x``'s."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
 def gather_rows(x: Tensor, plan: DispatchPlan) -> Tensor:
     """``x[T, D] -> [R, D]``: each buffer row's token."""
     if plan.slot_row is None:
@@ -478,7 +471,7 @@ def grouped_mm(a: Tensor, b: Tensor, group_end: Tensor) -> Tensor:
         # torch._grouped_mm is not on autocast's list: cast as autocast casts torch.mm, so a
         # bf16-autocast training step (fp32 master weights) takes the native kernel, not the
         # per-expert loop with its host sync.
-        dtype = compute_dtype(a)
+        dtype = torch.get_autocast_dtype(a.device.type)
         a, b = a.to(dtype), b.to(dtype)
     if _native_grouped_mm_ok(a, b):
         if not _NATIVE_NEEDS_K_MAJOR:
