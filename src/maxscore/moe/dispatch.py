@@ -382,9 +382,11 @@ def _sum_slot_rows(src: Tensor, slot_row: Tensor) -> Tensor:
         if torch.compiler.is_compiling():
             return _sum_slot_rows_op(src, slot_row)
         return _sum_slot_rows_triton(src, slot_row)
-    valid = (slot_row >= 0).unsqueeze(-1).to(src.dtype)
+    valid = (slot_row >= 0).unsqueeze(-1)
     rows = src.index_select(0, slot_row.clamp(min=0).reshape(-1)).view(t, s, -1)
-    return (rows * valid).sum(dim=1)
+    # A select, not a multiply by a 0/1 mask: a slot without a row reads row 0 here, and
+    # 0 * NaN would carry one token's non-finite output into every token with a dropped slot.
+    return torch.where(valid, rows, 0.0).sum(dim=1)
 
 
 class _GatherRows(torch.autograd.Function):

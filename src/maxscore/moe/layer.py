@@ -91,8 +91,18 @@ class MoE(nn.Module):
                 "the dense preset has no router: use maxscore.moe.DenseMLP "
                 "(intermediate size k * F) instead of a MoE layer"
             )
-        from maxscore.routing.router import build_router
+        from maxscore.routing.router import build_router, validate_router_setup
 
+        # Sizes first: the default expert width divides by top_k.
+        validate_router_setup(hidden_size, num_experts, top_k, config)
+        for name, value in (
+            ("intermediate_size", intermediate_size),
+            ("shared_intermediate_size", shared_intermediate_size),
+        ):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not isinstance(num_shared_experts, int) or num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
@@ -142,7 +152,19 @@ class MoE(nn.Module):
         return c
 
     def forward(self, x: Tensor) -> tuple[Tensor, RoutingResult]:
-        shape = x.shape
+        """``x[B, L, D] -> (y[B, L, D], RoutingResult)``.
+
+        Outside autocast, an input whose dtype differs from the experts' weights (fp16 tokens
+        into an fp32 layer) is computed in the weights' dtype, as ``torch.autocast`` would pick
+        one dtype for the matmuls, rather than failing inside ``bmm``; ``y`` is cast back.
+        """
+        shape, dtype = x.shape, x.dtype
+        if not x.is_floating_point():
+            raise ValueError(f"MoE input must be a floating-point tensor, got {x.dtype}")
+        weight_dtype = self.experts.gate_up.dtype
+        cast = dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type)
+        if cast:
+            x = x.to(weight_dtype)
         result: RoutingResult = self.router(x)
         tokens = x.reshape(-1, shape[-1])
         plan = dispatch_plan(result, self.buffer_capacity(result))
@@ -150,7 +172,8 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(tokens)
         self._last_stats = result.stats  # lazy: evaluated when last_stats is read
-        return y.view(shape), result
+        y = y.view(shape)
+        return (y.to(dtype) if cast else y), result
 
     def extra_repr(self) -> str:
         return (

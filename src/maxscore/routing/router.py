@@ -276,6 +276,10 @@ class Router(nn.Module):
             )
         if not hidden.is_floating_point():
             raise ValueError(f"router input must be a floating-point tensor, got {hidden.dtype}")
+        if hidden.numel() == 0 and hidden.shape[-1] == self.hidden_size:
+            raise ValueError(
+                f"router input has no tokens (shape {tuple(hidden.shape)}); route at least one"
+            )
         if hidden.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"router input hidden size {hidden.shape[-1]} does not match the router's "
