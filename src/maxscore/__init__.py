@@ -2,22 +2,34 @@
 
 Importing the package registers the Llama-MoE model (``model_type = "maxscore_llama_moe"``) with
 ``AutoConfig``, ``AutoModel`` and ``AutoModelForCausalLM``, so checkpoints load with the Auto
-classes. Everything else (training, evaluation, analysis) is imported on demand.
+classes. The registration happens once transformers is imported (at once if it already is), and
+every name, here and in the subpackages, is imported on first use: ``maxscore --help`` starts
+without loading torch or transformers.
 """
 
 from __future__ import annotations
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from typing import TYPE_CHECKING
 
-from maxscore.models import LlamaMoEConfig, LlamaMoEForCausalLM, LlamaMoEModel, get_model_config
+from maxscore._autoregister import register_when_transformers_loads
+from maxscore._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from maxscore.models import LlamaMoEConfig, LlamaMoEForCausalLM, LlamaMoEModel, get_model_config
 
 __version__ = "0.1.0"
 
-# exist_ok: a checkpoint loaded with trust_remote_code may already have registered its copy.
-AutoConfig.register(LlamaMoEConfig.model_type, LlamaMoEConfig, exist_ok=True)
-AutoModel.register(LlamaMoEConfig, LlamaMoEModel, exist_ok=True)
-AutoModelForCausalLM.register(LlamaMoEConfig, LlamaMoEForCausalLM, exist_ok=True)
+register_when_transformers_loads()
 
+_EXPORTS = {
+    "maxscore.models": (
+        "LlamaMoEConfig",
+        "LlamaMoEForCausalLM",
+        "LlamaMoEModel",
+        "get_model_config",
+    )
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [
     "LlamaMoEConfig",
     "LlamaMoEForCausalLM",

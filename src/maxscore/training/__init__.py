@@ -2,20 +2,48 @@
 
 ``maxscore train`` and ``maxscore compare`` are thin wrappers over :func:`train` and
 :func:`compare`. See :mod:`maxscore.training.trainer` for what the run directory holds and
-:mod:`maxscore.training.data` for how documents are packed into blocks.
+:mod:`maxscore.training.data` for how documents are packed into blocks. Names are imported on
+first use, so ``maxscore.training.config`` loads without torch or transformers.
 """
 
-from maxscore.training.config import PAPER_RECIPE, ConfigError, TrainConfig, apply_recipe
-from maxscore.training.data import DataError, build_training_data, load_tokenizer
-from maxscore.training.trainer import (
-    METRICS_SCHEMA,
-    PreparedRun,
-    TrainResult,
-    format_summary,
-    prepare,
-    train,
-)
+from typing import TYPE_CHECKING
 
+from maxscore._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from maxscore.training.config import PAPER_RECIPE, ConfigError, TrainConfig, apply_recipe
+    from maxscore.training.data import DataError, build_training_data, load_tokenizer
+    from maxscore.training.trainer import (
+        METRICS_SCHEMA,
+        PreparedRun,
+        TrainResult,
+        format_summary,
+        prepare,
+        train,
+    )
+
+_EXPORTS = {
+    "maxscore.training.config": (
+        "ConfigError",
+        "PAPER_RECIPE",
+        "TrainConfig",
+        "apply_recipe",
+    ),
+    "maxscore.training.data": (
+        "DataError",
+        "build_training_data",
+        "load_tokenizer",
+    ),
+    "maxscore.training.trainer": (
+        "METRICS_SCHEMA",
+        "PreparedRun",
+        "TrainResult",
+        "format_summary",
+        "prepare",
+        "train",
+    ),
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [
     "METRICS_SCHEMA",
     "PAPER_RECIPE",
