@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
+from maxscore.config_types import check_dataclass_types
+
 DropPolicy = Literal["position", "score"]
 GroupMode = Literal["sequence", "tokens", "batch"]
 AuxLossForm = Literal["gshard", "eq9", "none"]
@@ -32,6 +34,7 @@ class TemperatureScheduleConfig:
     shape: ScheduleShape = "linear"
 
     def __post_init__(self) -> None:
+        check_dataclass_types(self, "temperature schedule")
         if self.steps < 0:
             raise ValueError(f"temperature schedule steps must be >= 0, got {self.steps}")
         if self.shape not in ("linear", "cosine", "constant"):
@@ -39,6 +42,15 @@ class TemperatureScheduleConfig:
                 f"unknown temperature schedule shape {self.shape!r}; "
                 "use 'linear', 'cosine' or 'constant'"
             )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TemperatureScheduleConfig:
+        """From ``{"start": 3.0, "end": 0.0, "steps": 30000, "shape": "linear"}`` (any subset)."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"unknown temperature schedule key(s) {unknown}; known keys: {known}")
+        return cls(**data)
 
 
 @dataclass
@@ -102,7 +114,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, dict):
-            self.temperature = TemperatureScheduleConfig(**self.temperature)
+            self.temperature = TemperatureScheduleConfig.from_dict(self.temperature)
+        check_dataclass_types(self, "router config")
         if self.capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
         if self.min_capacity < 0:
@@ -148,6 +161,4 @@ class RouterConfig:
             raise ValueError(
                 f"unknown router option(s) {sorted(unknown)}; known options: {sorted(known)}"
             )
-        if isinstance(overrides.get("temperature"), dict):
-            overrides["temperature"] = TemperatureScheduleConfig(**overrides["temperature"])
-        return replace(self, **overrides)
+        return replace(self, **overrides)  # __post_init__ converts and checks the values

@@ -64,7 +64,7 @@ def validate_router_setup(
     """Raise a ValueError naming the problem if this router cannot be built.
 
     Checks sizes (``1 <= k <= e``), that the config names a real router (not ``"dense"``), a
-    known operator and strategy, and the group-limited layout (``e`` divisible by the number of
+    known operator, strategy and flow solver, and the group-limited layout (``e`` divisible by the number of
     expert groups, enough experts in the kept groups for ``k``).
     """
     for name, value in (
@@ -105,6 +105,14 @@ def validate_router_setup(
                 f"group-limited routing: the best topk_groups={config.topk_groups} of {groups} "
                 f"expert groups hold {config.topk_groups * (num_experts // groups)} experts, "
                 f"fewer than top_k={top_k}"
+            )
+    if config.flow_method != "auto":
+        from maxscore.routing.flow import FLOW_SOLVERS
+
+        if config.flow_method not in FLOW_SOLVERS:
+            raise ValueError(
+                f"unknown flow_method {config.flow_method!r}; known: "
+                f"{['auto', *sorted(FLOW_SOLVERS)]}"
             )
     if config.bias_update_rate < 0:
         raise ValueError(f"bias_update_rate must be >= 0, got {config.bias_update_rate}")

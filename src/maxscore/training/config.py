@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from maxscore.config_types import check_dataclass_types
+
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 LRSchedule = Literal["wsd", "cosine", "linear", "constant"]
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
@@ -154,7 +156,12 @@ class TrainConfig:
 
     # ----------------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Check the values that can be checked without loading anything (raises ConfigError)."""
+        """Check the values that can be checked without loading anything (raises ConfigError).
+
+        Types first (a value from a JSON/YAML file or a ``KEY=VALUE`` flag can be a string
+        where a number belongs), then ranges and combinations.
+        """
+        check_dataclass_types(self, "training config", ConfigError)
         positive = {
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,

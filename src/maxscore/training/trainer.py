@@ -53,6 +53,11 @@ from maxscore.training.data import (
     collate_blocks,
     load_tokenizer,
 )
+from maxscore.training.validation import (
+    validate_model_options,
+    validate_router_options,
+    validate_router_setup_of,
+)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -188,6 +193,8 @@ def build_model_config(
         raise ConfigError(
             f"unknown router preset {config.router!r}; available: {sorted(ROUTER_PRESETS)}"
         )
+    validate_model_options(config.model_overrides)
+    validate_router_options(config.router_overrides)
     overrides = dict(config.model_overrides)
     overrides.setdefault("vocab_size", vocab_size)
     # The tokenizer's BOS/EOS/PAD ids go into the model (and generation) config, so checkpoints
@@ -204,6 +211,7 @@ def build_model_config(
         model_config = get_model_config(config.model, router=config.router, **overrides)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"invalid model/router settings: {err}") from err
+    validate_router_setup_of(model_config)
     max_len = getattr(model_config, "max_position_embeddings", None)
     if max_len is not None and config.seq_len > max_len:
         raise ConfigError(

@@ -1,0 +1,71 @@
+"""Checks of the model and router options of a training run, made before anything is written.
+
+``--model-option`` and ``--router-option`` values come from ``KEY=VALUE`` flags or config files.
+A misspelt key (``num_hiden_layers=2``) must not be stored and ignored, and a value of the wrong
+type must not fail at the first forward pass: both are refused here with the list of valid keys
+or the expected type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from maxscore.config_types import annotations_of, check_value
+from maxscore.training.config import ConfigError
+
+#: Model config fields that have their own flag instead of ``--model-option``.
+_OWN_FLAGS = {"router": "--router", "router_config": "--router-option KEY=VALUE"}
+
+
+def model_option_types() -> dict[str, Any]:
+    """``--model-option`` keys (the Llama-MoE config's own fields) and their types."""
+    from maxscore.models.configuration_llama_moe import LlamaMoEConfig
+
+    hints = annotations_of(LlamaMoEConfig, own_only=True)
+    return {name: hint for name, hint in hints.items() if name not in _OWN_FLAGS}
+
+
+def validate_model_options(options: dict[str, Any]) -> None:
+    """Refuse unknown ``--model-option`` keys (listing the valid ones) and mistyped values."""
+    types = model_option_types()
+    for key, value in options.items():
+        if key in _OWN_FLAGS:
+            raise ConfigError(f"model option {key!r} is set with {_OWN_FLAGS[key]}")
+        if key not in types:
+            raise ConfigError(f"unknown model option {key!r}; valid options: {sorted(types)}")
+        problem = check_value(key, value, types[key])
+        if problem is not None:
+            raise ConfigError(f"model option {problem}")
+
+
+def validate_router_options(options: dict[str, Any]) -> None:
+    """Refuse unknown ``--router-option`` keys, listing the valid ones.
+
+    Types and ranges are checked when the router config is built from them
+    (``RouterConfig.__post_init__``); this check comes first so the message names the flag.
+    """
+    from maxscore.routing.config import RouterConfig
+
+    known = sorted(f.name for f in fields(RouterConfig))
+    for key in options:
+        if key not in known:
+            raise ConfigError(f"unknown router option {key!r}; valid options: {known}")
+
+
+def validate_router_setup_of(model_config: Any) -> None:
+    """Check the resolved router of a model config as building its layers would (sizes, flow
+    solver, expert groups), without allocating the model."""
+    from maxscore.routing.router import validate_router_setup
+
+    if model_config.is_dense:
+        return
+    try:
+        validate_router_setup(
+            model_config.hidden_size,
+            model_config.num_experts,
+            model_config.num_experts_per_tok,
+            model_config.get_router_config(),
+        )
+    except ValueError as err:
+        raise ConfigError(f"invalid router settings: {err}") from err
