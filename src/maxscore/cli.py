@@ -14,7 +14,11 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+from maxscore.training.checkpoint import CheckpointSaveError
 from maxscore.training.config import ConfigError, TrainConfig, apply_recipe
+
+#: Failures that end a command with one line (what happened, what to do), not a traceback.
+_USER_ERRORS = (ConfigError, CheckpointSaveError)
 
 _TRAIN_EXAMPLES = """\
 examples:
@@ -232,7 +236,7 @@ def run_train(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
         result = train(config, prepared=prepared)
-    except ConfigError as err:
+    except _USER_ERRORS as err:
         return _error(str(err))
     if is_main_process():
         print(format_summary(result))
@@ -248,7 +252,7 @@ def run_compare(args: argparse.Namespace) -> int:
         rows = compare(
             routers, config, args.output_dir or "runs/compare", overwrite=bool(args.overwrite)
         )
-    except ConfigError as err:
+    except _USER_ERRORS as err:
         return _error(str(err))
     from maxscore.training.compare import format_markdown
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,12 @@ from maxscore.evaluation.registry import (
     bundled_tasks_dir,
     hub_offline,
     resolve_tasks,
+)
+from maxscore.training.integrity import (
+    describe_damage,
+    is_training_state,
+    newest_intact,
+    verify_checkpoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -97,7 +104,49 @@ def resolve_model_path(path: str | Path, name: str | None = None) -> ResolvedMod
             f"{p} is neither a model checkpoint (config.json with model_type + weights) nor a run "
             "directory with a final/ or checkpoint-N/ checkpoint"
         )
-    return ResolvedModel(checkpoints[-1].resolve(), p.resolve(), name or p.resolve().name)
+    intact, damaged = newest_intact(checkpoints, include=_model_file)
+    if intact is None:
+        raise EvaluationError(f"no intact checkpoint in {p}: {describe_damage(damaged)}")
+    if damaged:
+        print(
+            f"maxscore eval: damaged checkpoint(s) in {p}: {describe_damage(damaged)}; "
+            f"evaluating {intact.name} instead",
+            file=sys.stderr,
+        )
+    return ResolvedModel(intact.resolve(), p.resolve(), name or p.resolve().name)
+
+
+def _model_file(name: str) -> bool:
+    # Evaluation reads the model, config and tokenizer, not the optimizer state.
+    return not is_training_state(name)
+
+
+def verify_checkpoint_files(checkpoint: Path) -> None:
+    """Raise EvaluationError if the files a model loader reads are damaged (integrity record,
+    or for checkpoints without one, complete safetensors files)."""
+    problems = verify_checkpoint(checkpoint, include=_model_file)
+    if problems:
+        raise EvaluationError(
+            f"checkpoint {checkpoint} is damaged: {', '.join(problems)}. Evaluate an earlier "
+            "checkpoint, or the run directory (its newest intact checkpoint is used)"
+        )
+
+
+def check_finite_weights(model: Any, checkpoint: Path) -> None:
+    """Refuse a model whose weights hold NaN or inf (a damaged file or a diverged run)."""
+    import torch
+
+    bad = [
+        name
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise EvaluationError(
+            f"checkpoint {checkpoint} has non-finite (NaN/inf) weights in {len(bad)} tensor(s) "
+            f"({shown}); the file is damaged or the run diverged. Evaluate an earlier checkpoint"
+        )
 
 
 def _router_configs(model: Any) -> list[Any]:
@@ -172,7 +221,12 @@ def _default_device() -> str:
 def load_model(
     checkpoint: Path, device: str, dtype: str = "auto", routing: str | None = "causal"
 ) -> tuple[Any, Any]:
-    """Load model and tokenizer from a checkpoint, set eval mode and the evaluation routing."""
+    """Load model and tokenizer from a checkpoint, set eval mode and the evaluation routing.
+
+    The checkpoint's files are verified first (:func:`verify_checkpoint_files`) and weights
+    holding NaN or inf are refused (:func:`check_finite_weights`): a damaged checkpoint must
+    not give a score.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,14 +241,18 @@ def load_model(
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise EvaluationError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16, float16")
+    from safetensors import SafetensorError
+
+    verify_checkpoint_files(checkpoint)
     model: Any
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(checkpoint), dtype=torch_dtype, trust_remote_code=True
         )
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=True)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, SafetensorError) as err:
         raise EvaluationError(f"cannot load checkpoint {checkpoint}: {err}") from err
+    check_finite_weights(model, checkpoint)
     model.to(device)
     model.eval()
     if routing is not None:

@@ -10,10 +10,28 @@ leftover staging folder is never mistaken for a checkpoint (and is removed on th
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
 from pathlib import Path
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, permissions, ...); the earlier ones are
+    intact and the half-written staging folder is gone."""
+
+    def __init__(self, name: str, run_dir: Path, cause: BaseException) -> None:
+        previous = last_checkpoint(run_dir)
+        kept = f"the newest intact one is {previous.name}" if previous else "there is none yet"
+        reason = f"{type(cause).__name__}: {cause}"
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            reason = "the disk is full"
+        super().__init__(
+            f"could not save {name} in {run_dir} ({reason}); earlier checkpoints are untouched "
+            f"({kept}). Free some space and continue with the same command plus --resume"
+        )
+
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".staging-"

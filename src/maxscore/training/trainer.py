@@ -53,6 +53,8 @@ from maxscore.training.data import (
     collate_blocks,
     load_tokenizer,
 )
+from maxscore.training.integrity import newest_intact, write_integrity_record
+from maxscore.training.run_dir import RunDirectory, RunDirPlan, check_run_dir
 from maxscore.training.validation import (
     validate_model_options,
     validate_router_options,
@@ -307,8 +309,24 @@ class FinalCheckpointCallback(TrainerCallback):
         if stop:
             control.should_save = True
             control.should_training_stop = True
-        if self.save_final and state.global_step >= state.max_steps:
-            control.should_save = True
+        if state.global_step >= state.max_steps:
+            # A run shorter than --logging-steps still gets its routing and tokens/s logged
+            # (the end-of-run summary is built from the last training log).
+            control.should_log = True
+            if self.save_final:
+                control.should_save = True
+        return control
+
+
+class RunDirectoryCallback(TrainerCallback):
+    """Tells the run directory when a checkpoint is in place (a replaced run can go then)."""
+
+    def __init__(self, directory: RunDirectory) -> None:
+        self.directory = directory
+
+    def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        if is_main_process():
+            self.directory.checkpoint_written()
         return control
 
 
@@ -598,15 +616,22 @@ class MaxScoreTrainer(Trainer):
         self._staging_root = staging_root
         try:
             super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                staged = staging_root / name
+                config_src = run_dir / CONFIG_FILE
+                if config_src.is_file():
+                    shutil.copyfile(config_src, staged / TRAIN_CONFIG_IN_CHECKPOINT)
+                write_integrity_record(staged)
+                ckpt.publish_checkpoint(staged, run_dir / name)
+        except Exception as err:
+            # A full disk (or any write error): the half-written staging folder goes, the
+            # published checkpoints were never touched.
+            shutil.rmtree(staging_root, ignore_errors=True)
+            raise ckpt.CheckpointSaveError(name, run_dir, err) from err
         finally:
             self._staging_root = None
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            staged = staging_root / name
-            config_src = run_dir / CONFIG_FILE
-            if config_src.is_file():
-                shutil.copyfile(config_src, staged / TRAIN_CONFIG_IN_CHECKPOINT)
-            ckpt.publish_checkpoint(staged, run_dir / name)
             shutil.rmtree(staging_root, ignore_errors=True)
             ckpt.rotate_checkpoints(run_dir, self.keep_checkpoints)
         self.accelerator.wait_for_everyone()
@@ -659,71 +684,6 @@ class _RoutingAccumulator(TrainerCallback):
 # ------------------------------------------------------------------------------------------------
 # run directory
 # ------------------------------------------------------------------------------------------------
-def prepare_run_dir(config: TrainConfig) -> tuple[Path, Path | None]:
-    """Check / create the run directory; return it and the checkpoint to resume from.
-
-    Refuses (ConfigError) an existing run with a different config unless ``resume`` or
-    ``overwrite``, an existing run with the same config unless one of them, and a directory that
-    is not writable.
-    """
-    run_dir = config.run_dir
-    if not is_main_process():
-        # Process 0 checks and owns the run directory; the others must not race it (it may be
-        # writing config.json or deleting the folder for --overwrite). A refusal there stops
-        # the whole launch.
-        return run_dir, (ckpt.last_checkpoint(run_dir) if config.resume else None)
-    resume_from: Path | None = None
-    stored_path = run_dir / CONFIG_FILE
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError(f"output dir {str(run_dir)!r} exists and is not a directory")
-    has_content = run_dir.is_dir() and any(run_dir.iterdir())
-    if has_content:
-        if config.overwrite:
-            shutil.rmtree(run_dir)
-        elif stored_path.is_file():
-            stored = TrainConfig.from_file(stored_path)
-            diff = config.differences(stored)
-            if config.resume:
-                if diff:
-                    print(
-                        "maxscore: resuming with changed settings: "
-                        + ", ".join(f"{k}: {b!r} -> {a!r}" for k, (a, b) in diff.items()),
-                        file=sys.stderr,
-                    )
-                resume_from = ckpt.last_checkpoint(run_dir)
-                if resume_from is None:
-                    print(
-                        f"maxscore: no checkpoint in {run_dir} yet; starting from scratch",
-                        file=sys.stderr,
-                    )
-            elif diff:
-                lines = "\n".join(f"  {k}: stored {b!r}, now {a!r}" for k, (a, b) in diff.items())
-                raise ConfigError(
-                    f"output dir {str(run_dir)!r} holds a run with a different config:\n{lines}\n"
-                    "pass --resume to continue it anyway, --overwrite to replace it, or choose "
-                    "another --output-dir"
-                )
-            else:
-                raise ConfigError(
-                    f"output dir {str(run_dir)!r} already holds this run; pass --resume to "
-                    "continue it or --overwrite to start again"
-                )
-        else:
-            raise ConfigError(
-                f"output dir {str(run_dir)!r} exists and is not a maxscore run directory; pass "
-                "--overwrite to replace it or choose another --output-dir"
-            )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise ConfigError(f"output dir {str(run_dir)!r} is not writable: {err}") from err
-    ckpt.remove_stale_staging(run_dir)
-    return run_dir, resume_from
-
-
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """Drop metrics logged after the checkpoint we resume from (they will be logged again)."""
     if not path.is_file():
@@ -778,6 +738,7 @@ class PreparedRun:
     precision: str
     world_size: int
     total_steps: int
+    run_dir_plan: RunDirPlan | None = None
 
 
 def prepare(config: TrainConfig) -> PreparedRun:
@@ -813,7 +774,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
             f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's "
             f"vocab_size is {model_config.vocab_size}"
         )
-    run_dir, resume_from = prepare_run_dir(config)
+    plan = check_run_dir(config) if is_main_process() else _follower_plan(config)
     total_steps = config.total_steps(ws)
     global_batch = config.batch_size * config.grad_accum * ws
     if config.recipe == "paper" and global_batch != PAPER_GLOBAL_BATCH and is_main_process():
@@ -830,8 +791,26 @@ def prepare(config: TrainConfig) -> PreparedRun:
         max_train_blocks=total_steps * global_batch,
     )
     return PreparedRun(
-        config, run_dir, resume_from, tokenizer, model_config, data, precision, ws, total_steps
+        config,
+        plan.path,
+        plan.resume_from,
+        tokenizer,
+        model_config,
+        data,
+        precision,
+        ws,
+        total_steps,
+        plan,
     )
+
+
+def _follower_plan(config: TrainConfig) -> RunDirPlan:
+    """The run-directory plan of a process other than 0: process 0 checks and owns the folder
+    (it may be moving a replaced run aside); the others only read where to resume from."""
+    plan = RunDirPlan(config.run_dir)
+    if config.resume:
+        plan.resume_from, plan.damaged = newest_intact(ckpt.list_checkpoints(config.run_dir))
+    return plan
 
 
 def _deepspeed_config_path(name: str) -> str:
@@ -908,7 +887,7 @@ def _training_arguments(run: PreparedRun) -> TrainingArguments:
         save_total_limit=None,
         bf16=run.precision == "bf16",
         fp16=run.precision == "fp16",
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        **_activation_checkpointing_argument(cfg.gradient_checkpointing),
         # Fused AdamW on GPUs (one kernel for all parameters); the reference loop on CPU.
         optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
         tf32=True if torch.cuda.is_available() else None,
@@ -931,6 +910,24 @@ def _training_arguments(run: PreparedRun) -> TrainingArguments:
         ddp_find_unused_parameters=False,
         deepspeed=deepspeed,
     )
+
+
+def _activation_checkpointing_argument(enabled: bool) -> dict[str, bool]:
+    """``TrainingArguments``' activation-checkpointing flag under its current name.
+
+    transformers renamed ``gradient_checkpointing`` to ``activation_checkpointing`` and warns
+    (FutureWarning) whenever the old name is passed, even as False; the supported transformers
+    range has both spellings.
+    """
+    from dataclasses import fields
+
+    names = {f.name for f in fields(TrainingArguments)}
+    key = (
+        "activation_checkpointing"
+        if "activation_checkpointing" in names
+        else "gradient_checkpointing"
+    )
+    return {key: enabled}
 
 
 def _zero_stage(deepspeed: str) -> int | None:
@@ -1008,6 +1005,23 @@ def train(
         prepared: the result of :func:`prepare` if the caller already validated the config.
     """
     run = prepared or prepare(config)
+    directory = RunDirectory(run.run_dir_plan or RunDirPlan(run.run_dir, run.resume_from))
+    main = is_main_process()
+    if main:
+        directory.open()
+    try:
+        result = _train(run, [*(callbacks or []), RunDirectoryCallback(directory)])
+    except BaseException:
+        if main:
+            directory.close(failed=True)
+        raise
+    if main:
+        directory.close(failed=False)
+    return result
+
+
+def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
+    """:func:`train` inside an opened run directory."""
     cfg = run.config
     write_resolved_config(run)
     # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
@@ -1029,7 +1043,7 @@ def train(
         data_collator=collate_blocks,
         tokens_per_step=cfg.tokens_per_step(run.world_size),
         save_total_limit=cfg.save_total_limit,
-        callbacks=[RouterScheduleCallback(), final_cb, *(callbacks or [])],
+        callbacks=[RouterScheduleCallback(), final_cb, *callbacks],
     )
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None and not cfg.quiet:
@@ -1059,7 +1073,7 @@ def train(
     interrupted = final_cb.interrupted
     metrics: dict[str, float] = {}
     if not interrupted and len(run.data.validation) > 0:
-        metrics = trainer.evaluate()
+        metrics = _final_evaluation(trainer)
     eval_loss = metrics.get("eval_loss")
     history = [h for h in trainer.state.log_history if "tokens_per_s" in h]
     speeds = [h["tokens_per_s"] for h in history]
@@ -1086,6 +1100,16 @@ def train(
             record = {"type": "final", "step": result.steps, **result.to_dict()}
             handle.write(json.dumps(record, default=str) + "\n")
     return result
+
+
+def _final_evaluation(trainer: MaxScoreTrainer) -> dict[str, float]:
+    """The validation metrics at the last step: the ones the Trainer already logged there
+    (``--eval-steps`` dividing the run length), else a new evaluation."""
+    step = trainer.state.global_step
+    for entry in reversed(trainer.state.log_history):
+        if entry.get("step") == step and "eval_loss" in entry:
+            return {k: v for k, v in entry.items() if k.startswith("eval_")}
+    return trainer.evaluate()
 
 
 def summarize_routing(routing: dict[str, Any]) -> dict[str, Any]:

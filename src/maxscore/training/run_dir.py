@@ -1,0 +1,246 @@
+"""The run directory: checked before training, opened when it starts, never lost on failure.
+
+* :func:`check_run_dir` decides, without writing, whether a run may use its directory: a new
+  one, a ``--resume`` (from the newest checkpoint that passes its integrity check), or an
+  ``--overwrite`` of an existing run. It refuses conflicts with a message saying what to do.
+* :class:`RunDirectory` opens the directory when training starts. ``--overwrite`` moves the
+  previous run aside (``.<name>.previous-run`` beside it) instead of deleting it; it is deleted
+  only once the new run has written its first checkpoint, and put back if the new run fails
+  before that. A run that fails before its first checkpoint leaves nothing behind (it has
+  nothing to resume from, and its ``config.json`` would block the corrected rerun).
+* A checkpoint that fails verification on ``--resume`` is renamed ``damaged-checkpoint-N``:
+  kept for inspection, out of the way of resuming and rotation.
+
+Only process 0 calls these (the others wait at the Trainer's barriers).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from maxscore.training import checkpoint as ckpt
+from maxscore.training.config import ConfigError, TrainConfig
+from maxscore.training.integrity import describe_damage, newest_intact
+
+CONFIG_FILE = "config.json"
+PREVIOUS_RUN_SUFFIX = ".previous-run"
+DAMAGED_PREFIX = "damaged-"
+
+
+def _say(message: str) -> None:
+    print(f"maxscore: {message}", file=sys.stderr, flush=True)
+
+
+def previous_run_path(run_dir: Path) -> Path:
+    """Where ``--overwrite`` keeps the previous run until the new one has a checkpoint."""
+    return run_dir.with_name(f".{run_dir.name}{PREVIOUS_RUN_SUFFIX}")
+
+
+def _checkpoint_names(run_dir: Path) -> str:
+    names = [p.name for p in ckpt.list_checkpoints(run_dir)]
+    return ", ".join(names) if names else "no checkpoints"
+
+
+@dataclass
+class RunDirPlan:
+    """What :func:`check_run_dir` decided.
+
+    Attributes:
+        path: the run directory.
+        resume_from: the checkpoint to resume from (``None``: start from scratch).
+        replaces: an existing run will be replaced (``--overwrite``).
+        damaged: checkpoints newer than ``resume_from`` that failed verification, with the
+            problems found.
+    """
+
+    path: Path
+    resume_from: Path | None = None
+    replaces: bool = False
+    damaged: dict[Path, list[str]] = field(default_factory=dict)
+
+
+def recover_interrupted_overwrite(run_dir: Path) -> None:
+    """Finish or undo an ``--overwrite`` whose process died (the previous run is still aside).
+
+    If the replacing run got as far as a checkpoint, the replacement is finished (the previous
+    run is deleted); otherwise the replacing run's partial folder is removed and the previous
+    run is put back.
+    """
+    previous = previous_run_path(run_dir)
+    if not previous.is_dir():
+        return
+    if ckpt.list_checkpoints(run_dir):
+        shutil.rmtree(previous)
+        _say(f"finished replacing the previous run in {run_dir} (--overwrite was interrupted)")
+        return
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    os.rename(previous, run_dir)
+    _say(
+        f"restored the previous run in {run_dir} ({_checkpoint_names(run_dir)}): an --overwrite "
+        "of it stopped before its first checkpoint"
+    )
+
+
+def _check_writable(run_dir: Path) -> None:
+    """The run directory (or its nearest existing parent) must be a writable folder."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"output dir {str(run_dir)!r} cannot be created: {str(existing)!r} is not a directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output dir {str(run_dir)!r} is not writable ({existing} is not)")
+
+
+def _resume_point(run_dir: Path) -> tuple[Path | None, dict[Path, list[str]]]:
+    checkpoints = ckpt.list_checkpoints(run_dir)
+    if not checkpoints:
+        _say(f"no checkpoint in {run_dir} yet; starting from scratch")
+        return None, {}
+    intact, damaged = newest_intact(checkpoints)
+    if intact is None:
+        raise ConfigError(
+            f"no intact checkpoint in {run_dir}: {describe_damage(damaged)}. Copy a good "
+            "checkpoint back, or start again with --overwrite"
+        )
+    if damaged:
+        _say(f"damaged checkpoint(s): {describe_damage(damaged)}; resuming from {intact.name}")
+    return intact, damaged
+
+
+def check_run_dir(config: TrainConfig) -> RunDirPlan:
+    """Decide how the run uses ``config.run_dir``; raise ConfigError on a conflict.
+
+    Refuses an existing run with a different config unless ``resume`` or ``overwrite``, an
+    existing run with the same config unless one of them, a folder that is not a run directory
+    unless ``overwrite``, and a location that is not writable. Writes nothing, apart from
+    finishing or undoing an interrupted ``--overwrite`` (:func:`recover_interrupted_overwrite`).
+    """
+    run_dir = config.run_dir
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"output dir {str(run_dir)!r} exists and is not a directory")
+    recover_interrupted_overwrite(run_dir)
+    _check_writable(run_dir)
+    plan = RunDirPlan(run_dir)
+    if not (run_dir.is_dir() and any(run_dir.iterdir())):
+        return plan
+    stored_path = run_dir / CONFIG_FILE
+    if config.overwrite:
+        plan.replaces = True
+    elif not stored_path.is_file():
+        raise ConfigError(
+            f"output dir {str(run_dir)!r} exists and is not a maxscore run directory; pass "
+            "--overwrite to replace it or choose another --output-dir"
+        )
+    else:
+        diff = config.differences(TrainConfig.from_file(stored_path))
+        if config.resume:
+            if diff:
+                _say(
+                    "resuming with changed settings: "
+                    + ", ".join(f"{k}: {b!r} -> {a!r}" for k, (a, b) in diff.items())
+                )
+            plan.resume_from, plan.damaged = _resume_point(run_dir)
+        elif diff:
+            lines = "\n".join(f"  {k}: stored {b!r}, now {a!r}" for k, (a, b) in diff.items())
+            raise ConfigError(
+                f"output dir {str(run_dir)!r} holds a run with a different config:\n{lines}\n"
+                "pass --resume to continue it anyway, --overwrite to replace it, or choose "
+                "another --output-dir"
+            )
+        else:
+            raise ConfigError(
+                f"output dir {str(run_dir)!r} already holds this run; pass --resume to "
+                "continue it or --overwrite to start again"
+            )
+    return plan
+
+
+class RunDirectory:
+    """Opens a run directory for training and settles it when the run ends (see module doc)."""
+
+    def __init__(self, plan: RunDirPlan) -> None:
+        self.plan = plan
+        self.path = plan.path
+        self.previous: Path | None = None
+        self._created_root: Path | None = None
+        self._was_empty = False
+        self._has_checkpoint = plan.resume_from is not None
+
+    def open(self) -> None:
+        """Move a replaced run aside, create the folder, clear crash leftovers."""
+        path = self.path
+        if self.plan.replaces and path.exists():
+            self.previous = previous_run_path(path)
+            _say(
+                f"--overwrite: the previous run in {path} ({_checkpoint_names(path)}) is kept "
+                "until this run writes its first checkpoint"
+            )
+            os.rename(path, self.previous)
+        self._was_empty = path.is_dir() and not any(path.iterdir())
+        # The outermost folder this run creates (removed again if the run fails early).
+        self._created_root = None
+        for folder in (path, *path.parents):
+            if folder.exists():
+                break
+            self._created_root = folder
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            self._restore_previous()
+            raise ConfigError(f"output dir {str(path)!r} cannot be created: {err}") from err
+        ckpt.remove_stale_staging(path)
+        for damaged in self.plan.damaged:
+            if damaged.is_dir():
+                target = damaged.with_name(DAMAGED_PREFIX + damaged.name)
+                if target.exists():
+                    shutil.rmtree(target)
+                os.rename(damaged, target)
+                _say(f"kept the damaged {damaged.name} as {target.name}")
+
+    def checkpoint_written(self) -> None:
+        """The run has a checkpoint: the replaced run (if any) is deleted now."""
+        self._has_checkpoint = True
+        if self.previous is not None:
+            shutil.rmtree(self.previous, ignore_errors=True)
+            _say(f"replaced the previous run in {self.path} (--overwrite)")
+            self.previous = None
+
+    def close(self, failed: bool) -> None:
+        """Settle the directory at the end of the run (``failed``: it raised)."""
+        if not failed:
+            self.checkpoint_written()
+            return
+        if self._has_checkpoint:
+            return  # resumable: keep everything
+        if self._was_empty:  # a folder the user made for this run: empty it again
+            for child in self.path.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            _say(f"the run failed before its first checkpoint; emptied {self.path} again")
+            return
+        if self._created_root is None and self.previous is None:
+            return  # not this run's folder (cannot happen after check_run_dir): keep it
+        shutil.rmtree(self._created_root or self.path, ignore_errors=True)
+        if self._restore_previous():
+            _say(
+                f"the run failed before its first checkpoint; the previous run in {self.path} "
+                "is back in place"
+            )
+        else:
+            _say(f"the run failed before its first checkpoint; removed {self.path}")
+
+    def _restore_previous(self) -> bool:
+        if self.previous is None:
+            return False
+        if self.path.exists():
+            shutil.rmtree(self.path)
+        os.rename(self.previous, self.path)
+        self.previous = None
+        return True
