@@ -188,20 +188,30 @@ def classify(paths: Sequence[str | Path]) -> ReportSources:
             raise ReportError(f"not found: {path}")
         if path.is_file():
             path = path.parent
-        before = (len(found.compare), len(found.eval), len(found.analysis))
+        # Counted per path, duplicates included: a run inside a compare directory given as
+        # well holds outputs even though the compare directory already contributed them.
+        matched = 0
         if (path / COMPARISON_MD).is_file():
             add(found.compare, path)
+            matched += 1
         for pattern in (RESULTS_JSON, f"*/{RESULTS_JSON}", f"*/*/{RESULTS_JSON}"):
             for hit in sorted(path.glob(pattern)):
                 add(found.eval, hit.parent)
+                matched += 1
         for pattern in (ANALYSIS_JSON, f"*/{ANALYSIS_JSON}", f"*/*/{ANALYSIS_JSON}"):
             for hit in sorted(path.glob(pattern)):
                 add(found.analysis, hit.parent)
-        if (len(found.compare), len(found.eval), len(found.analysis)) == before:
-            raise ReportError(
-                f"{path} holds no compare ({COMPARISON_MD}), eval ({RESULTS_JSON}) or analyze "
-                f"({ANALYSIS_JSON}) output"
-            )
+                matched += 1
+        if matched:
+            continue
+        is_run = (path / "metrics.jsonl").is_file()
+        if is_run and any(path.resolve().is_relative_to(c.resolve()) for c in found.compare):
+            continue  # a run of a compare directory given too: its training is in that table
+        hint = f"; run `maxscore eval {path}` or `maxscore analyze {path}` first" if is_run else ""
+        raise ReportError(
+            f"{path} holds no compare ({COMPARISON_MD}), eval ({RESULTS_JSON}) or analyze "
+            f"({ANALYSIS_JSON}) output{hint}"
+        )
     return found
 
 

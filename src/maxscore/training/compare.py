@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -57,6 +56,7 @@ def compare(
     All routers are validated (and the output folder checked) before the first one trains.
     """
     from maxscore.routing.presets import ROUTER_PRESETS
+    from maxscore.training.run_dir import RunDirectory, RunDirPlan
     from maxscore.training.trainer import prepare, train
 
     if not routers:
@@ -69,24 +69,28 @@ def compare(
     if len(set(routers)) != len(routers):
         raise ConfigError(f"--routers lists a router twice: {routers}")
     out = Path(output_dir)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ConfigError(
-                f"output dir {str(out)!r} is not empty; pass --overwrite or choose another "
-                "--output-dir"
-            )
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-
+    replaces = out.exists() and any(out.iterdir())
+    if replaces and not overwrite:
+        raise ConfigError(
+            f"output dir {str(out)!r} is not empty; pass --overwrite or choose another --output-dir"
+        )
     configs = [
-        replace(config, router=r, output_dir=str(out / r), resume=False, overwrite=False)
+        replace(config, router=r, output_dir=str(out / r), resume=False, overwrite=replaces)
         for r in routers
     ]
     prepared = [prepare(c) for c in configs]  # every bad input fails before any training
+    # --overwrite: the previous comparison stays (aside) until the first router has trained.
+    directory = RunDirectory(RunDirPlan(out, replaces=replaces))
+    directory.open()
     rows = []
-    for cfg, run in zip(configs, prepared):
+    for index, (cfg, run) in enumerate(zip(configs, prepared)):
         print(f"maxscore compare: training {cfg.router} -> {run.run_dir}", flush=True)
-        result = train(cfg, prepared=run)
+        try:
+            result = train(cfg, prepared=run)
+        except BaseException:
+            directory.close(failed=index == 0)
+            raise
+        directory.checkpoint_written()
         row: dict[str, Any] = {
             "router": cfg.router,
             "eval_loss": result.eval_loss,

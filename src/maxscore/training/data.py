@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,38 +228,118 @@ class TextSplits:
     stream_factory: Callable[[int], Iterable[str]] | None = None
 
 
+#: Share of a text file's characters that may be control characters or undecodable bytes
+#: before it is refused as binary; above the first threshold it is trained on with a warning.
+BINARY_WARN_FRACTION = 0.001
+BINARY_REFUSE_FRACTION = 0.05
+#: ASCII control bytes other than white space (tab, newlines, form feed).
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\v\f\r")
+
+
+def _non_text_fraction(raw: bytes, text: str) -> float:
+    """Share of ``text``'s characters that are control characters or undecodable bytes
+    (``text`` is ``raw`` decoded with replacement; counted in C, not per character)."""
+    if not text:
+        return 0.0
+    controls = len(raw) - len(raw.translate(None, _CONTROL_BYTES))
+    return (controls + text.count("\ufffd")) / len(text)
+
+
+def _first_undecodable_line(raw: bytes) -> int | None:
+    """1-based line of the first byte sequence that is not UTF-8, or None."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return raw.count(b"\n", 0, err.start) + 1
+    return None
+
+
+def _read_txt(file: Path) -> list[str]:
+    """Documents of a ``.txt`` file (blank-line separated); refuses files that are not text.
+
+    Undecodable bytes are replaced (U+FFFD) with a warning naming the first bad line; a file
+    whose characters are more than ``BINARY_REFUSE_FRACTION`` control characters or bad bytes
+    (an archive, a model file renamed ``.txt``) is refused.
+    """
+    raw = file.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    fraction = _non_text_fraction(raw, text)
+    if fraction > BINARY_REFUSE_FRACTION:
+        raise DataError(
+            f"{file} does not look like text: {fraction:.0%} of its characters are control "
+            "characters or bytes that are not UTF-8 (a binary file?); convert it to UTF-8 text"
+        )
+    bad_line = _first_undecodable_line(raw)
+    if bad_line is not None or fraction > BINARY_WARN_FRACTION:
+        where = f" (first at line {bad_line})" if bad_line is not None else ""
+        print(
+            f"maxscore: warning: {file}: {fraction:.2%} of the characters are control characters"
+            f" or bytes that are not UTF-8{where}; training on it with those replaced",
+            file=sys.stderr,
+        )
+    return [d.strip() for d in text.split("\n\n") if d.strip()]
+
+
+def _read_jsonl(file: Path, text_field: str) -> list[str]:
+    """Documents of a ``.jsonl`` file: one JSON object per line, text in ``text_field``."""
+    docs: list[str] = []
+    with file.open("rb") as handle:
+        for line_no, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{file}:{line_no}: not UTF-8 (byte {raw[err.start]:#04x} at column "
+                    f"{err.start + 1}); JSON Lines files must be UTF-8"
+                ) from err
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{file}:{line_no}: not valid JSON ({err})") from err
+            if not isinstance(record, dict):
+                raise DataError(
+                    f"{file}:{line_no}: expected a JSON object such as "
+                    f'{{"{text_field}": "..."}}, got {type(record).__name__}'
+                )
+            if text_field not in record:
+                raise DataError(
+                    f"{file}:{line_no}: no field {text_field!r} (fields: "
+                    f"{sorted(record)}); set --text-field"
+                )
+            value = record[text_field]
+            if not isinstance(value, str):
+                raise DataError(
+                    f"{file}:{line_no}: field {text_field!r} holds {type(value).__name__}, not text"
+                )
+            docs.append(value)
+    return docs
+
+
+#: Readers of local files, by suffix.
+_LOCAL_READERS: dict[str, Callable[[Path, str], list[str]]] = {
+    ".txt": lambda file, _field: _read_txt(file),
+    ".jsonl": _read_jsonl,
+}
+
+
 def _read_local(path: Path, text_field: str) -> list[str]:
     files: list[Path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
+        files = sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_READERS)
         if not files:
             raise DataError(f"folder {str(path)!r} holds no .txt or .jsonl files")
     else:
         files = [path]
     docs: list[str] = []
     for file in files:
-        if file.suffix == ".jsonl":
-            with file.open(encoding="utf-8") as handle:
-                for line_no, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"{file}:{line_no}: not valid JSON ({err})") from err
-                    if text_field not in record:
-                        raise DataError(
-                            f"{file}:{line_no}: no field {text_field!r} (fields: "
-                            f"{sorted(record)}); set --text-field"
-                        )
-                    docs.append(str(record[text_field]))
-        elif file.suffix == ".txt":
-            text = file.read_text(encoding="utf-8", errors="replace")
-            docs.extend(d.strip() for d in text.split("\n\n") if d.strip())
-        else:
+        reader = _LOCAL_READERS.get(file.suffix)
+        if reader is None:
             raise DataError(
                 f"unsupported file type {file.suffix!r} for {str(file)!r}: use .txt or .jsonl"
             )
+        docs.extend(reader(file, text_field))
     return docs
 
 
