@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from maxscore.training import ConfigError, DataError, TrainConfig, apply_recipe, prepare, train
-from maxscore.training.checkpoint import list_checkpoints
+from maxscore.training.checkpoint import CheckpointSaveError, list_checkpoints
 from maxscore.training.data import PackedDataset, pack_documents, pack_token_stream
 
 #: The smallest useful model: one MoE layer, 4 experts, 32 wide.
@@ -233,7 +233,8 @@ def test_existing_run_dir_with_other_config_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="already holds this run"):
         prepare(cfg)
     assert prepare(replace(cfg, lr=0.5, overwrite=True)).resume_from is None
-    assert not (tmp_path / "run" / "checkpoint-2").exists()  # overwrite cleared it
+    # prepare only checks: the run to be replaced is untouched until training starts
+    assert (tmp_path / "run" / "checkpoint-2").is_dir()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -398,7 +399,7 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(
         original(self, output_dir)
 
     monkeypatch.setattr(Trainer, "_save_rng_state", crash_at_step_4)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointSaveError, match="simulated"):
         train(cfg)
     run = tmp_path / "run"
     # the model of step 4 was written before the crash, but only into the staging folder
