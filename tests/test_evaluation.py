@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -260,12 +261,16 @@ def test_resolve_model_path(tmp_path: Path) -> None:
         ckpt = run / f"checkpoint-{step}"
         ckpt.mkdir(parents=True)
         (ckpt / "config.json").write_text(json.dumps({"model_type": "maxscore_llama_moe"}))
-        (ckpt / "model.safetensors").write_bytes(b"")
+        # An empty but complete safetensors file: an 8-byte header length, then "{}".
+        (ckpt / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")
     (run / "metrics.jsonl").write_text("")
     # Numeric order: checkpoint-10 is newer than checkpoint-2.
     assert resolve_model_path(run).checkpoint.name == "checkpoint-10"
     assert resolve_model_path(run).name == "run"
     assert resolve_model_path(run / "checkpoint-2").run_dir == run.resolve()
+    # A truncated newest checkpoint is skipped.
+    (run / "checkpoint-10" / "model.safetensors").write_bytes(b"")
+    assert resolve_model_path(run).checkpoint.name == "checkpoint-2"
 
 
 def test_cli_bad_input_exits_with_a_message(

@@ -33,16 +33,14 @@ from maxscore.training import ConfigError, prepare, train
 from maxscore.training.checkpoint import list_checkpoints
 from maxscore.training.integrity import INTEGRITY_FILE, verify_checkpoint
 from maxscore.training.run_dir import previous_run_path
-from test_training import small_config
+from test_training import SMALL_MODEL, small_config
 
+#: ``small_config``'s model and sizes as ``maxscore train`` flags.
 SMALL_FLAGS = [
-    "--model-option", "hidden_size=32",
-    "--model-option", "num_hidden_layers=1",
-    "--model-option", "num_attention_heads=2",
-    "--model-option", "num_experts=4",
-    "--seq-len", "16", "--batch-size", "2", "--max-eval-blocks", "2",
-    "--report-to", "none", "--quiet",
-]  # fmt: skip
+    *(flag for key, value in SMALL_MODEL.items() for flag in ("--model-option", f"{key}={value}")),
+    *("--seq-len", "16", "--batch-size", "2", "--max-eval-blocks", "2"),
+    *("--report-to", "none", "--quiet"),
+]
 
 
 class FailAtStep(TrainerCallback):
