@@ -427,3 +427,29 @@ def test_report_accepts_a_run_beside_its_compare_directory(tmp_path: Path) -> No
     (lone / "metrics.jsonl").write_text("")
     with pytest.raises(ReportError, match="maxscore eval"):
         classify([lone])
+
+
+def test_compare_overwrite_keeps_the_old_comparison_until_a_router_has_trained(
+    tmp_path: Path,
+) -> None:
+    from maxscore.training.compare import compare
+
+    out = tmp_path / "cmp"
+    (out / "gshard").mkdir(parents=True)
+    (out / "comparison.md").write_text("old\n")
+    cfg = small_config(tmp_path, max_steps=2, save_steps=2)
+    with pytest.raises(ConfigError, match="capacity_factor must be a number"):
+        compare(["gshard"], replace(cfg, router_overrides={"capacity_factor": "x"}), out, True)
+    assert (out / "comparison.md").read_text() == "old\n"  # bad input: nothing touched
+    with pytest.raises(RuntimeError, match="injected"), pytest.MonkeyPatch.context() as patch:
+        patch.setattr("maxscore.training.trainer.write_resolved_config", _fail)
+        compare(["gshard"], cfg, out, overwrite=True)
+    assert (out / "comparison.md").read_text() == "old\n"  # failed before a checkpoint
+    assert not leftovers(out)
+    compare(["gshard"], cfg, out, overwrite=True)
+    assert (out / "comparison.md").read_text() != "old\n" and not leftovers(out)
+    assert checkpoint_names(out / "gshard") == ["checkpoint-2"]
+
+
+def _fail(*args: object) -> None:
+    raise RuntimeError("injected failure before the first step")
