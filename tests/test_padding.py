@@ -119,9 +119,7 @@ def _run(model: LlamaMoEForCausalLM, batch: dict[str, Tensor]) -> dict[str, Any]
     return {
         "out": out,
         "routes": routes,
-        "stats": [
-            {k: v.clone() for k, v in layer.items()} for layer in model.routing_statistics()
-        ],
+        "stats": [{k: v.clone() for k, v in layer.items()} for layer in model.routing_statistics()],
     }
 
 

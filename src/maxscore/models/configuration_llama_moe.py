@@ -206,7 +206,9 @@ class LlamaMoEConfig(PreTrainedConfig):
         if self.sliding_window is not None and (
             not isinstance(self.sliding_window, int) or self.sliding_window < 1
         ):
-            raise ValueError(f"sliding_window must be a positive int or None, got {self.sliding_window!r}")
+            raise ValueError(
+                f"sliding_window must be a positive int or None, got {self.sliding_window!r}"
+            )
         if self.shared_expert_gate and self.num_shared_experts < 1:
             raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
         for index in self.dense_layers or []:
@@ -284,7 +286,10 @@ class LlamaMoEConfig(PreTrainedConfig):
             old = get_router_config(previous).to_dict()
             data = {key: value for key, value in data.items() if old.get(key) != value}
             # The coefficients were synced from the old preset; keep only real overrides.
-            for name, attr in (("aux_loss_coef", "router_aux_loss_coef"), ("z_loss_coef", "router_z_loss_coef")):
+            for name, attr in (
+                ("aux_loss_coef", "router_aux_loss_coef"),
+                ("z_loss_coef", "router_z_loss_coef"),
+            ):
                 if getattr(self, attr) == old[name]:
                     setattr(self, attr, None)
             self._resolved_router = self.router

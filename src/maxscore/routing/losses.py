@@ -14,8 +14,8 @@ from maxscore.routing.types import assignment_matrix
 
 __all__ = [
     "assignment_matrix",
-    "balance_terms",
     "balance_loss_from_terms",
+    "balance_terms",
     "load_balancing_loss",
     "masked_load_balancing_loss",
     "router_z_loss",
@@ -100,10 +100,7 @@ def balance_terms(
         ``j``, or real slots kept on ``j``; no gradient) and ``tokens [G]`` (real tokens).
     """
     g, n, e = affinities.shape
-    if token_mask is None:
-        weight = affinities.new_ones(g, n)
-    else:
-        weight = token_mask.to(affinities.dtype)
+    weight = affinities.new_ones(g, n) if token_mask is None else token_mask.to(affinities.dtype)
     prob_sum = (affinities * weight.unsqueeze(-1)).sum(dim=1)
     with torch.no_grad():
         if form == "gshard":
@@ -133,9 +130,7 @@ def balance_loss_from_terms(
     e = prob_sum.shape[-1]
     load_tokens = tokens if load_tokens is None else load_tokens
     factor = e if form == "gshard" else 1.0 / e
-    per_group = (prob_sum * load).sum(dim=-1) / (
-        tokens.clamp(min=1.0) * load_tokens.clamp(min=1.0)
-    )
+    per_group = (prob_sum * load).sum(dim=-1) / (tokens.clamp(min=1.0) * load_tokens.clamp(min=1.0))
     present = (tokens > 0).to(per_group.dtype)
     return factor * (per_group * present).sum() / present.sum().clamp(min=1.0)
 

@@ -449,10 +449,10 @@ class Router(nn.Module):
         the micro-batch a second time, and it sees the same total as the original forward,
         which had already added it.
         """
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if torch.distributed.get_world_size() > 1:
-                counts = counts.clone()
-                torch.distributed.all_reduce(counts)
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            counts = counts.clone()
+            dist.all_reduce(counts)
         new_step = self.schedule.step != self.aux_load_step
         so_far = torch.where(new_step, torch.zeros_like(self.aux_load), self.aux_load)
         if torch._C._current_graph_task_id() != -1:  # recomputation inside backward

@@ -481,9 +481,7 @@ def assign_sinkhorn(
         mass_g = torch.minimum(total_cap, demand_g)
         row_g = mass_g / demand_g.clamp(min=1.0) * k
         row_mass = torch.where(mask, row_g.clamp(min=_MASS_FLOOR).unsqueeze(1), 0.0)
-        col_mass = (cap_f * (mass_g / total_cap.clamp(min=1.0)).unsqueeze(1)).clamp(
-            min=_MASS_FLOOR
-        )
+        col_mass = (cap_f * (mass_g / total_cap.clamp(min=1.0)).unsqueeze(1)).clamp(min=_MASS_FLOOR)
     log_plan = sinkhorn_log_plan(log_kernel, row_mass, col_mass, config.sinkhorn_iterations)
     # A NaN plan entry (only from NaN scores) would make the ranking arbitrary but still valid.
     idx = without_padding(top_experts(log_plan, k), mask)
