@@ -126,6 +126,24 @@ class LlamaMoEConfig(PreTrainedConfig):
         self._resolve_router()
         super().__post_init__(**kwargs)
 
+    def __setattr__(self, key: str, value: Any) -> None:
+        # `from_pretrained(path, router_config={...})` sets a partial dict after the stored one
+        # was resolved: merge it into the resolved fields instead of dropping the checkpoint's.
+        if (
+            key == "router_config"
+            and isinstance(value, dict)
+            and isinstance(self.__dict__.get("router_config"), dict)
+            and "_resolved_router" in self.__dict__
+        ):
+            for field_name, attr in (
+                ("aux_loss_coef", "router_aux_loss_coef"),
+                ("z_loss_coef", "router_z_loss_coef"),
+            ):
+                if field_name in value:  # the given value wins over the synced coefficient
+                    super().__setattr__(attr, value[field_name])
+            value = {**self.__dict__["router_config"], **value}
+        super().__setattr__(key, value)
+
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out.pop("_resolved_router", None)  # bookkeeping of `router` changes, not configuration
