@@ -103,3 +103,41 @@ def save_family_checkpoint(family: str, path: Path, seed: int = 0, **overrides: 
 
 def batch(length: int = 10, size: int = 2, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (size, length), generator=torch.Generator().manual_seed(seed))
+
+
+TEXT = (
+    "the quick brown fox jumps over the lazy dog. a mixture of experts routes every token to "
+    "a few experts; capacity limits how many tokens an expert takes. "
+) * 40
+
+
+def save_tiny_tokenizer(path: Path) -> Path:
+    """A character-level BPE tokenizer of at most ``VOCAB`` tokens (trained offline, in ms).
+
+    Special tokens ``<pad>``, ``<s>``, ``</s>`` get ids 0, 1, 2, as the family configs say.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<unk>"], show_progress=False
+    )
+    tokenizer.train_from_iterator([TEXT], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+def save_text(path: Path) -> Path:
+    """A small local text dataset (one document per line)."""
+    lines = [line for line in TEXT.split(". ") if line] * 4
+    path.write_text("\n\n".join(f"{i} {line}" for i, line in enumerate(lines)) + "\n")
+    return path

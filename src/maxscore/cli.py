@@ -60,7 +60,11 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     """Flags that map onto :class:`TrainConfig` fields (defaults: ``None`` = not given)."""
     d = TrainConfig()
     g = parser.add_argument_group("model")
-    g.add_argument("--model", help=f"model preset (default {d.model}; see `maxscore presets`)")
+    g.add_argument(
+        "--model",
+        help=f"model preset (default {d.model}; see `maxscore presets`), or a checkpoint directory "
+        "/ hub name (maxscore, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)",
+    )
     g.add_argument(
         "--model-option",
         action="append",
@@ -68,7 +72,10 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         help="override a model config field, e.g. num_hidden_layers=2 (repeatable)",
     )
     if not compare:
-        g.add_argument("--router", help=f"router preset (default {d.router})")
+        g.add_argument(
+            "--router",
+            help=f"router preset (default {d.router}); 'native' keeps a converted model's own",
+        )
     g.add_argument(
         "--router-option",
         action="append",
@@ -340,6 +347,8 @@ def _add_optional_commands(sub: Any) -> None:
         ("eval", "maxscore.evaluation.commands", "add_eval_parser"),
         ("analyze", "maxscore.analysis.commands", "add_analyze_parser"),
         ("report", "maxscore.analysis.commands", "add_report_parser"),
+        ("upcycle", "maxscore.models.commands", "add_upcycle_parser"),
+        ("export", "maxscore.models.commands", "add_export_parser"),
     )
     import importlib
 

@@ -145,6 +145,8 @@ class LlamaMoEConfig(PreTrainedConfig):
         super().__setattr__(key, value)
 
     def to_dict(self) -> dict[str, Any]:
+        if self.__dict__.get("_resolved_router", self.router) != self.router:
+            self.get_router_config()  # `router` was changed: save the fields it resolves to
         out = super().to_dict()
         out.pop("_resolved_router", None)  # bookkeeping of `router` changes, not configuration
         return out

@@ -50,9 +50,12 @@ class TrainConfig:
     """Everything that defines a training run.
 
     Attributes:
-        model: model preset name (``maxscore.models.presets.MODEL_PRESETS``).
+        model: model preset name (``maxscore.models.presets.MODEL_PRESETS``), or a checkpoint
+            directory / hub name: a maxscore checkpoint or a supported Hugging Face MoE family
+            (``maxscore.training.pretrained``).
         model_overrides: fields of the model config to replace (``{"num_hidden_layers": 2}``).
-        router: router preset name (``maxscore.routing.presets.ROUTER_PRESETS``).
+        router: router preset name (``maxscore.routing.presets.ROUTER_PRESETS``); for a
+            converted checkpoint also ``"native"`` (the family's own routing).
         router_overrides: fields of the router config to replace (``{"capacity_factor": 1.25}``).
         dataset: ``"default"`` (the embedded corpus), a Hugging Face dataset name (``"c4"`` is
             ``allenai/c4``, config ``en``), or a local ``.txt`` / ``.jsonl`` file or folder.
@@ -208,7 +211,8 @@ class TrainConfig:
     @property
     def run_dir(self) -> Path:
         """The run directory (``output_dir`` or ``runs/<model>-<router>``)."""
-        return Path(self.output_dir or f"runs/{self.model}-{self.router}")
+        # A checkpoint path as --model names the run by its last component.
+        return Path(self.output_dir or f"runs/{Path(self.model).name}-{self.router}")
 
     def tokens_per_step(self, world_size: int = 1) -> int:
         """Tokens per optimizer step: ``seq_len * batch_size * grad_accum * world_size``."""

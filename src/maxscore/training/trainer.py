@@ -177,13 +177,13 @@ def build_model_config(
 
     Raises ConfigError for unknown presets or invalid overrides (before any training).
     """
-    from maxscore.models.presets import MODEL_PRESETS, get_model_config
+    from maxscore.models.presets import get_model_config
     from maxscore.routing.presets import ROUTER_PRESETS
+    from maxscore.training.pretrained import is_pretrained_model, pretrained_model_config
 
-    if config.model not in MODEL_PRESETS:
-        raise ConfigError(
-            f"unknown model preset {config.model!r}; available: {sorted(MODEL_PRESETS)}"
-        )
+    if is_pretrained_model(config.model):
+        # A checkpoint directory or hub name (its own vocabulary and special tokens).
+        return _check_seq_len(config, pretrained_model_config(config))
     if config.router not in ROUTER_PRESETS:
         raise ConfigError(
             f"unknown router preset {config.router!r}; available: {sorted(ROUTER_PRESETS)}"
@@ -204,6 +204,10 @@ def build_model_config(
         model_config = get_model_config(config.model, router=config.router, **overrides)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"invalid model/router settings: {err}") from err
+    return _check_seq_len(config, model_config)
+
+
+def _check_seq_len(config: TrainConfig, model_config: Any) -> Any:
     max_len = getattr(model_config, "max_position_embeddings", None)
     if max_len is not None and config.seq_len > max_len:
         raise ConfigError(
@@ -788,7 +792,16 @@ def prepare(config: TrainConfig) -> PreparedRun:
                 "--compile is not supported with ZeRO-3 (DeepSpeed partitions parameters with "
                 "hooks that compiled layers bypass); pass --no-compile, or use --deepspeed zero2"
             )
-    tokenizer = load_tokenizer(config.tokenizer)
+    from maxscore.training.pretrained import (
+        is_pretrained_model,
+        pretrained_model_config,
+        pretrained_tokenizer,
+    )
+
+    pretrained = is_pretrained_model(config.model)
+    if pretrained:
+        pretrained_model_config(config)  # a bad --model is reported before its tokenizer
+    tokenizer = load_tokenizer(pretrained_tokenizer(config) if pretrained else config.tokenizer)
     model_config = build_model_config(
         config,
         vocab_size=len(tokenizer),
@@ -804,6 +817,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         raise ConfigError(
             f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's "
             f"vocab_size is {model_config.vocab_size}"
+            + ("; pass --tokenizer with the checkpoint's own tokenizer" if pretrained else "")
         )
     run_dir, resume_from = prepare_run_dir(config)
     total_steps = config.total_steps(ws)
@@ -1003,7 +1017,12 @@ def train(
     cfg = run.config
     write_resolved_config(run)
     # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
-    model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
+    from maxscore.training.pretrained import is_pretrained_model, load_pretrained_model
+
+    if is_pretrained_model(cfg.model):
+        model = load_pretrained_model(cfg, on_gpu=cfg.deepspeed is None)
+    else:
+        model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     _mark_zero3_leaf_modules(model, cfg.deepspeed)

@@ -104,7 +104,6 @@ def common_config_fields(config: Any) -> dict[str, Any]:
         "pad_token_id": config.pad_token_id,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": config.eos_token_id,
-        "num_experts_per_tok": config.num_experts_per_tok,
     }
 
 

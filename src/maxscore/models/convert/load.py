@@ -77,7 +77,11 @@ def maxscore_config_from_family(
         raise ConversionError(_unsupported_message(model_type))
     spec = FAMILIES[model_type]
     spec.check(hf_config)
-    fields = {**common_config_fields(hf_config), **spec.config_fields(hf_config)}
+    fields = {
+        **common_config_fields(hf_config),
+        "num_experts_per_tok": hf_config.num_experts_per_tok,
+        **spec.config_fields(hf_config),
+    }
     name, router_fields = _router_settings(hf_config, router, router_config)
     source = hf_config.to_dict()
     fields.update(overrides)
