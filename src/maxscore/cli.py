@@ -171,7 +171,11 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         help="checkpoint at the last step (default on)",
     )
     g.add_argument("--num-workers", type=int, help="DataLoader workers (default 0)")
-    g.add_argument("--report-to", choices=["auto", "tensorboard", "none"])
+    g.add_argument(
+        "--report-to",
+        help="auto (TensorBoard if installed), none, or comma-separated trackers: tensorboard, "
+        "wandb, mlflow, trackio (passed to the HF Trainer)",
+    )
     g.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     if not compare:
         g.add_argument("--resume", action="store_true", default=None, help="continue the run")

@@ -98,7 +98,8 @@ class TrainConfig:
         overwrite: delete an existing ``output_dir`` first.
         deepspeed: a DeepSpeed config: ``"zero2"`` / ``"zero3"`` (shipped) or a JSON path.
         num_workers: DataLoader worker processes.
-        report_to: ``"auto"`` (TensorBoard if installed), ``"tensorboard"`` or ``"none"``.
+        report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, or a comma-separated list
+            of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio`` (``maxscore.training.reporting``).
         quiet: no progress bar.
         recipe: ``None`` or ``"paper"``; applied by :func:`apply_recipe`.
     """
@@ -200,10 +201,9 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other; pick one")
-        if self.report_to not in ("auto", "tensorboard", "none"):
-            raise ConfigError(
-                f"report_to must be auto, tensorboard or none, got {self.report_to!r}"
-            )
+        from maxscore.training.reporting import parse_report_to
+
+        parse_report_to(self.report_to)  # names only; installation is checked by prepare()
         if self.recipe not in (None, "paper"):
             raise ConfigError(f"unknown recipe {self.recipe!r}; known recipes: paper")
 

@@ -53,6 +53,7 @@ from maxscore.training.data import (
     collate_blocks,
     load_tokenizer,
 )
+from maxscore.training.reporting import check_report_to, trainer_report_to, wants_tensorboard
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -783,6 +784,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     run-directory conflicts) raises :class:`ConfigError` from here.
     """
     config.validate()
+    check_report_to(config.report_to)
     ws = world_size()
     precision = resolve_precision(config.precision)
     if config.deepspeed is not None:
@@ -920,7 +922,9 @@ def _training_arguments(run: PreparedRun) -> TrainingArguments:
         tf32=True if torch.cuda.is_available() else None,
         seed=cfg.seed,
         data_seed=cfg.seed,
-        report_to="none",  # TensorBoard is added explicitly, to write into <run>/tensorboard
+        # TensorBoard is added explicitly, to write into <run>/tensorboard; other trackers
+        # (wandb, mlflow, trackio) are the Trainer's own integrations.
+        report_to=trainer_report_to(cfg.report_to),
         dataloader_num_workers=cfg.num_workers,
         dataloader_pin_memory=torch.cuda.is_available(),
         # Pinned batches copied without blocking the host: a blocking copy waits for the GPU to
@@ -961,14 +965,15 @@ def _mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
 
 
 def _tensorboard_callback(run_dir: Path, report_to: str) -> TrainerCallback | None:
-    if report_to == "none":
+    wanted = wants_tensorboard(report_to)
+    if wanted == "no":
         return None
     try:
         from transformers.integrations import TensorBoardCallback
 
         callback = TensorBoardCallback()
     except (ImportError, RuntimeError):
-        if report_to == "tensorboard":
+        if wanted == "required":
             raise ConfigError("report_to=tensorboard needs the tensorboard package") from None
         return None
     callback.logging_dir = str(run_dir / "tensorboard")
