@@ -143,6 +143,6 @@ def test_upcycle_then_train(workspace: Path) -> None:
 
 def test_bad_model_is_a_clear_error(tmp_path: Path, capsys) -> None:
     assert main(["train", "--model", str(tmp_path / "nothing"), "--output-dir", str(tmp_path)]) == 2
-    assert "neither a model preset" in capsys.readouterr().err
+    assert "unknown model preset" in capsys.readouterr().err
     code = main(["upcycle", str(tmp_path / "nothing"), str(tmp_path / "o"), "--num-experts", "4"])
     assert code == 2

@@ -11,16 +11,6 @@ from typing import Any
 
 __all__ = ["add_export_parser", "add_upcycle_parser"]
 
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
-
 _UPCYCLE_EXAMPLES = """\
 examples:
   maxscore upcycle ./my-llama ./my-llama-moe --num-experts 8 --top-k 2 --router maxscore
@@ -51,7 +41,9 @@ def _copy_tokenizer(source: str, output: Path) -> None:
     src = Path(source)
     if not src.is_dir():
         return
-    for name in _TOKENIZER_FILES:
+    from maxscore.models.convert.export import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, output / name)
 

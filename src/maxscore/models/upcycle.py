@@ -22,10 +22,13 @@ from typing import Any
 import torch
 import transformers
 from transformers import AutoConfig, PreTrainedModel
-from transformers.initialization import no_init_weights
 
 from maxscore.models.configuration_llama_moe import LlamaMoEConfig
-from maxscore.models.convert.family import ConversionError, common_config_fields
+from maxscore.models.convert.family import (
+    ConversionError,
+    build_with_weights,
+    common_config_fields,
+)
 from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
 
 __all__ = ["DENSE_FAMILIES", "upcycle", "upcycle_config", "upcycle_model"]
@@ -112,19 +115,13 @@ def upcycle_model(
     config = upcycle_config(dense.config, num_experts, top_k, router, router_config, **overrides)
     state = dense.state_dict()
     reference = state["model.embed_tokens.weight"]
-    with no_init_weights(), torch.device(reference.device):
-        model = LlamaMoEForCausalLM(config)
-    model.to(reference.dtype)
-    new_state: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if ".mlp." not in name:
-            new_state[name] = tensor
+    new_state = {name: tensor for name, tensor in state.items() if ".mlp." not in name}
     generator = torch.Generator(device="cpu").manual_seed(seed)
     std = config.initializer_range if router_init_std is None else router_init_std
-    for i, layer in enumerate(model.model.layers):
+    for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}.mlp."
         gate, up, down = (state[f"{prefix}{p}_proj.weight"] for p in ("gate", "up", "down"))
-        if not layer.is_moe:
+        if not config.is_moe_layer(i):
             for p, w in (("gate", gate), ("up", up), ("down", down)):
                 new_state[f"{prefix}{p}_proj.weight"] = w
             continue
@@ -134,23 +131,14 @@ def upcycle_model(
         new_state[f"{prefix}experts.down"] = down.T.expand(e, -1, -1)
         gate_weight = torch.randn(e, config.hidden_size, generator=generator) * std
         new_state[f"{prefix}router.gate.weight"] = gate_weight.to(reference)
-    missing, unexpected = model.load_state_dict(new_state, strict=False)
-    missing = [m for m in missing if ".mlp.router." not in m]
-    if config.tie_word_embeddings:
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        raise ConversionError(
-            f"upcycling: weights do not map (missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    from maxscore.routing.router import Router
-
-    for module in model.modules():
-        if isinstance(module, Router):
-            for buffer in module.buffers():
-                buffer.zero_()
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    return model
+    return build_with_weights(
+        lambda: LlamaMoEForCausalLM(config),
+        new_state,
+        lambda name: (
+            ".mlp.router." in name or (config.tie_word_embeddings and name == "lm_head.weight")
+        ),
+        "upcycling",
+    )
 
 
 def upcycle(
@@ -165,7 +153,7 @@ def upcycle(
     """Load the dense checkpoint ``source`` (directory or hub name) and upcycle it."""
     try:
         dense_config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # OSError, ValueError, the hub client's errors offline
         raise ConversionError(f"cannot read a model config from {source!r}: {err}") from err
     model_type = getattr(dense_config, "model_type", None)
     if model_type not in DENSE_FAMILIES:

@@ -61,12 +61,12 @@ def pretrained_model_config(config: TrainConfig) -> Any:
         )
     try:
         hf_config = AutoConfig.from_pretrained(config.model)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # OSError, ValueError, the hub client's own errors offline
         from maxscore.models.presets import MODEL_PRESETS
 
         raise ConfigError(
-            f"--model {config.model!r} is neither a model preset ({sorted(MODEL_PRESETS)}) nor a "
-            f"readable checkpoint directory or hub name: {err}"
+            f"unknown model preset {config.model!r} (presets: {sorted(MODEL_PRESETS)}), and not "
+            f"a readable checkpoint directory or hub name either: {type(err).__name__}: {err}"
         ) from err
     kwargs = _router_kwargs(config)
     try:

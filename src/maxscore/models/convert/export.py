@@ -6,19 +6,21 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 import transformers
 from transformers import AutoConfig, PreTrainedModel
-from transformers.initialization import no_init_weights
 
-from maxscore.models.convert.family import ConversionError, maxscore_to_family_state
+from maxscore.models.convert.family import (
+    ConversionError,
+    build_with_weights,
+    maxscore_to_family_state,
+)
 from maxscore.models.convert.registry import FAMILIES
 from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
 
-__all__ = ["export_pretrained", "to_family_model"]
+__all__ = ["TOKENIZER_FILES", "export_pretrained", "to_family_model"]
 
-#: Tokenizer files copied next to an exported model when the source directory has them.
-_TOKENIZER_FILES = (
+#: Tokenizer files copied next to an exported (or upcycled) model when the source has them.
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -88,22 +90,13 @@ def to_family_model(
     }
     source.update(family_fields)
     hf_config = AutoConfig.for_model(config.source_family, **source)
-    state = maxscore_to_family_state(model.state_dict())
-    reference = next(iter(state.values()))
     model_class = getattr(transformers, spec.model_class)
-    with no_init_weights(), torch.device(reference.device):
-        hf_model = model_class(hf_config)
-    hf_model.to(reference.dtype)
-    missing, unexpected = hf_model.load_state_dict(state, strict=False)
-    if hf_config.tie_word_embeddings:
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        raise ConversionError(
-            f"weights do not map onto {spec.model_class} (missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]})"
-        )
-    if hf_config.tie_word_embeddings:
-        hf_model.tie_weights()
+    hf_model = build_with_weights(
+        lambda: model_class(hf_config),
+        maxscore_to_family_state(model.state_dict()),
+        lambda name: bool(hf_config.tie_word_embeddings) and name == "lm_head.weight",
+        spec.model_class,
+    )
     hf_model.eval()
     return hf_model
 
@@ -127,7 +120,7 @@ def export_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(out)
     if source_dir is not None:
-        for name in _TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:
             if (source_dir / name).is_file() and not (out / name).exists():
                 shutil.copyfile(source_dir / name, out / name)
     return out

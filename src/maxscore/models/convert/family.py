@@ -21,6 +21,7 @@ __all__ = [
     "WEIGHT_RENAMES",
     "ConversionError",
     "FamilySpec",
+    "build_with_weights",
     "common_config_fields",
     "family_to_maxscore_state",
     "maxscore_to_family_state",
@@ -182,3 +183,38 @@ def softmax_topk_routing(router_config: dict[str, Any], family: str) -> None:
             "expert-choice, dropless) or a SoftTopk preset whose t schedule has ended, or pass "
             "allow_routing_change=True (--allow-routing-change) to export the weights anyway"
         )
+
+
+def build_with_weights(
+    factory: Callable[[], Any],
+    state: dict[str, Tensor],
+    may_be_missing: Callable[[str], bool],
+    what: str,
+) -> Any:
+    """``factory()`` built without random init on ``state``'s device and dtype, loaded with it.
+
+    ``may_be_missing(name)`` says which of the model's tensors ``state`` may lack (state only
+    the target model has, a tied LM head); any other missing or unexpected name raises a
+    :class:`ConversionError` naming ``what`` was being built. Buffers of the new model that are
+    not in ``state`` (router state) are zeroed.
+    """
+    import torch
+    from transformers.initialization import no_init_weights
+
+    reference = next(iter(state.values()))
+    with no_init_weights(), torch.device(reference.device):
+        model = factory()
+    model.to(reference.dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if not may_be_missing(name)]
+    if missing or unexpected:
+        raise ConversionError(
+            f"{what}: weights do not map (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name not in state:  # created uninitialised under no_init_weights
+                buffer.zero_()
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    return model

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 import transformers
 from transformers import AutoConfig, PreTrainedModel
-from transformers.initialization import no_init_weights
 
 from maxscore.models.configuration_llama_moe import LlamaMoEConfig
 from maxscore.models.convert.family import (
     ConversionError,
+    build_with_weights,
     common_config_fields,
     family_to_maxscore_state,
 )
@@ -105,37 +105,18 @@ def convert_model(
     Raises :class:`ConversionError` for an unsupported family or feature.
     """
     config = maxscore_config_from_family(hf_model.config, router, router_config, **overrides)
-    state = family_to_maxscore_state(hf_model.state_dict())
-    reference = next(iter(state.values()))
-    with no_init_weights(), torch.device(reference.device):
-        model = LlamaMoEForCausalLM(config)
-    model.to(reference.dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    # Only router state that the family has no notion of may be missing (it starts at zero).
-    missing = [m for m in missing if ".mlp.router." not in m or m.endswith("gate.weight")]
-    if config.tie_word_embeddings:
-        missing = [m for m in missing if m != "lm_head.weight"]
-    if missing or unexpected:
-        raise ConversionError(
-            f"{config.source_family}: weights do not map onto the Llama-MoE model "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    _zero_router_state(model)
-    if config.tie_word_embeddings:
-        model.tie_weights()
+    model = build_with_weights(
+        lambda: LlamaMoEForCausalLM(config),
+        family_to_maxscore_state(hf_model.state_dict()),
+        # Router state the family has no notion of (schedule, DeepSeek-V3 bias) starts at 0.
+        lambda name: (
+            (".mlp.router." in name and not name.endswith("gate.weight"))
+            or (config.tie_word_embeddings and name == "lm_head.weight")
+        ),
+        config.source_family or "conversion",
+    )
     model.train(hf_model.training)
     return model
-
-
-@torch.no_grad()
-def _zero_router_state(model: LlamaMoEForCausalLM) -> None:
-    # Under no_init_weights the router buffers were created uninitialised on some devices.
-    from maxscore.routing.router import Router
-
-    for module in model.modules():
-        if isinstance(module, Router):
-            for buffer in module.buffers():
-                buffer.zero_()
 
 
 def _unsupported_message(model_type: str | None) -> str:
@@ -171,7 +152,7 @@ def load_pretrained(
     """
     try:
         hf_config = AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as err:
+    except Exception as err:  # OSError, ValueError, the hub client's errors offline
         raise ConversionError(f"cannot read a model config from {source!r}: {err}") from err
     model_type = getattr(hf_config, "model_type", None)
     if model_type == LlamaMoEConfig.model_type:
