@@ -64,7 +64,11 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     """Flags that map onto :class:`TrainConfig` fields (defaults: ``None`` = not given)."""
     d = TrainConfig()
     g = parser.add_argument_group("model")
-    g.add_argument("--model", help=f"model preset (default {d.model}; see `maxscore presets`)")
+    g.add_argument(
+        "--model",
+        help=f"model preset (default {d.model}; see `maxscore presets`), or a checkpoint directory "
+        "/ hub name (maxscore, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)",
+    )
     g.add_argument(
         "--model-option",
         action="append",
@@ -72,7 +76,10 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         help="override a model config field, e.g. num_hidden_layers=2 (repeatable)",
     )
     if not compare:
-        g.add_argument("--router", help=f"router preset (default {d.router})")
+        g.add_argument(
+            "--router",
+            help=f"router preset (default {d.router}); 'native' keeps a converted model's own",
+        )
     g.add_argument(
         "--router-option",
         action="append",
@@ -168,7 +175,11 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         help="checkpoint at the last step (default on)",
     )
     g.add_argument("--num-workers", type=int, help="DataLoader workers (default 0)")
-    g.add_argument("--report-to", choices=["auto", "tensorboard", "none"])
+    g.add_argument(
+        "--report-to",
+        help="auto (TensorBoard if installed), none, or comma-separated trackers: tensorboard, "
+        "wandb, mlflow, trackio (passed to the HF Trainer)",
+    )
     g.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     if not compare:
         g.add_argument("--resume", action="store_true", default=None, help="continue the run")
@@ -344,6 +355,8 @@ def _add_optional_commands(sub: Any) -> None:
         ("eval", "maxscore.evaluation.commands", "add_eval_parser"),
         ("analyze", "maxscore.analysis.commands", "add_analyze_parser"),
         ("report", "maxscore.analysis.commands", "add_report_parser"),
+        ("upcycle", "maxscore.models.commands", "add_upcycle_parser"),
+        ("export", "maxscore.models.commands", "add_export_parser"),
     )
     import importlib
 

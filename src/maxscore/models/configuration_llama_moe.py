@@ -58,6 +58,23 @@ class LlamaMoEConfig(PreTrainedConfig):
         first_k_dense: the first ``first_k_dense`` layers use a dense MLP (DeepSeek-style).
         moe_layer_freq: after ``first_k_dense``, every ``moe_layer_freq``-th layer is MoE (the
             others dense).
+        dense_layers: further layer indices with a dense MLP (Qwen-MoE's ``mlp_only_layers``).
+        attention_qkv_bias: biases on the query / key / value projections (Qwen2-MoE).
+        attention_output_bias: a bias on the attention output projection (with
+            ``attention_qkv_bias``: OLMoE's / Qwen3-MoE's ``attention_bias``).
+        qk_norm: RMSNorm of queries and keys before RoPE: ``None`` (Llama), ``"head"`` (over each
+            head's ``head_dim``, one weight shared by the heads: Qwen3-MoE) or ``"full"`` (over
+            all heads' concatenated width, as OLMoE).
+        clip_qkv: clamp queries, keys and values to ``[-clip_qkv, clip_qkv]`` after the norms
+            (OLMoE); ``None`` = no clamp.
+        sliding_window: attend to at most this many previous tokens in every layer (Mixtral's
+            ``sliding_window``); ``None`` = full causal attention.
+        shared_expert_gate: scale the shared experts' output by a learned per-token sigmoid gate
+            (Qwen2-MoE).
+        source_family: the Hugging Face model family the weights were converted from
+            (``maxscore.models.convert.FAMILIES``), ``None`` for native models; with
+            ``source_config`` (the original configuration) it lets ``export`` write the model
+            back in that family's format.
     """
 
     model_type = "maxscore_llama_moe"
@@ -93,11 +110,46 @@ class LlamaMoEConfig(PreTrainedConfig):
     eval_routing: str = "causal"
     first_k_dense: int = 0
     moe_layer_freq: int = 1
+    dense_layers: list[int] | None = None
+    attention_qkv_bias: bool = False
+    attention_output_bias: bool = False
+    qk_norm: str | None = None
+    clip_qkv: float | None = None
+    sliding_window: int | None = None
+    shared_expert_gate: bool = False
+    source_family: str | None = None
+    source_config: dict[str, Any] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         self._validate_shapes()
+        self._validate_architecture()
         self._resolve_router()
         super().__post_init__(**kwargs)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        # `from_pretrained(path, router_config={...})` sets a partial dict after the stored one
+        # was resolved: merge it into the resolved fields instead of dropping the checkpoint's.
+        if (
+            key == "router_config"
+            and isinstance(value, dict)
+            and isinstance(self.__dict__.get("router_config"), dict)
+            and "_resolved_router" in self.__dict__
+        ):
+            for field_name, attr in (
+                ("aux_loss_coef", "router_aux_loss_coef"),
+                ("z_loss_coef", "router_z_loss_coef"),
+            ):
+                if field_name in value:  # the given value wins over the synced coefficient
+                    super().__setattr__(attr, value[field_name])
+            value = {**self.__dict__["router_config"], **value}
+        super().__setattr__(key, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.__dict__.get("_resolved_router", self.router) != self.router:
+            self.get_router_config()  # `router` was changed: save the fields it resolves to
+        out = super().to_dict()
+        out.pop("_resolved_router", None)  # bookkeeping of `router` changes, not configuration
+        return out
 
     # -- validation -------------------------------------------------------------------------------
 
@@ -166,6 +218,26 @@ class LlamaMoEConfig(PreTrainedConfig):
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
 
+    def _validate_architecture(self) -> None:
+        if self.qk_norm not in (None, "head", "full"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive int or None, got {self.sliding_window!r}"
+            )
+        if self.shared_expert_gate and self.num_shared_experts < 1:
+            raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+        for index in self.dense_layers or []:
+            if not isinstance(index, int) or not 0 <= index < self.num_hidden_layers:
+                raise ValueError(
+                    f"dense_layers holds {index!r}, not a layer index in "
+                    f"[0, num_hidden_layers={self.num_hidden_layers})"
+                )
+
     def _resolve_router(self) -> None:
         """Resolve ``router`` + overrides into a full RouterConfig dict stored on the config."""
         # Imported here so that `import maxscore` stays light and this file can be copied
@@ -187,6 +259,9 @@ class LlamaMoEConfig(PreTrainedConfig):
         self.router_config = resolved.to_dict()
         self.router_aux_loss_coef = resolved.aux_loss_coef
         self.router_z_loss_coef = resolved.z_loss_coef
+        # The preset `router_config` was resolved for: `from_pretrained(path, router="gshard")`
+        # sets `router` after construction, and get_router_config() must then re-resolve.
+        self._resolved_router = self.router
 
     # -- derived quantities -----------------------------------------------------------------------
 
@@ -199,6 +274,8 @@ class LlamaMoEConfig(PreTrainedConfig):
         """Whether decoder layer ``layer_idx`` has an MoE MLP (else a dense SwiGLU MLP)."""
         if self.is_dense or layer_idx < self.first_k_dense:
             return False
+        if layer_idx in (self.dense_layers or []):
+            return False
         return (layer_idx - self.first_k_dense) % self.moe_layer_freq == 0
 
     def get_router_config(self) -> Any:
@@ -208,12 +285,34 @@ class LlamaMoEConfig(PreTrainedConfig):
         the stored dict and the result is synced back into it: ``from_pretrained(path,
         eval_routing="train")`` (or ``router_config={...}``) sets attributes after the config was
         resolved, and they must still reach the routers.
+
+        ``from_pretrained(path, router="gshard")`` replaces the preset after the stored
+        ``router_config`` was resolved for the checkpoint's preset. Then the stored fields that
+        the old preset did not have (the checkpoint's own overrides, e.g. ``normalize_weights``
+        of a converted Mixtral) are kept and everything else comes from the new preset.
         """
-        from maxscore.routing.presets import get_router_config
+        from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
 
         # Preset + stored fields: identical to the stored dict when it is complete (the normal
         # case), and still the preset's values for fields a partial override left out.
         data = dict(self.router_config or {})
+        previous = getattr(self, "_resolved_router", self.router)
+        if previous != self.router and previous in ROUTER_PRESETS:
+            if self.router not in ROUTER_PRESETS:
+                raise ValueError(
+                    f"unknown router preset {self.router!r}; available presets: "
+                    f"{sorted(ROUTER_PRESETS)}"
+                )
+            old = get_router_config(previous).to_dict()
+            data = {key: value for key, value in data.items() if old.get(key) != value}
+            # The coefficients were synced from the old preset; keep only real overrides.
+            for name, attr in (
+                ("aux_loss_coef", "router_aux_loss_coef"),
+                ("z_loss_coef", "router_z_loss_coef"),
+            ):
+                if getattr(self, attr) == old[name]:
+                    setattr(self, attr, None)
+            self._resolved_router = self.router
         data["eval_routing"] = self.eval_routing
         if self.router_aux_loss_coef is not None:
             data["aux_loss_coef"] = float(self.router_aux_loss_coef)
@@ -221,6 +320,8 @@ class LlamaMoEConfig(PreTrainedConfig):
             data["z_loss_coef"] = float(self.router_z_loss_coef)
         resolved = get_router_config(self.router, **data)
         self.router_config = resolved.to_dict()
+        self.router_aux_loss_coef = resolved.aux_loss_coef
+        self.router_z_loss_coef = resolved.z_loss_coef
         return resolved
 
 

@@ -7,9 +7,9 @@ MLP → residual), a final RMSNorm and an untied LM head.
 
 Behaviour worth knowing:
 
-* **Loss.** With ``labels``, ``loss`` = shifted next-token cross-entropy (``-100`` and positions
-  where ``attention_mask == 0`` are ignored) plus, *in training mode*, the sum over MoE layers of
-  the router's load-balancing loss and z-loss. Those router losses are already multiplied by their
+* **Loss.** With ``labels``, ``loss`` = shifted next-token cross-entropy (``-100``, positions
+  where ``attention_mask == 0`` and targets predicted from such a position are ignored) plus,
+  *in training mode*, the sum over MoE layers of the router's load-balancing loss and z-loss. Those router losses are already multiplied by their
   coefficients inside the router (``config.router_aux_loss_coef`` is the router's
   ``aux_loss_coef``), so the stock HF ``Trainer`` optimises the paper's objective. In ``eval()``
   mode ``loss`` is the LM loss alone so that evaluation loss / perplexity is not polluted by a
@@ -17,9 +17,20 @@ Behaviour worth knowing:
 * **Causal evaluation (SPEC §3).** Routers follow ``config.eval_routing``: in ``eval()`` mode the
   default ``"causal"`` routing never lets a token's experts depend on later tokens, so logits at
   position t do not depend on tokens after t; ``"train"`` evaluates with the training routing.
-* **Padding.** Padded positions are masked out of attention and the loss but are still *routed*
-  (kept simple and shape-static): under a capacity-constrained training router they can take
-  expert capacity; under causal evaluation routing they cannot affect real tokens.
+* **Padding.** Positions where a 2-D ``attention_mask`` is 0 are masked out of attention and the
+  LM loss, and the mask reaches every router: padding gets no expert, takes no capacity or flow
+  slot, and counts in no router loss or statistic, so the real tokens' logits, losses and
+  routing do not depend on what the padding holds (in training and evaluation mode, for every
+  router preset; ``tests/test_padding.py``).
+* **Attention backends.** ``attn_implementation="sdpa"`` (default) runs PyTorch SDPA;
+  ``"eager"`` the explicit ``softmax(q k^T / sqrt(d)) v`` in fp32 (for debugging and
+  attention weights). Flash-attention and flex-attention are not implemented; transformers
+  refuses them when loading, and a config switched to them afterwards raises at the first
+  forward.
+* **Architecture variants** (for models converted from other families,
+  :mod:`maxscore.models.convert`): q/k/v and output biases, QK-norm per head or over the full
+  width, q/k/v clamping, a sliding attention window, gated shared experts, dense layers at given
+  indices. All off by default (Llama).
 * **Statistics.** Every MoE layer keeps the detached routing statistics of the last forward
   (device tensors, no host sync); :meth:`LlamaMoEForCausalLM.routing_statistics` returns them.
 * **Gradient checkpointing.** Decoder blocks are
@@ -46,7 +57,7 @@ from torch import Tensor, nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import can_return_tuple
@@ -163,20 +174,74 @@ def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
     return x[:, :, None].expand(b, kv_heads, rep, s, hd).reshape(b, num_heads, s, hd)
 
 
+#: ``attn_implementation`` values the attention layer runs (transformers' names).
+ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager")
+
+
+def eager_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """``softmax(q k^T / sqrt(d) + mask) v`` with an fp32 softmax (transformers' eager path).
+
+    ``mask``: ``None`` (plain causal, aligned to the end of the keys), a bool mask (True =
+    attend) or an additive float mask, broadcastable to ``[B, H, q_len, kv_len]``.
+    """
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    q_len, kv_len = q.shape[-2], k.shape[-2]
+    if mask is None and q_len > 1:
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    elif mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 class LlamaMoEAttention(nn.Module):
-    """Grouped-query self-attention with RoPE and a KV cache, computed by PyTorch SDPA."""
+    """Grouped-query self-attention with RoPE and a KV cache (PyTorch SDPA, or eager).
+
+    Optional, for converted models: q/k/v and output biases, QK-norm (``"head"``: RMSNorm over
+    each head's width with one shared weight; ``"full"``: over all heads' width, before the
+    heads are split) and clamping of q/k/v (``clip_qkv``), in that order, before RoPE.
+    """
 
     def __init__(self, config: LlamaMoEConfig, layer_idx: int) -> None:
         super().__init__()
+        self.config = config
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        qkv_bias, out_bias = config.attention_qkv_bias, config.attention_output_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=out_bias)
+        self.qk_norm = config.qk_norm
+        self.clip_qkv = config.clip_qkv
+        if self.qk_norm is not None:
+            full = self.qk_norm == "full"
+            q_width = self.num_heads * self.head_dim if full else self.head_dim
+            k_width = self.num_kv_heads * self.head_dim if full else self.head_dim
+            self.q_norm = LlamaMoERMSNorm(q_width, config.rms_norm_eps)
+            self.k_norm = LlamaMoERMSNorm(k_width, config.rms_norm_eps)
+
+    def _project(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q [B, H, L, hd]``, ``k``, ``v`` ``[B, kv_heads, L, hd]`` before RoPE."""
+        b, length, _ = hidden_states.shape
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, length, self.num_heads, self.head_dim)
+        k = k.view(b, length, self.num_kv_heads, self.head_dim)
+        v = v.view(b, length, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(
         self,
@@ -187,23 +252,28 @@ class LlamaMoEAttention(nn.Module):
         past_key_values: Cache | None = None,
     ) -> Tensor:
         b, length, _ = hidden_states.shape
-        q = (
-            self.q_proj(hidden_states)
-            .view(b, length, self.num_heads, self.head_dim)
-            .transpose(1, 2)
-        )
-        k = self.k_proj(hidden_states).view(b, length, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(b, length, self.num_kv_heads, self.head_dim)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        q, k, v = self._project(hidden_states)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if past_key_values is not None:
             # The cache stores rotated keys, so cached positions never need re-rotation.
             k, v = past_key_values.update(k, v, self.layer_idx)
         k, v = _repeat_kv(k, self.num_heads), _repeat_kv(v, self.num_heads)
-        # `create_causal_mask` returns None when a plain causal (or, for one query, a full) mask is
-        # exact; SDPA's `is_causal` is top-left aligned, which is right only when q_len == kv_len.
-        is_causal = attention_mask is None and length > 1
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=is_causal)
+        implementation = self.config._attn_implementation or "sdpa"
+        if implementation == "eager":
+            out = eager_attention(q, k, v, attention_mask)
+        elif implementation == "sdpa":
+            # `create_causal_mask` returns None when a plain causal (or, for one query, a full)
+            # mask is exact; SDPA's `is_causal` is top-left aligned, which is right only when
+            # q_len == kv_len.
+            is_causal = attention_mask is None and length > 1
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, is_causal=is_causal
+            )
+        else:
+            raise ValueError(
+                f"attn_implementation={implementation!r} is not supported by the Llama-MoE model; "
+                f"use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
 
@@ -234,6 +304,7 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
                 num_shared_experts=config.num_shared_experts,
                 shared_intermediate_size=config.shared_expert_intermediate_size,
                 init_std=config.initializer_range,
+                shared_expert_gate=config.shared_expert_gate,
             )
         else:
             self.mlp = DenseMLP(
@@ -249,6 +320,7 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         attention_mask: Tensor | None = None,
         past_key_values: Cache | None = None,
         use_cache: bool = False,
+        token_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         del use_cache  # accepted so GradientCheckpointingLayer can switch it off; the cache decides
         h = hidden_states + self.self_attn(
@@ -257,7 +329,7 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         normed = self.post_attention_layernorm(h)
         if not self.is_moe:
             return h + self.mlp(normed), None, None, None
-        y, routing = self.mlp(normed)
+        y, routing = self.mlp(normed, token_mask)
         # Detached device tensors only: reading them later is the caller's (single) host sync.
         # The routing statistics are lazy (evaluated when routing_statistics() reads them).
         self.last_routing_stats = with_extra_statistics(
@@ -375,9 +447,13 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
                 )
                 position_ids = position_ids.unsqueeze(0).expand(inputs_embeds.shape[0], -1)
 
-        # transformers' mask builder: None when SDPA's is_causal is exact, else a 4D bool mask
-        # (padding + causal, aligned to the cache).
-        mask = create_causal_mask(
+        # transformers' mask builder: None when SDPA's is_causal is exact, else a 4D mask
+        # (padding + causal, aligned to the cache; additive float for eager). A sliding window
+        # gets the windowed variant.
+        build_mask = create_causal_mask
+        if self.config.sliding_window is not None:
+            build_mask = create_sliding_window_causal_mask
+        mask = build_mask(
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
@@ -387,6 +463,12 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         cos, sin = rotary_cos_sin(
             position_ids, self.config.head_dim, self.config.rope_theta, inputs_embeds.dtype
         )
+
+        # The routers see which positions are padding (a 2-D mask only; a prepared 4-D mask
+        # carries no per-token flag).
+        token_mask = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            token_mask = attention_mask[:, -length:].bool()
 
         hidden = inputs_embeds
         all_hidden: list[Tensor] = []
@@ -403,6 +485,7 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
                 attention_mask=mask,
                 past_key_values=past_key_values,
                 use_cache=use_cache,
+                token_mask=token_mask,
             )
             if logits is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
@@ -518,7 +601,11 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         loss = lm_loss = None
         if labels is not None:
             if attention_mask is not None and attention_mask.dim() == 2:
-                labels = labels.masked_fill(attention_mask[:, -labels.shape[1] :] == 0, -100)
+                pad = attention_mask[:, -labels.shape[1] :] == 0
+                # A target counts only if it and the position predicting it are real tokens:
+                # after left padding the first real token would be predicted from a pad.
+                predicted_from_pad = F.pad(pad[:, :-1], (1, 0), value=False)
+                labels = labels.masked_fill(pad | predicted_from_pad, -100)
             # transformers' causal LM loss: shift by one, fp32 cross-entropy, ignore -100.
             loss_fn = self._compiled_loss or self.loss_function
             lm_loss = loss_fn(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
@@ -588,6 +675,7 @@ LlamaMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 LlamaMoEModel.register_for_auto_class("AutoModel")
 
 __all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
     "LlamaMoECausalLMOutputWithPast",
     "LlamaMoEForCausalLM",
     "LlamaMoEModel",

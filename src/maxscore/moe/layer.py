@@ -1,7 +1,7 @@
 """The MoE layer: a router, ``e`` SwiGLU experts and optional shared experts.
 
-Eq. (1): ``y_i = sum_j P_ij * w_ij * E_j(x_i)`` (+ the shared experts' output for every token),
-where ``P`` is the router's 0/1 assignment and ``w`` its combine weights. Dropped slots have
+Eq. (1): ``y_i = sum_j P_ij * w_ij * E_j(x_i)`` (+ the shared experts' output for every token,
+optionally scaled by a per-token sigmoid gate ``sigmoid(x_i W_s)`` as in Qwen-MoE), where ``P`` is the router's 0/1 assignment and ``w`` its combine weights. Dropped slots have
 ``P_ij = 0`` and contribute nothing; the residual connection around the layer carries the token.
 """
 
@@ -60,10 +60,14 @@ class MoE(nn.Module):
         router: a preset name (``maxscore.routing.ROUTER_PRESETS``) or a :class:`RouterConfig`.
         num_shared_experts: experts every token goes through (DeepSeek), summed into the output.
         shared_intermediate_size: width of each shared expert; default ``intermediate_size``.
+        shared_expert_gate: scale the shared experts' output by ``sigmoid(x W_s)`` with a
+            learned ``W_s`` (``Linear(D, 1)``; Qwen2-MoE's ``shared_expert_gate``).
         init_std: normal init std of all expert weights (Llama ``initializer_range``).
         **router_overrides: :class:`RouterConfig` fields replacing the preset's.
 
-    ``forward(x[B, L, D]) -> (y[B, L, D], RoutingResult)``. Capacity routers run the padded
+    ``forward(x[B, L, D], token_mask=None) -> (y[B, L, D], RoutingResult)``; ``token_mask``
+    (``[B, L]``, True = real token) keeps padded positions out of routing (they get no routed
+    expert, so their routed output is 0), losses and statistics. Capacity routers run the padded
     path (``[e, G*c, D]`` buffers, ``bmm``), routings with ``capacity is None`` the grouped path
     (``torch._grouped_mm``). ``last_stats`` is the last call's routing statistics, a dict of
     detached device tensors (reading them is the only host sync). They are computed when
@@ -82,6 +86,7 @@ class MoE(nn.Module):
         num_shared_experts: int = 0,
         shared_intermediate_size: int | None = None,
         init_std: float = 0.02,
+        shared_expert_gate: bool = False,
         **router_overrides: Any,
     ) -> None:
         super().__init__()
@@ -115,6 +120,12 @@ class MoE(nn.Module):
         if num_shared_experts > 0:
             width = shared_intermediate_size or self.intermediate_size
             self.shared_experts = DenseMLP(hidden_size, num_shared_experts * width, init_std)
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_expert_gate:
+            if self.shared_experts is None:
+                raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            nn.init.normal_(self.shared_expert_gate.weight, mean=0.0, std=init_std)
         self._last_stats: Mapping[str, Tensor] = {}
 
     @property
@@ -151,7 +162,7 @@ class MoE(nn.Module):
                 raise RuntimeError(f"router capacity {c_max} exceeds the buffer capacity {c}")
         return c
 
-    def forward(self, x: Tensor) -> tuple[Tensor, RoutingResult]:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> tuple[Tensor, RoutingResult]:
         """``x[B, L, D] -> (y[B, L, D], RoutingResult)``.
 
         Outside autocast, an input whose dtype differs from the experts' weights (fp16 tokens
@@ -165,12 +176,15 @@ class MoE(nn.Module):
         cast = dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type)
         if cast:
             x = x.to(weight_dtype)
-        result: RoutingResult = self.router(x)
+        result: RoutingResult = self.router(x, token_mask)
         tokens = x.reshape(-1, shape[-1])
         plan = dispatch_plan(result, self.buffer_capacity(result))
         y = self.experts(tokens, plan)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(tokens)
+            shared = self.shared_experts(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            y = y + shared
         self._last_stats = result.stats  # lazy: evaluated when last_stats is read
         y = y.view(shape)
         return (y.to(dtype) if cast else y), result

@@ -14,6 +14,8 @@ from maxscore.config_types import check_dataclass_types
 DropPolicy = Literal["position", "score"]
 GroupMode = Literal["sequence", "tokens", "batch"]
 AuxLossForm = Literal["gshard", "eq9", "none"]
+AuxLossGranularity = Literal["group", "sequence", "micro-batch", "global"]
+AUX_LOSS_GRANULARITIES: tuple[str, ...] = ("group", "sequence", "micro-batch", "global")
 EvalRouting = Literal["causal", "train"]
 ScheduleShape = Literal["linear", "cosine", "constant"]
 
@@ -75,6 +77,14 @@ class RouterConfig:
             fraction, equal to 1 at perfect balance) or ``"eq9"`` (the paper's Eq. 9 as printed,
             ``(1/e) * sum_j mean_i A_ij * mean_i P_ij``), or ``"none"``.
         aux_loss_coef: λ, multiplied into the returned aux loss (paper: 1e-2; 1e-3 DeepSeek).
+        aux_loss_granularity: over which tokens the load-balancing loss measures balance:
+            ``"group"`` (default: each routing group, as capacity), ``"sequence"`` (each
+            sequence, averaged over sequences: DeepSeek-V3's sequence-wise loss),
+            ``"micro-batch"`` (all tokens of the forward call, as transformers' MoE models) or
+            ``"global"`` (the expert loads ``f`` are summed over data-parallel ranks and over
+            the micro-batches of the current optimizer step, the mean affinities stay local:
+            the global-batch loss of Qwen and Megatron's ``global_aux_loss``). Padding never
+            counts. In ``eval()`` mode ``"global"`` is measured per micro-batch.
         z_loss_coef: router z-loss coefficient (0 disables it).
         temperature: SoftTopk ``t`` schedule (only used by operators that take ``t``).
         normalize_weights: renormalise combine weights over a token's selected experts
@@ -102,6 +112,7 @@ class RouterConfig:
     group_size: int | None = None
     aux_loss: AuxLossForm = "gshard"
     aux_loss_coef: float = 1e-2
+    aux_loss_granularity: AuxLossGranularity = "group"
     z_loss_coef: float = 0.0
     temperature: TemperatureScheduleConfig = field(default_factory=TemperatureScheduleConfig)
     normalize_weights: bool = False
@@ -130,6 +141,11 @@ class RouterConfig:
             raise ValueError(f"aux_loss must be 'gshard', 'eq9' or 'none', got {self.aux_loss!r}")
         if self.eval_routing not in ("causal", "train"):
             raise ValueError(f"eval_routing must be 'causal' or 'train', got {self.eval_routing!r}")
+        if self.aux_loss_granularity not in AUX_LOSS_GRANULARITIES:
+            raise ValueError(
+                f"aux_loss_granularity must be one of {', '.join(AUX_LOSS_GRANULARITIES)}, "
+                f"got {self.aux_loss_granularity!r}"
+            )
         if self.num_expert_groups < 1 or not 1 <= self.topk_groups <= self.num_expert_groups:
             raise ValueError(
                 "need num_expert_groups >= 1 and 1 <= topk_groups <= num_expert_groups, got "

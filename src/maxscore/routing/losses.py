@@ -12,7 +12,14 @@ from torch import Tensor
 
 from maxscore.routing.types import assignment_matrix
 
-__all__ = ["assignment_matrix", "load_balancing_loss", "router_z_loss"]
+__all__ = [
+    "assignment_matrix",
+    "balance_loss_from_terms",
+    "balance_terms",
+    "load_balancing_loss",
+    "masked_load_balancing_loss",
+    "router_z_loss",
+]
 
 
 def load_balancing_loss(
@@ -74,13 +81,86 @@ def load_balancing_loss(
     raise ValueError(f"unknown aux loss form {form!r}; use 'gshard', 'eq9' or 'none'")
 
 
-def router_z_loss(logits: Tensor) -> Tensor:
+def balance_terms(
+    affinities: Tensor,
+    expert_index: Tensor,
+    form: Literal["gshard", "eq9"],
+    token_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The three sums every load-balancing loss is made of, per group, over real tokens only.
+
+    Args:
+        affinities: ``[G, n, e]`` affinities ``A`` (carry the gradient).
+        expert_index: ``[G, n, S]`` assignment (``-1`` = empty slot).
+        form: ``"gshard"`` (the load is the top-1 choice) or ``"eq9"`` (every kept slot).
+        token_mask: ``[G, n]`` bool, True = real token; ``None`` = all real.
+
+    Returns:
+        ``prob_sum [G, e]`` (``sum_i m_i A_ij``), ``load [G, e]`` (real tokens whose top-1 is
+        ``j``, or real slots kept on ``j``; no gradient) and ``tokens [G]`` (real tokens).
+    """
+    g, n, e = affinities.shape
+    weight = affinities.new_ones(g, n) if token_mask is None else token_mask.to(affinities.dtype)
+    prob_sum = (affinities * weight.unsqueeze(-1)).sum(dim=1)
+    with torch.no_grad():
+        if form == "gshard":
+            top1 = affinities.detach().argmax(dim=-1, keepdim=True)  # [G, n, 1]
+            hits = (top1 == torch.arange(e, device=affinities.device)).to(affinities.dtype)
+        else:
+            hits = assignment_matrix(expert_index, e, affinities.dtype)
+        load = (hits * weight.unsqueeze(-1)).sum(dim=1)
+    return prob_sum, load, weight.sum(dim=1)
+
+
+def balance_loss_from_terms(
+    prob_sum: Tensor,
+    load: Tensor,
+    tokens: Tensor,
+    form: Literal["gshard", "eq9"],
+    load_tokens: Tensor | None = None,
+) -> Tensor:
+    """The load-balancing loss of :func:`load_balancing_loss` from :func:`balance_terms`' sums.
+
+    Per group ``g``: ``gshard`` ``e * sum_j (prob_sum / tokens) * (load / load_tokens)``;
+    ``eq9`` the same with ``1/e`` in front. Averaged over the groups that hold a real token
+    (a group of padding only contributes nothing). ``load_tokens`` (default ``tokens``) is the
+    token count the load was measured over, which differs from ``tokens`` when the load comes
+    from a larger batch than the affinities (the global-batch loss).
+    """
+    e = prob_sum.shape[-1]
+    load_tokens = tokens if load_tokens is None else load_tokens
+    factor = e if form == "gshard" else 1.0 / e
+    per_group = (prob_sum * load).sum(dim=-1) / (tokens.clamp(min=1.0) * load_tokens.clamp(min=1.0))
+    present = (tokens > 0).to(per_group.dtype)
+    return factor * (per_group * present).sum() / present.sum().clamp(min=1.0)
+
+
+def masked_load_balancing_loss(
+    affinities: Tensor,
+    expert_index: Tensor,
+    form: Literal["gshard", "eq9", "none"],
+    token_mask: Tensor | None,
+    scale: float = 1.0,
+) -> Tensor:
+    """:func:`load_balancing_loss` over the real tokens of each group (``token_mask``).
+
+    Equal to ``load_balancing_loss`` when every token is real (up to rounding); padded positions
+    enter neither the mean affinity nor the load, so the loss does not depend on them.
+    """
+    if form == "none":
+        return affinities.new_zeros(())
+    prob_sum, load, tokens = balance_terms(affinities, expert_index, form, token_mask)
+    return balance_loss_from_terms(prob_sum, load, tokens, form) * scale
+
+
+def router_z_loss(logits: Tensor, token_mask: Tensor | None = None) -> Tensor:
     """Router z-loss (ST-MoE): ``mean over tokens of logsumexp_j(logits_ij)²`` (unscaled).
 
-    Keeps gate logits small so the fp32 softmax stays well conditioned. ``logits[..., e]``.
+    Keeps gate logits small so the fp32 softmax stays well conditioned. ``logits[..., e]``;
+    ``token_mask[...]`` (True = real token) restricts the mean to real tokens.
     """
-    return (
-        torch.logsumexp(logits.float() if logits.dtype != torch.float64 else logits, -1)
-        .square()
-        .mean()
-    )
+    z = torch.logsumexp(logits.float() if logits.dtype != torch.float64 else logits, -1).square()
+    if token_mask is None:
+        return z.mean()
+    weight = token_mask.to(z.dtype)
+    return (z * weight).sum() / weight.sum().clamp(min=1.0)

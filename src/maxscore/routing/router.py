@@ -16,6 +16,13 @@ the statistics use ``A0`` too.
 plus the load-balancing loss (Eq. 9 / GShard form), the z-loss and device-side statistics, all
 returned in one :class:`~maxscore.routing.types.RoutingResult`.
 
+Padding. ``forward(hidden, token_mask)`` takes the ``[B, L]`` mask of real tokens (the model
+passes its 2-D ``attention_mask``). Padded positions get no expert (every slot ``-1``), take no
+capacity or flow slot (each strategy excludes them, see ``strategies``), and count in neither
+the load-balancing loss, the z-loss, the DeepSeek-V3 load nor the statistics, so nothing a real
+token gets depends on what the padding holds. The mask is applied with ``where`` and masked
+sums, never by selecting rows, so there is no host sync and shapes stay static.
+
 Launch overhead. At the benchmark's sizes the router issues kernels far faster than it can
 launch them (hundreds of microseconds of Python and dispatch for tens of microseconds of GPU
 work), so the forward issues as few kernels as it can: the statistics are lazy
@@ -41,7 +48,14 @@ from torch import Tensor, nn
 
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.groups import expert_capacity, group_size_for
-from maxscore.routing.losses import assignment_matrix, load_balancing_loss, router_z_loss
+from maxscore.routing.losses import (
+    assignment_matrix,
+    balance_loss_from_terms,
+    balance_terms,
+    load_balancing_loss,
+    masked_load_balancing_loss,
+    router_z_loss,
+)
 from maxscore.routing.operators import AFFINITY_OPERATORS, TEMPERATURE_BOOSTS
 from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
 from maxscore.routing.schedule import TemperatureSchedule
@@ -190,6 +204,13 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("expert_load_step", torch.zeros((), dtype=torch.long))
+        # Global-batch aux loss: expert loads and token count of the current optimizer step
+        # (summed over data-parallel ranks), and the step they belong to. Not checkpointed: they
+        # restart with every optimizer step.
+        self.register_buffer(
+            "aux_load", torch.zeros(num_experts + 1, dtype=torch.float32), persistent=False
+        )
+        self.register_buffer("aux_load_step", torch.zeros((), dtype=torch.long), persistent=False)
         # Device-side constants reused across calls (see _temperature / _capacity_vector).
         self._t_cache: tuple[tuple[Any, ...], Tensor] | None = None
         self._capacity_cache: dict[tuple[Any, ...], Tensor] = {}
@@ -197,7 +218,7 @@ class Router(nn.Module):
     # ----------------------------------------------------------------------------------------
     # dtype handling: the balancing bias is accumulated in tiny steps and must stay fp32
     # (SPEC §5 pitfall: "an fp32 bias must not silently become bf16").
-    _FP32_BUFFERS = ("expert_bias", "expert_load")
+    _FP32_BUFFERS = ("expert_bias", "expert_load", "aux_load")
 
     def _apply(self, fn: Any, recurse: bool = True) -> Router:
         before = {name: self._buffers[name] for name in self._FP32_BUFFERS}
@@ -304,14 +325,26 @@ class Router(nn.Module):
             )
         return torch.nan_to_num(logits, nan=0.0, posinf=LOGIT_BOUND, neginf=-LOGIT_BOUND)
 
-    def forward(self, hidden: Tensor) -> RoutingResult:
-        """Route ``hidden[B, L, D]`` (a 2-D ``[T, D]`` input is one sequence of ``T`` tokens)."""
+    def forward(self, hidden: Tensor, token_mask: Tensor | None = None) -> RoutingResult:
+        """Route ``hidden[B, L, D]`` (a 2-D ``[T, D]`` input is one sequence of ``T`` tokens).
+
+        ``token_mask`` (``[B, L]``, or anything with ``B * L`` entries; nonzero / True = real
+        token) excludes padded positions from routing, losses and statistics (module docstring).
+        """
         logits = self._gate_logits(hidden)
         batch, seq = (1, logits.shape[0]) if logits.dim() == 2 else logits.shape[:2]
         e, k, cfg = self.num_experts, self.top_k, self.config
         n = group_size_for(batch, seq, cfg)
         g = batch * seq // n
         logits = logits.reshape(g, n, e)
+        mask = None
+        if token_mask is not None:
+            if token_mask.numel() != batch * seq:
+                raise ValueError(
+                    f"token_mask has {token_mask.numel()} entries (shape "
+                    f"{tuple(token_mask.shape)}) for {batch} x {seq} routed tokens"
+                )
+            mask = token_mask.reshape(g, n).to(device=logits.device, dtype=torch.bool)
 
         # Which experts a token prefers is the operator at t = 0 (for SoftTopk: the softmax,
         # ranked like the logits). The boost t only reshapes the combine weights: boosted
@@ -338,7 +371,10 @@ class Router(nn.Module):
         if spec.uses_capacity:
             c = expert_capacity(n, e, k, cfg.capacity_factor, cfg.min_capacity)
             capacity = self._capacity_vector(c, logits.device)
-        expert_index = spec.assign(scores, k, capacity, cfg)
+        if mask is None:
+            expert_index = spec.assign(scores, k, capacity, cfg)
+        else:
+            expert_index = spec.assign(scores, k, capacity, cfg, token_mask=mask)
 
         gathered = affinities.gather(-1, expert_index.clamp_min(0))
         weights = torch.where(expert_index >= 0, gathered, 0.0)
@@ -348,10 +384,8 @@ class Router(nn.Module):
         zero = logits.new_zeros(())
         aux = zero
         if cfg.aux_loss != "none" and cfg.aux_loss_coef != 0:
-            aux = load_balancing_loss(
-                selection, expert_index, cfg.aux_loss, scale=cfg.aux_loss_coef
-            )
-        z = cfg.z_loss_coef * router_z_loss(logits) if cfg.z_loss_coef != 0 else zero
+            aux = self._aux_loss(selection, expert_index, mask, batch, seq)
+        z = cfg.z_loss_coef * router_z_loss(logits, mask) if cfg.z_loss_coef != 0 else zero
 
         if balancing:
             with torch.no_grad():
@@ -362,7 +396,7 @@ class Router(nn.Module):
         stats: Mapping[str, Tensor] = {}
         if self.compute_stats:
             stats = LazyRoutingStatistics(
-                affinities, expert_index, capacity, k, rank_scores=selection
+                affinities, expert_index, capacity, k, rank_scores=selection, token_mask=mask
             )
 
         num_tokens, slots = g * n, expert_index.shape[-1]
@@ -377,6 +411,68 @@ class Router(nn.Module):
             z_loss=z,
             stats=stats,
         )
+
+    def _aux_loss(
+        self, selection: Tensor, expert_index: Tensor, mask: Tensor | None, batch: int, seq: int
+    ) -> Tensor:
+        """The scaled load-balancing loss at ``config.aux_loss_granularity`` (real tokens only).
+
+        The tensors arrive as routing groups ``[G, n, ...]``; groups are contiguous runs of the
+        flattened ``[B*L]`` tokens, so a reshape regroups them by sequence or into one batch.
+        """
+        cfg = self.config
+        granularity = cfg.aux_loss_granularity
+        if granularity == "group" and mask is None:
+            # The unmasked per-group loss keeps its single fused formula (losses.py).
+            return load_balancing_loss(
+                selection, expert_index, cfg.aux_loss, scale=cfg.aux_loss_coef
+            )
+        slots = expert_index.shape[-1]
+        if granularity == "sequence":
+            shape = (batch, seq)
+        elif granularity == "group":
+            shape = tuple(selection.shape[:2])
+        else:
+            shape = (1, batch * seq)
+        a = selection.reshape(*shape, -1)
+        idx = expert_index.reshape(*shape, slots)
+        m = None if mask is None else mask.reshape(shape)
+        if granularity != "global" or not self.training:
+            return masked_load_balancing_loss(a, idx, cfg.aux_loss, m, scale=cfg.aux_loss_coef)
+        form = "gshard" if cfg.aux_loss == "gshard" else "eq9"
+        prob_sum, load, tokens = balance_terms(a, idx, form, m)
+        step_load = self._global_step_load(torch.cat([load[0], tokens]))
+        e = self.num_experts
+        loss = balance_loss_from_terms(
+            prob_sum, step_load[None, :e], tokens, form, load_tokens=step_load[e:]
+        )
+        return loss * cfg.aux_loss_coef
+
+    @torch.no_grad()
+    def _global_step_load(self, counts: Tensor) -> Tensor:
+        """Loads + token count ``[e + 1]`` of this optimizer step so far, over all DP ranks.
+
+        ``counts`` (this micro-batch's) are all-reduced over the data-parallel group (a
+        collective of ``e + 1`` floats, no host sync) and added to ``aux_load``, which restarts
+        when the schedule's step counter has moved since its last update (maxscore's trainer
+        advances it once per optimizer step): micro-batch ``m`` of a step sees the loads of
+        micro-batches ``1..m`` (Megatron's ``global_aux_loss`` accumulates the same way). The
+        recomputation of a checkpointed layer runs inside the backward pass; it must not add
+        the micro-batch a second time, and it sees the same total as the original forward,
+        which had already added it.
+        """
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            counts = counts.clone()
+            dist.all_reduce(counts)
+        new_step = self.schedule.step != self.aux_load_step
+        so_far = torch.where(new_step, torch.zeros_like(self.aux_load), self.aux_load)
+        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward
+            return so_far
+        total = so_far + counts
+        self.aux_load.copy_(total)
+        self.aux_load_step.copy_(self.schedule.step)
+        return total
 
     @torch.no_grad()
     def _apply_pending_bias_update(self, only_if_new_step: bool) -> None:

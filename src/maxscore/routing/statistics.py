@@ -45,6 +45,7 @@ def routing_statistics(
     capacity: Tensor | None,
     k: int,
     rank_scores: Tensor | None = None,
+    token_mask: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Routing statistics of one call, as fp32 device tensors (averaged over routing groups).
 
@@ -57,6 +58,9 @@ def routing_statistics(
         rank_scores: scores that define each token's choice ranks, shaped like ``affinities``
             (the router passes its selection scores: for SoftTopk, the softmax, i.e. the
             logits' order); ``None`` ranks by ``affinities``.
+        token_mask: ``[G, n]`` (or ``[n]``) bool, True = real token: the per-token rates and
+            means are taken over real tokens only (padding has no assigned expert, so it never
+            adds to the loads either). ``None``: every token is real.
 
     Returns:
         ``drop_rate_by_rank[k]``: for rank ``r``, the fraction of tokens whose r-th
@@ -72,6 +76,7 @@ def routing_statistics(
     if affinities.dim() == 2:
         affinities, expert_index = affinities.unsqueeze(0), expert_index.unsqueeze(0)
         rank_scores = rank_scores.unsqueeze(0)
+        token_mask = None if token_mask is None else token_mask.unsqueeze(0)
     a = affinities.detach().float()
     _, n, e = a.shape
     k = min(k, e)
@@ -79,8 +84,14 @@ def routing_statistics(
 
     top_idx = top_experts(rank_scores.detach().float(), k)
     kept = assigned.gather(-1, top_idx)  # 1 where the r-th choice was assigned
-    drop_rate_by_rank = 1.0 - kept.mean(dim=(0, 1))
-    mean_affinity_by_rank = a.gather(-1, top_idx).mean(dim=(0, 1))
+    if token_mask is None:
+        drop_rate_by_rank = 1.0 - kept.mean(dim=(0, 1))
+        mean_affinity_by_rank = a.gather(-1, top_idx).mean(dim=(0, 1))
+    else:
+        real = token_mask.to(torch.float32).unsqueeze(-1)  # [G, n, 1]
+        count = real.sum().clamp_min(1.0)
+        drop_rate_by_rank = 1.0 - (kept * real).sum(dim=(0, 1)) / count
+        mean_affinity_by_rank = (a.gather(-1, top_idx) * real).sum(dim=(0, 1)) / count
 
     load = assigned.sum(dim=1)  # [G, e] tokens per expert in each group
     if capacity is None:
@@ -102,7 +113,15 @@ def routing_statistics(
 class _PendingStatistics:
     """The inputs of one :func:`routing_statistics` call, evaluated at most once."""
 
-    __slots__ = ("affinities", "capacity", "expert_index", "k", "rank_scores", "result")
+    __slots__ = (
+        "affinities",
+        "capacity",
+        "expert_index",
+        "k",
+        "rank_scores",
+        "result",
+        "token_mask",
+    )
 
     def __init__(
         self,
@@ -111,11 +130,13 @@ class _PendingStatistics:
         capacity: Tensor | None,
         k: int,
         rank_scores: Tensor | None = None,
+        token_mask: Tensor | None = None,
     ) -> None:
         self.affinities: Tensor | None = affinities.detach()
         self.expert_index: Tensor | None = expert_index.detach()
         self.capacity = None if capacity is None else capacity.detach()
         self.rank_scores = None if rank_scores is None else rank_scores.detach()
+        self.token_mask = token_mask
         self.k = k
         self.result: dict[str, Tensor] | None = None
 
@@ -134,10 +155,12 @@ class _PendingStatistics:
                 self.capacity,
                 self.k,
                 self.rank_scores,
+                self.token_mask,
                 enabled=self.affinities.is_cuda,
             )
             # The inputs are no longer needed: let them be freed.
             self.affinities = self.expert_index = self.capacity = self.rank_scores = None
+            self.token_mask = None
         return self.result
 
 
@@ -162,8 +185,11 @@ class LazyRoutingStatistics(Mapping[str, Tensor]):
         k: int,
         extra: Mapping[str, Tensor] | None = None,
         rank_scores: Tensor | None = None,
+        token_mask: Tensor | None = None,
     ) -> None:
-        self._pending = _PendingStatistics(affinities, expert_index, capacity, k, rank_scores)
+        self._pending = _PendingStatistics(
+            affinities, expert_index, capacity, k, rank_scores, token_mask
+        )
         self._extra: dict[str, Tensor] = dict(extra or {})
 
     @property

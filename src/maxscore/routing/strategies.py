@@ -2,7 +2,8 @@
 
 Every strategy has one signature::
 
-    assign(scores[G, n, e] float32, k, capacity[e] long | None, config) -> expert_index[G, n, S] long
+    assign(scores[G, n, e] float32, k, capacity[e] long | None, config, token_mask=None)
+        -> expert_index[G, n, S] long
 
 ``G`` routing groups of ``n`` tokens, ``e`` experts, ``k`` experts per token, ``S`` slots per token
 (``k`` for token-choice strategies, ``e`` for expert choice); :data:`~maxscore.routing.types.DROPPED`
@@ -10,6 +11,27 @@ Every strategy has one signature::
 (``c = ceil(capacity_factor * k * n / e)`` in the paper's notation, Sec. 2.2). ``scores`` are the
 selection scores (the affinities ``A`` of Eq. 7-8, possibly plus a DeepSeek-V3 balancing bias);
 strategies only pick experts, they never produce weights, so they run under ``no_grad``.
+
+Padding (``token_mask``, ``[G, n]`` bool, True = real token; ``None`` = every token is real). A
+padded position takes no expert slot and no capacity: its slots are all ``-1`` and the real
+tokens' assignment does not depend on what the padded rows hold. Capacity strategies keep the
+capacity of the whole group (``c`` is computed from ``n``, padding included, so the expert buffers
+keep a static shape); the padding simply leaves its share of it to the real tokens. How each
+strategy excludes padding:
+
+* top-k, top-k rerouting, dropless, group-limited: padded rows' slots are emptied before the
+  capacity rule runs (and never proposed for rerouting);
+* Sinkhorn: padded rows get row mass 0 (log ``-inf``), so they carry no transport mass and drop
+  out of every column sum exactly;
+* expert choice: padded rows are ranked after every real token and never chosen;
+* min-cost flow: the solver gives every token up to ``k`` slots, so padding cannot just be given
+  low scores (a maximum flow would still route it into spare capacity and, with a capacity factor
+  of 1, displace real tokens). The problem handed to the solver gets ``k`` extra "padding sink"
+  experts of capacity ``n``: padded rows score 0 on them and far below anything on the real
+  experts, real rows score below their own minimum by a margin on them. Every maximum flow then
+  fills the sinks with the padding, and a real token only lands on a sink in a slot the original
+  problem (real tokens only) leaves empty; see :func:`assign_min_cost_flow` for the margin.
+  Sink slots are emptied afterwards.
 
 Guarantees shared by every strategy (and checked by the property tests):
 
@@ -45,7 +67,7 @@ from maxscore.routing.config import RouterConfig
 from maxscore.routing.ranking import ranked_experts, top_experts
 from maxscore.routing.types import DROPPED, assignment_matrix
 
-AssignFn = Callable[[Tensor, int, Tensor | None, RouterConfig], Tensor]
+AssignFn = Callable[..., Tensor]
 
 __all__ = [
     "ASSIGNMENT_STRATEGIES",
@@ -61,8 +83,10 @@ __all__ = [
     "cumsum_last",
     "get_strategy",
     "keep_within_capacity",
+    "padding_sink_problem",
     "ranked_experts",
     "sinkhorn_log_plan",
+    "without_padding",
 ]
 
 
@@ -237,6 +261,25 @@ def _expert_load(expert_index: Tensor, e: int) -> Tensor:
     return load[:, :e]
 
 
+def without_padding(expert_index: Tensor, token_mask: Tensor | None) -> Tensor:
+    """``expert_index[G, n, S]`` with every slot of a padded row (``token_mask`` False) emptied."""
+    if token_mask is None:
+        return expert_index
+    return torch.where(token_mask.unsqueeze(-1), expert_index, DROPPED)
+
+
+def _check_mask(name: str, scores: Tensor, token_mask: Tensor | None) -> Tensor | None:
+    """``token_mask`` as a ``[G, n]`` bool tensor on ``scores``' device (shape checked)."""
+    if token_mask is None:
+        return None
+    if token_mask.shape != scores.shape[:2]:
+        raise ValueError(
+            f"{name}: token_mask must have shape [groups, tokens] = {tuple(scores.shape[:2])}, "
+            f"got {tuple(token_mask.shape)}"
+        )
+    return token_mask.to(device=scores.device, dtype=torch.bool)
+
+
 def _capacity_priority(scores: Tensor, expert_index: Tensor, config: RouterConfig) -> Tensor | None:
     """Priority for :func:`keep_within_capacity` from ``config.drop_policy``."""
     if config.drop_policy == "score":
@@ -250,7 +293,13 @@ def _capacity_priority(scores: Tensor, expert_index: Tensor, config: RouterConfi
 
 
 @torch.no_grad()
-def assign_topk(scores: Tensor, k: int, capacity: Tensor | None, config: RouterConfig) -> Tensor:
+def assign_topk(
+    scores: Tensor,
+    k: int,
+    capacity: Tensor | None,
+    config: RouterConfig,
+    token_mask: Tensor | None = None,
+) -> Tensor:
     """GShard top-k with expert capacity (GShard, Lepikhin et al. 2021; paper Sec. 2.2).
 
     Each token picks its ``k`` highest-scoring experts (slot ``r`` = ``r``-th choice); expert ``j``
@@ -267,13 +316,19 @@ def assign_topk(scores: Tensor, k: int, capacity: Tensor | None, config: RouterC
     """
     cap = _validate("topk", scores, k, capacity, needs_capacity=True)
     assert cap is not None
-    idx = top_experts(scores, k)
+    mask = _check_mask("topk", scores, token_mask)
+    idx = without_padding(top_experts(scores, k), mask)
     keep = keep_within_capacity(idx, cap, _capacity_priority(scores, idx, config))
     return torch.where(keep, idx, DROPPED)
 
 
 def _reroute(
-    scores: Tensor, ranked: Tensor, expert_index: Tensor, capacity: Tensor, rounds: int
+    scores: Tensor,
+    ranked: Tensor,
+    expert_index: Tensor,
+    capacity: Tensor,
+    rounds: int,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Greedy rerouting of dropped slots (``-1``) into experts with spare capacity.
 
@@ -290,6 +345,8 @@ def _reroute(
     for _ in range(rounds):
         spare = capacity - _expert_load(expert_index, e)  # [G, e]
         dropped = expert_index < 0  # [G, n, S]
+        if token_mask is not None:
+            dropped = dropped & token_mask.unsqueeze(-1)  # padding never asks for a slot
         candidate = ~assignment_matrix(expert_index, e) & (spare > 0)[:, None, :]  # [G, n, e]
         # Candidates in preference order; the d-th candidate (0-based) sits at the first
         # position where the running count of candidates reaches d + 1 (no per-round sort).
@@ -309,7 +366,11 @@ def _reroute(
 
 @torch.no_grad()
 def assign_topk_reroute(
-    scores: Tensor, k: int, capacity: Tensor | None, config: RouterConfig
+    scores: Tensor,
+    k: int,
+    capacity: Tensor | None,
+    config: RouterConfig,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Top-k with capacity, then iterative rerouting of dropped slots (Switch Transformers' "-I").
 
@@ -324,11 +385,12 @@ def assign_topk_reroute(
     """
     cap = _validate("topk-reroute", scores, k, capacity, needs_capacity=True)
     assert cap is not None
+    mask = _check_mask("topk-reroute", scores, token_mask)
     ranked = ranked_experts(scores)
-    idx = ranked[..., :k]
+    idx = without_padding(ranked[..., :k], mask)
     keep = keep_within_capacity(idx, cap, _capacity_priority(scores, idx, config))
     idx = torch.where(keep, idx, DROPPED)
-    return _reroute(scores, ranked, idx, cap, rounds=scores.shape[-1])
+    return _reroute(scores, ranked, idx, cap, rounds=scores.shape[-1], token_mask=mask)
 
 
 def sinkhorn_log_plan(
@@ -369,7 +431,11 @@ _MASS_FLOOR = 1e-12
 
 @torch.no_grad()
 def assign_sinkhorn(
-    scores: Tensor, k: int, capacity: Tensor | None, config: RouterConfig
+    scores: Tensor,
+    k: int,
+    capacity: Tensor | None,
+    config: RouterConfig,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """SBASE (Clark et al. 2022): Sinkhorn optimal transport, then top-k of the plan, then capacity.
 
@@ -394,27 +460,42 @@ def assign_sinkhorn(
     """
     cap = _validate("sinkhorn", scores, k, capacity, needs_capacity=True)
     assert cap is not None
+    mask = _check_mask("sinkhorn", scores, token_mask)
     g, n, _ = scores.shape
     work = torch.float32 if scores.dtype == torch.float32 else scores.dtype
     log_kernel = scores.to(work).clamp(-_LOG_KERNEL_BOUND, _LOG_KERNEL_BOUND)
     cap_f = cap.to(work).clamp(min=0)
     total_cap = cap_f.sum()
-    demand = float(n * k)
-    mass = total_cap.clamp(max=demand)  # transported mass m = min(n*k, sum c)
-    row = (mass / max(demand, 1.0)) * k
-    col = cap_f * (mass / total_cap.clamp(min=1.0))
-    row_mass = row.clamp(min=_MASS_FLOOR).reshape(1, 1).expand(g, 1)
-    col_mass = col.clamp(min=_MASS_FLOOR).expand(g, -1)
+    if mask is None:
+        demand = float(n * k)
+        mass = total_cap.clamp(max=demand)  # transported mass m = min(n*k, sum c)
+        row = (mass / max(demand, 1.0)) * k
+        col = cap_f * (mass / total_cap.clamp(min=1.0))
+        row_mass = row.clamp(min=_MASS_FLOOR).reshape(1, 1).expand(g, 1)
+        col_mass = col.clamp(min=_MASS_FLOOR).expand(g, -1)
+    else:
+        # Only real tokens demand mass; padded rows get mass 0 exactly (log -inf), so they add
+        # nothing to any column's logsumexp and their content never matters.
+        log_kernel = torch.where(mask.unsqueeze(-1), log_kernel, 0.0)
+        demand_g = mask.sum(dim=1).to(work) * k  # [G]
+        mass_g = torch.minimum(total_cap, demand_g)
+        row_g = mass_g / demand_g.clamp(min=1.0) * k
+        row_mass = torch.where(mask, row_g.clamp(min=_MASS_FLOOR).unsqueeze(1), 0.0)
+        col_mass = (cap_f * (mass_g / total_cap.clamp(min=1.0)).unsqueeze(1)).clamp(min=_MASS_FLOOR)
     log_plan = sinkhorn_log_plan(log_kernel, row_mass, col_mass, config.sinkhorn_iterations)
     # A NaN plan entry (only from NaN scores) would make the ranking arbitrary but still valid.
-    idx = top_experts(log_plan, k)
-    keep = keep_within_capacity(idx, cap, log_plan.gather(2, idx))
+    idx = without_padding(top_experts(log_plan, k), mask)
+    keep = keep_within_capacity(idx, cap, log_plan.gather(2, idx.clamp(min=0)))
     return torch.where(keep, idx, DROPPED)
 
 
 @torch.no_grad()
 def assign_expert_choice(
-    scores: Tensor, k: int, capacity: Tensor | None, config: RouterConfig
+    scores: Tensor,
+    k: int,
+    capacity: Tensor | None,
+    config: RouterConfig,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Expert choice (Zhou et al. 2022): expert ``j`` takes its top-``capacity[j]`` tokens.
 
@@ -426,19 +507,30 @@ def assign_expert_choice(
     """
     cap = _validate("expert-choice", scores, k, capacity, needs_capacity=True)
     assert cap is not None
+    mask = _check_mask("expert-choice", scores, token_mask)
     g, n, e = scores.shape
     per_expert = scores.transpose(1, 2)  # [G, e, n]
-    order = torch.sort(per_expert, dim=-1, descending=True, stable=True).indices
+    if mask is None:
+        order = torch.sort(per_expert, dim=-1, descending=True, stable=True).indices
+    else:
+        # Real tokens first (in score order), padding after them whatever it holds.
+        order = ranked_experts(per_expert, mask.unsqueeze(1).expand(g, e, n))
     arange = torch.arange(n, device=scores.device).expand(g, e, n)
     rank = torch.empty_like(order).scatter_(2, order, arange)  # rank of token i for expert j
     chosen = (rank < cap[None, :, None]).transpose(1, 2)  # [G, n, e]
+    if mask is not None:
+        chosen = chosen & mask.unsqueeze(-1)
     experts = torch.arange(e, device=scores.device).expand(g, n, e)
     return torch.where(chosen, experts, DROPPED)
 
 
 @torch.no_grad()
 def assign_dropless(
-    scores: Tensor, k: int, capacity: Tensor | None, config: RouterConfig
+    scores: Tensor,
+    k: int,
+    capacity: Tensor | None,
+    config: RouterConfig,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Dropless top-k (MegaBlocks, Gale et al. 2023; OLMoE): no capacity, nothing dropped.
 
@@ -447,12 +539,16 @@ def assign_dropless(
     depend only on its own scores.
     """
     _validate("dropless", scores, k, capacity, needs_capacity=False)
-    return top_experts(scores, k)
+    return without_padding(top_experts(scores, k), _check_mask("dropless", scores, token_mask))
 
 
 @torch.no_grad()
 def assign_group_limited(
-    scores: Tensor, k: int, capacity: Tensor | None, config: RouterConfig
+    scores: Tensor,
+    k: int,
+    capacity: Tensor | None,
+    config: RouterConfig,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """DeepSeek-V2 group-limited (device-limited) top-k routing (DeepSeek-AI 2024, Sec. 2.2.1).
 
@@ -482,7 +578,8 @@ def assign_group_limited(
     allowed_group = torch.zeros(g, n, groups, dtype=torch.bool, device=scores.device)
     allowed_group.scatter_(2, best_groups, True)
     allowed = allowed_group.repeat_interleave(per_group, dim=2)  # [G, n, e]
-    return ranked_experts(scores, allowed)[..., :k]
+    idx = ranked_experts(scores, allowed)[..., :k]
+    return without_padding(idx, _check_mask("group-limited", scores, token_mask))
 
 
 def resolve_flow_method(flow_method: str, device: torch.device) -> str:
@@ -499,7 +596,11 @@ def resolve_flow_method(flow_method: str, device: torch.device) -> str:
 
 @torch.no_grad()
 def assign_min_cost_flow(
-    scores: Tensor, k: int, capacity: Tensor | None, config: RouterConfig
+    scores: Tensor,
+    k: int,
+    capacity: Tensor | None,
+    config: RouterConfig,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """MaxScore's min-cost max-flow assignment (paper Eq. 7-8, Fig. 4, Algorithm 1).
 
@@ -516,9 +617,19 @@ def assign_min_cost_flow(
     Each token's experts are returned in descending score order with ``-1`` last (slot ``r`` =
     the token's ``r``-th best assigned expert). Whether this syncs with the host depends on the
     solver (``FlowSolverSpec.device == "cpu"`` solvers copy to the CPU).
+
+    Padding (``token_mask``) is excluded outside the solver, by :func:`padding_sink_problem`:
+    ``k`` sink experts of capacity ``n`` absorb the padded rows, whose scores on the real experts
+    are pushed far below everything else. The solver thus solves a problem with ``e + k``
+    experts (on the GPU global solver, whose fast kernels want ``e`` a power of two, a slower
+    path); sink slots come back as ``-1``. Without a mask nothing changes.
     """
     cap = _validate("min-cost-flow", scores, k, capacity, needs_capacity=True)
     assert cap is not None
+    mask = _check_mask("min-cost-flow", scores, token_mask)
+    e = scores.shape[-1]
+    if mask is not None:
+        scores, cap = padding_sink_problem(scores.float(), k, cap, mask)
     # Imported here: flow/ imports routing modules, and the solvers are only needed on use.
     try:
         from maxscore.routing.flow import FLOW_SOLVERS
@@ -545,8 +656,51 @@ def assign_min_cost_flow(
         )
     idx = idx.to(device=scores.device, dtype=torch.long)
     # Solvers already return each token's experts by decreasing affinity, ties to the lower
-    # index, empty slots last (flow/registry.py), so no re-sort is needed here.
+    # index, empty slots last (flow/registry.py), so no re-sort is needed here. Sink experts
+    # score below every real expert of a real token, so they sit after its real slots.
+    if mask is not None:
+        idx = without_padding(torch.where(idx >= e, DROPPED, idx), mask)
     return idx
+
+
+def padding_sink_problem(
+    scores: Tensor, k: int, capacity: Tensor, token_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The flow problem (Eq. 8) of the real tokens only, in the solver's fixed shape.
+
+    Returns ``scores [G, n, e + k]`` and ``capacity [e + k]``: ``k`` extra "sink" experts of
+    capacity ``n``. A padded row scores 0 on the sinks and ``lo - 2M`` on the real experts; a real
+    row keeps its scores on the real experts and scores ``lo - M`` on the sinks, where ``lo`` and
+    ``hi`` bound the real scores of the call and ``M = (e + 1)(hi - lo) + 1``.
+
+    Why this is the real tokens' problem: with the sinks every token can get ``k`` slots, so
+    every maximum flow has ``n k`` units and the solver maximises affinity among them. A padded
+    row on a real expert could swap to a sink it lacks (``k`` sinks, at most ``n - 1`` others on
+    it) and gain ``2M - lo > 0``, so no optimum puts padding on a real expert. For real rows, an
+    assignment with fewer real slots than the maximum flow of the real-only problem has an
+    augmenting path through at most ``e`` real experts that turns one sink slot into a real one;
+    it changes the real affinities by at least ``-(e + 1)(hi - lo)`` and gains ``M`` from the
+    freed sink slot, a net gain. So an optimum is a maximum real flow of maximal real affinity,
+    i.e. the answer of Eq. 8 for the real tokens alone. (In fp32 the margin ``M`` limits the
+    resolution of near-ties to about ``M * 1e-7``.) Padded rows are replaced, so their content
+    never reaches the solver.
+    """
+    g, n, e = scores.shape
+    real = token_mask.unsqueeze(-1)
+    real_scores = torch.where(real, scores, torch.nan)
+    # Bounds over the real rows only; an all-padding call has none, then lo = hi = 0.
+    hi, lo = _nan_max(real_scores), -_nan_max(-real_scores)
+    hi, lo = torch.where(torch.isfinite(hi), hi, 0.0), torch.where(torch.isfinite(lo), lo, 0.0)
+    margin = (e + 1) * (hi - lo).clamp(min=0) + 1.0
+    body = torch.where(real, scores, lo - 2 * margin)
+    sinks = torch.where(real, lo - margin, 0.0).expand(g, n, k)
+    sink_capacity = torch.full((k,), n, dtype=capacity.dtype, device=capacity.device)
+    return torch.cat([body, sinks], dim=-1), torch.cat([capacity, sink_capacity])
+
+
+def _nan_max(x: Tensor) -> Tensor:
+    """Largest non-NaN entry of ``x`` (0-dim); ``-inf`` when every entry is NaN. No host sync."""
+    return torch.where(torch.isnan(x), float("-inf"), x).amax()
 
 
 ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {

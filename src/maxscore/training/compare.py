@@ -61,7 +61,14 @@ def compare(
 
     if not routers:
         raise ConfigError("--routers is empty; give comma-separated router presets")
-    unknown = [r for r in routers if r not in ROUTER_PRESETS]
+    from maxscore.models.convert import NATIVE_ROUTER
+    from maxscore.training.pretrained import is_pretrained_model
+
+    # A converted checkpoint may also be compared with its own family's routing.
+    native_ok = is_pretrained_model(config.model)
+    unknown = [
+        r for r in routers if r not in ROUTER_PRESETS and not (native_ok and r == NATIVE_ROUTER)
+    ]
     if unknown:
         raise ConfigError(
             f"unknown router preset(s) {unknown}; available: {sorted(ROUTER_PRESETS)}"

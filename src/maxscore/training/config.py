@@ -52,9 +52,12 @@ class TrainConfig:
     """Everything that defines a training run.
 
     Attributes:
-        model: model preset name (``maxscore.models.presets.MODEL_PRESETS``).
+        model: model preset name (``maxscore.models.presets.MODEL_PRESETS``), or a checkpoint
+            directory / hub name: a maxscore checkpoint or a supported Hugging Face MoE family
+            (``maxscore.training.pretrained``).
         model_overrides: fields of the model config to replace (``{"num_hidden_layers": 2}``).
-        router: router preset name (``maxscore.routing.presets.ROUTER_PRESETS``).
+        router: router preset name (``maxscore.routing.presets.ROUTER_PRESETS``); for a
+            converted checkpoint also ``"native"`` (the family's own routing).
         router_overrides: fields of the router config to replace (``{"capacity_factor": 1.25}``).
         dataset: ``"default"`` (the embedded corpus), a Hugging Face dataset name (``"c4"`` is
             ``allenai/c4``, config ``en``), or a local ``.txt`` / ``.jsonl`` file or folder.
@@ -97,7 +100,8 @@ class TrainConfig:
         overwrite: delete an existing ``output_dir`` first.
         deepspeed: a DeepSpeed config: ``"zero2"`` / ``"zero3"`` (shipped) or a JSON path.
         num_workers: DataLoader worker processes.
-        report_to: ``"auto"`` (TensorBoard if installed), ``"tensorboard"`` or ``"none"``.
+        report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, or a comma-separated list
+            of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio`` (``maxscore.training.reporting``).
         quiet: no progress bar.
         recipe: ``None`` or ``"paper"``; applied by :func:`apply_recipe`.
     """
@@ -204,10 +208,9 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other; pick one")
-        if self.report_to not in ("auto", "tensorboard", "none"):
-            raise ConfigError(
-                f"report_to must be auto, tensorboard or none, got {self.report_to!r}"
-            )
+        from maxscore.training.reporting import parse_report_to
+
+        parse_report_to(self.report_to)  # names only; installation is checked by prepare()
         if self.recipe not in (None, "paper"):
             raise ConfigError(f"unknown recipe {self.recipe!r}; known recipes: paper")
 
@@ -215,7 +218,8 @@ class TrainConfig:
     @property
     def run_dir(self) -> Path:
         """The run directory (``output_dir`` or ``runs/<model>-<router>``)."""
-        return Path(self.output_dir or f"runs/{self.model}-{self.router}")
+        # A checkpoint path as --model names the run by its last component.
+        return Path(self.output_dir or f"runs/{Path(self.model).name}-{self.router}")
 
     def tokens_per_step(self, world_size: int = 1) -> int:
         """Tokens per optimizer step: ``seq_len * batch_size * grad_accum * world_size``."""

@@ -60,6 +60,7 @@ from maxscore.training.validation import (
     validate_router_options,
     validate_router_setup_of,
 )
+from maxscore.training.reporting import check_report_to, trainer_report_to, wants_tensorboard
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -184,13 +185,13 @@ def build_model_config(
 
     Raises ConfigError for unknown presets or invalid overrides (before any training).
     """
-    from maxscore.models.presets import MODEL_PRESETS, get_model_config
+    from maxscore.models.presets import get_model_config
     from maxscore.routing.presets import ROUTER_PRESETS
+    from maxscore.training.pretrained import is_pretrained_model, pretrained_model_config
 
-    if config.model not in MODEL_PRESETS:
-        raise ConfigError(
-            f"unknown model preset {config.model!r}; available: {sorted(MODEL_PRESETS)}"
-        )
+    if is_pretrained_model(config.model):
+        # A checkpoint directory or hub name (its own vocabulary and special tokens).
+        return _check_seq_len(config, pretrained_model_config(config))
     if config.router not in ROUTER_PRESETS:
         raise ConfigError(
             f"unknown router preset {config.router!r}; available: {sorted(ROUTER_PRESETS)}"
@@ -214,6 +215,10 @@ def build_model_config(
     except (TypeError, ValueError) as err:
         raise ConfigError(f"invalid model/router settings: {err}") from err
     validate_router_setup_of(model_config)
+    return _check_seq_len(config, model_config)
+
+
+def _check_seq_len(config: TrainConfig, model_config: Any) -> Any:
     max_len = getattr(model_config, "max_position_embeddings", None)
     if max_len is not None and config.seq_len > max_len:
         raise ConfigError(
@@ -748,6 +753,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
     run-directory conflicts) raises :class:`ConfigError` from here.
     """
     config.validate()
+    check_report_to(config.report_to)
     ws = world_size()
     precision = resolve_precision(config.precision)
     if config.deepspeed is not None:
@@ -757,7 +763,16 @@ def prepare(config: TrainConfig) -> PreparedRun:
                 "--compile is not supported with ZeRO-3 (DeepSpeed partitions parameters with "
                 "hooks that compiled layers bypass); pass --no-compile, or use --deepspeed zero2"
             )
-    tokenizer = load_tokenizer(config.tokenizer)
+    from maxscore.training.pretrained import (
+        is_pretrained_model,
+        pretrained_model_config,
+        pretrained_tokenizer,
+    )
+
+    pretrained = is_pretrained_model(config.model)
+    if pretrained:
+        pretrained_model_config(config)  # a bad --model is reported before its tokenizer
+    tokenizer = load_tokenizer(pretrained_tokenizer(config) if pretrained else config.tokenizer)
     model_config = build_model_config(
         config,
         vocab_size=len(tokenizer),
@@ -773,6 +788,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         raise ConfigError(
             f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's "
             f"vocab_size is {model_config.vocab_size}"
+            + ("; pass --tokenizer with the checkpoint's own tokenizer" if pretrained else "")
         )
     plan = check_run_dir(config) if is_main_process() else _follower_plan(config)
     total_steps = config.total_steps(ws)
@@ -893,7 +909,9 @@ def _training_arguments(run: PreparedRun) -> TrainingArguments:
         tf32=True if torch.cuda.is_available() else None,
         seed=cfg.seed,
         data_seed=cfg.seed,
-        report_to="none",  # TensorBoard is added explicitly, to write into <run>/tensorboard
+        # TensorBoard is added explicitly, to write into <run>/tensorboard; other trackers
+        # (wandb, mlflow, trackio) are the Trainer's own integrations.
+        report_to=trainer_report_to(cfg.report_to),
         dataloader_num_workers=cfg.num_workers,
         dataloader_pin_memory=torch.cuda.is_available(),
         # Pinned batches copied without blocking the host: a blocking copy waits for the GPU to
@@ -952,14 +970,15 @@ def _mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
 
 
 def _tensorboard_callback(run_dir: Path, report_to: str) -> TrainerCallback | None:
-    if report_to == "none":
+    wanted = wants_tensorboard(report_to)
+    if wanted == "no":
         return None
     try:
         from transformers.integrations import TensorBoardCallback
 
         callback = TensorBoardCallback()
     except (ImportError, RuntimeError):
-        if report_to == "tensorboard":
+        if wanted == "required":
             raise ConfigError("report_to=tensorboard needs the tensorboard package") from None
         return None
     callback.logging_dir = str(run_dir / "tensorboard")
@@ -1025,7 +1044,12 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
     cfg = run.config
     write_resolved_config(run)
     # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
-    model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
+    from maxscore.training.pretrained import is_pretrained_model, load_pretrained_model
+
+    if is_pretrained_model(cfg.model):
+        model = load_pretrained_model(cfg, on_gpu=cfg.deepspeed is None)
+    else:
+        model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     _mark_zero3_leaf_modules(model, cfg.deepspeed)

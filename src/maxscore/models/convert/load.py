@@ -1,0 +1,172 @@
+"""Loading a checkpoint (local directory or hub name) as a Llama-MoE model with any router."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, PreTrainedModel
+
+from maxscore.models.configuration_llama_moe import LlamaMoEConfig
+from maxscore.models.convert.family import (
+    ConversionError,
+    build_with_weights,
+    common_config_fields,
+    family_to_maxscore_state,
+)
+from maxscore.models.convert.registry import FAMILIES
+from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
+
+__all__ = [
+    "DENSE_FAMILIES",
+    "NATIVE_ROUTER",
+    "UNSUPPORTED_FAMILIES",
+    "convert_model",
+    "load_pretrained",
+    "maxscore_config_from_family",
+]
+
+#: Router name meaning "route as the checkpoint's own family does" (converted models only).
+NATIVE_ROUTER = "native"
+
+#: Dense Llama-style families: ``maxscore upcycle`` turns them into MoEs.
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+#: Families that are not converted, with the reason (shown in the error).
+UNSUPPORTED_FAMILIES: dict[str, str] = {
+    "deepseek_v3": "multi-head latent attention (low-rank q/kv, decoupled RoPE), YaRN RoPE and "
+    "sigmoid group-limited routing over a correction bias need their own modules",
+    "gpt_oss": "attention sinks, alternating sliding-window layers, YaRN RoPE, biased experts "
+    "with a clamped SwiGLU and a biased router need their own modules",
+}
+
+
+def _router_settings(
+    hf_config: Any, router: str | None, router_config: dict[str, Any] | None
+) -> tuple[str, dict[str, Any]]:
+    """Preset name and router fields: the family's weighting, then the user's overrides."""
+    spec = FAMILIES[hf_config.model_type]
+    fields = dict(spec.router_fields(hf_config))
+    if router is None or router == NATIVE_ROUTER:
+        # The family's routing: softmax top-k without capacity (our dropless), its aux-loss
+        # coefficient, the loss measured over the whole micro-batch as transformers does.
+        router = "dropless"
+        fields.update(
+            aux_loss_coef=float(getattr(hf_config, "router_aux_loss_coef", 0.01)),
+            aux_loss_granularity="micro-batch",
+        )
+    fields.update(router_config or {})
+    return router, fields
+
+
+def maxscore_config_from_family(
+    hf_config: Any,
+    router: str | None = None,
+    router_config: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> LlamaMoEConfig:
+    """The :class:`LlamaMoEConfig` of a supported family's config, routed by ``router``.
+
+    ``router=None`` or ``"native"`` routes as the family does; any preset name routes with that
+    preset, keeping how the family weights expert outputs (``normalize_weights``).
+    ``router_config`` overrides router fields, ``overrides`` other config fields.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ConversionError(_unsupported_message(model_type))
+    spec = FAMILIES[model_type]
+    spec.check(hf_config)
+    fields = {
+        **common_config_fields(hf_config),
+        "num_experts_per_tok": hf_config.num_experts_per_tok,
+        **spec.config_fields(hf_config),
+    }
+    name, router_fields = _router_settings(hf_config, router, router_config)
+    source = hf_config.to_dict()
+    fields.update(overrides)
+    return LlamaMoEConfig(
+        **fields,
+        router=name,
+        router_config=router_fields,
+        source_family=model_type,
+        source_config=source,
+    )
+
+
+def convert_model(
+    hf_model: PreTrainedModel,
+    router: str | None = None,
+    router_config: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> LlamaMoEForCausalLM:
+    """A Llama-MoE copy of a loaded family model (same weights, dtype and device).
+
+    Raises :class:`ConversionError` for an unsupported family or feature.
+    """
+    config = maxscore_config_from_family(hf_model.config, router, router_config, **overrides)
+    model = build_with_weights(
+        lambda: LlamaMoEForCausalLM(config),
+        family_to_maxscore_state(hf_model.state_dict()),
+        # Router state the family has no notion of (schedule, DeepSeek-V3 bias) starts at 0.
+        lambda name: (
+            (".mlp.router." in name and not name.endswith("gate.weight"))
+            or (config.tie_word_embeddings and name == "lm_head.weight")
+        ),
+        config.source_family or "conversion",
+    )
+    model.train(hf_model.training)
+    return model
+
+
+def _unsupported_message(model_type: str | None) -> str:
+    supported = ", ".join(sorted(FAMILIES))
+    if model_type in UNSUPPORTED_FAMILIES:
+        return (
+            f"{model_type} checkpoints are not supported: {UNSUPPORTED_FAMILIES[model_type]}. "
+            f"Supported MoE families: {supported}"
+        )
+    if model_type in DENSE_FAMILIES:
+        return (
+            f"this is a dense {model_type} checkpoint; turn it into an MoE first with "
+            "`maxscore upcycle SOURCE OUTPUT --num-experts E` and train that"
+        )
+    return f"model_type {model_type!r} is not a supported MoE family (supported: {supported})"
+
+
+def load_pretrained(
+    source: str,
+    router: str | None = None,
+    router_config: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+) -> LlamaMoEForCausalLM:
+    """Load a checkpoint directory or hub name as a Llama-MoE model routed by ``router``.
+
+    * a maxscore checkpoint: ``from_pretrained`` with ``router`` / ``router_config`` /
+      ``overrides`` (they really change the routing);
+    * a supported family (:data:`FAMILIES`): loaded with its transformers class, then converted
+      (``router=None`` / ``"native"`` keeps the family's routing);
+    * anything else: :class:`ConversionError` saying what is supported (dense checkpoints are
+      pointed to ``maxscore upcycle``).
+    """
+    try:
+        hf_config = AutoConfig.from_pretrained(source)
+    except Exception as err:  # OSError, ValueError, the hub client's errors offline
+        raise ConversionError(f"cannot read a model config from {source!r}: {err}") from err
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == LlamaMoEConfig.model_type:
+        kwargs: dict[str, Any] = dict(overrides)
+        if router is not None and router != NATIVE_ROUTER:
+            kwargs["router"] = router
+        if router_config:
+            kwargs["router_config"] = router_config
+        return LlamaMoEForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    if model_type not in FAMILIES:
+        raise ConversionError(_unsupported_message(model_type))
+    model_class = getattr(transformers, FAMILIES[model_type].model_class)
+    hf_model = model_class.from_pretrained(source, dtype=dtype)
+    model = convert_model(hf_model, router, router_config, **overrides)
+    model.config.name_or_path = str(source)
+    del hf_model
+    return model

@@ -1,0 +1,115 @@
+"""Hugging Face conventions: ``attn_implementation`` is honoured or refused, ``--report-to``
+passes trackers through to the Trainer (offline: the trackers need not be installed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from byo_helpers import save_text
+from maxscore.models import LlamaMoEConfig, LlamaMoEForCausalLM
+from maxscore.training import reporting
+from maxscore.training.config import ConfigError, TrainConfig
+
+
+def _config(**kwargs: object) -> LlamaMoEConfig:
+    return LlamaMoEConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        router="dropless",
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("extra", [{}, {"sliding_window": 3}, {"qk_norm": "head"}])
+def test_eager_attention_matches_sdpa(tmp_path: Path, extra: dict) -> None:
+    torch.manual_seed(0)
+    LlamaMoEForCausalLM(_config(**extra)).save_pretrained(tmp_path)
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert eager.config._attn_implementation == "eager"
+    ids = torch.randint(0, 64, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}):
+            a, b = eager(ids, **kwargs).logits, sdpa(ids, **kwargs).logits
+            real = kwargs.get("attention_mask", torch.ones_like(ids)).bool()
+            torch.testing.assert_close(a[real], b[real], rtol=0, atol=1e-5)
+    # Generation with a KV cache runs through the eager path too.
+    out = eager.generate(ids[:1], max_new_tokens=3, do_sample=False)
+    ref = sdpa.generate(ids[:1], max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention"])
+def test_unsupported_attention_is_refused(tmp_path: Path, implementation: str) -> None:
+    LlamaMoEForCausalLM(_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="does not support"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=implementation)
+    # Switched after loading: the forward says what is supported instead of ignoring it.
+    model = LlamaMoEForCausalLM(_config())
+    model.config._attn_implementation = implementation
+    with pytest.raises(ValueError, match="use one of sdpa, eager"):
+        model(torch.zeros(1, 4, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------------------------------
+# --report-to
+# --------------------------------------------------------------------------------------------------
+
+
+def test_report_to_names_are_validated() -> None:
+    assert reporting.parse_report_to("wandb, tensorboard") == ["wandb", "tensorboard"]
+    with pytest.raises(ConfigError, match="unknown report_to"):
+        TrainConfig(report_to="neptunium")
+    with pytest.raises(ConfigError, match="unknown report_to"):
+        TrainConfig(report_to="auto,wandb")
+    TrainConfig(report_to="mlflow,trackio")  # names only: nothing imported yet
+
+
+def test_trackers_pass_through_and_tensorboard_stays_ours() -> None:
+    assert reporting.trainer_report_to("wandb,mlflow,tensorboard") == ["wandb", "mlflow"]
+    assert reporting.trainer_report_to("tensorboard") == ["none"]
+    assert reporting.trainer_report_to("auto") == ["none"]
+    assert reporting.wants_tensorboard("wandb,tensorboard") == "required"
+    assert reporting.wants_tensorboard("auto") == "if-installed"
+    assert reporting.wants_tensorboard("trackio") == "no"
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow", "trackio"])
+def test_missing_tracker_is_refused_with_the_package_to_install(
+    tracker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, package = reporting.REPORT_BACKENDS[tracker]
+    monkeypatch.setitem(reporting.REPORT_BACKENDS, tracker, (lambda: False, package))
+    with pytest.raises(ConfigError, match=f"pip install {package}"):
+        reporting.check_report_to(tracker)
+
+
+def test_training_arguments_get_the_trackers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prepare() accepts an installed tracker and the Trainer's arguments carry it."""
+    from maxscore.training.trainer import _training_arguments, prepare
+
+    monkeypatch.setitem(reporting.REPORT_BACKENDS, "mlflow", (lambda: True, "mlflow"))
+    config = TrainConfig(
+        model="tiny",
+        model_overrides={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2},
+        dataset=str(save_text(tmp_path / "data.txt")),
+        seq_len=16,
+        batch_size=2,
+        max_steps=2,
+        report_to="mlflow",
+        output_dir=str(tmp_path / "run"),
+    )
+    args = _training_arguments(prepare(config))
+    assert args.report_to == ["mlflow"]
