@@ -54,13 +54,13 @@ from maxscore.training.data import (
     load_tokenizer,
 )
 from maxscore.training.integrity import newest_intact, write_integrity_record
+from maxscore.training.reporting import check_report_to, trainer_report_to, wants_tensorboard
 from maxscore.training.run_dir import RunDirectory, RunDirPlan, check_run_dir
 from maxscore.training.validation import (
     validate_model_options,
     validate_router_options,
     validate_router_setup_of,
 )
-from maxscore.training.reporting import check_report_to, trainer_report_to, wants_tensorboard
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
