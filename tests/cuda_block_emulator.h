@@ -1,4 +1,5 @@
-// A CPU emulator of one CUDA thread block, enough to run global_fused.cu under g++ in the tests:
+// A CPU emulator of one CUDA thread block, enough to run the flow-solver kernels under g++ in the
+// tests:
 // one std::thread per CUDA thread, __syncthreads as a block barrier, warp intrinsics (ballot,
 // shuffles) through a per-warp exchange buffer and a warp barrier, atomics through
 // std::atomic_ref. Blocks run one after another. Every warp intrinsic in the kernel is called by
@@ -30,6 +31,7 @@ struct Dim3 {
 };
 inline thread_local Dim3 threadIdx;
 inline Dim3 blockIdx;
+inline Dim3 gridDim;
 
 struct BlockState {
   std::unique_ptr<std::barrier<>> block;
@@ -90,6 +92,12 @@ inline T __shfl_sync(unsigned, T v, int src) {
   return warp_values(v)[src & 31];
 }
 template <typename T>
+inline T __shfl_up_sync(unsigned, T v, int d) {
+  const int lane = threadIdx.x & 31;
+  const auto all = warp_values(v);
+  return lane >= d ? all[lane - d] : v;
+}
+template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int o) {
   return warp_values(v)[(threadIdx.x & 31) ^ o];
 }
@@ -112,6 +120,19 @@ inline T atomicAdd(T* p, T v) {
 template <typename T>
 inline T atomicXor(T* p, T v) {
   return std::atomic_ref<T>(*p).fetch_xor(v);
+}
+template <typename T>
+inline T atomicOr(T* p, T v) {
+  return std::atomic_ref<T>(*p).fetch_or(v);
+}
+template <typename T>
+inline T atomicAnd(T* p, T v) {
+  return std::atomic_ref<T>(*p).fetch_and(v);
+}
+template <typename T>
+inline T atomicCAS(T* p, T expected, T desired) {
+  std::atomic_ref<T>(*p).compare_exchange_strong(expected, desired);
+  return expected;
 }
 template <typename T>
 inline T atomicMax(T* p, T v) {
@@ -142,6 +163,7 @@ inline void launch_blocks(int grid, int threads, F kernel) {
     st.or_acc[1] = 0;
     g_block = &st;
     blockIdx.x = b;
+    gridDim.x = grid;
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (int t = 0; t < threads; ++t) {

@@ -1,5 +1,6 @@
-"""Run ``global_fused.cu`` on the CPU: g++ with ``cuda_block_emulator.h`` (one std::thread per
-CUDA thread). Lets the tests check the CUDA kernel's logic without a GPU (slow: small shapes)."""
+"""Run the flow solver's CUDA kernel on the CPU: g++ with ``cuda_block_emulator.h`` (one
+std::thread per CUDA thread). Lets the tests check the kernel's logic without a GPU (slow:
+small shapes only)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ import numpy as np
 import torch
 
 from maxscore.routing.flow import global_cuda
+from maxscore.routing.flow.global_reference import GlobalBudget
 
 HERE = Path(__file__).resolve().parent
 _RUNNER = """
 #include "cuda_block_emulator.h"
 #include "{kernel}"
 extern "C" void run_solver(const float* a, const int* cap, long long* out, int* stats,
-                           long long* clocks, int groups) {{
-  launch_blocks(groups, THREADS, [&] {{ global_fused_kernel(a, cap, out, stats, clocks, 1); }});
+                           unsigned char* scratch, int use_scratch, const unsigned char* mask,
+                           int has_mask, int groups) {{
+  launch_blocks(groups, THREADS, [&] {{
+    global_auction_kernel(a, cap, out, stats, scratch, use_scratch, 1, mask, has_mask);
+  }});
 }}
 """
 
@@ -42,34 +47,27 @@ def compiler_available() -> bool:
     return done.returncode == 0
 
 
+def _kernel_path() -> Path:
+    return Path(global_cuda.__file__).with_name("kernels") / "global_auction.cu"
+
+
 @functools.cache
 def _library(defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
-    kernel = Path(global_cuda.__file__).with_name("global_fused.cu")
+    kernel = _kernel_path()
     emulator = (HERE / "cuda_block_emulator.h").read_text()
     text = repr(defines) + kernel.read_text() + emulator
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     build = Path(tempfile.gettempdir()) / "maxscore_cuda_emulated"
     build.mkdir(exist_ok=True)
-    lib = build / f"solver_{key}.so"
+    lib = build / f"auction_{key}.so"
     if not lib.exists():
         src = build / f"runner_{key}.cpp"
         src.write_text(_RUNNER.format(kernel=kernel))
         flags = [f"-D{name}={value}" for name, value in defines]
-        tmp = build / f"solver_{key}.tmp.so"
+        tmp = build / f"auction_{key}.tmp.so"
         done = subprocess.run(
-            [
-                "g++",
-                "-std=c++20",
-                "-O1",
-                "-pthread",
-                "-shared",
-                "-fPIC",
-                f"-I{HERE}",
-                *flags,
-                str(src),
-                "-o",
-                str(tmp),
-            ],
+            ["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f"-I{HERE}", *flags]
+            + [str(src), "-o", str(tmp)],
             capture_output=True,
             text=True,
         )
@@ -80,24 +78,42 @@ def _library(defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
 
 
 def solve_emulated(
-    affinities: torch.Tensor, k: int, capacity: torch.Tensor, **budget: int | float | bool
+    affinities: torch.Tensor,
+    k: int,
+    capacity: torch.Tensor,
+    budget: GlobalBudget | None = None,
+    *,
+    token_mask: torch.Tensor | None = None,
+    use_scratch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``global_cuda.solve_cuda``'s result on the CPU, and the ``[G, 4]`` rounds used."""
+    """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics."""
     groups, n, e = affinities.shape
-    defines = global_cuda.kernel_defines(n, e, k, **budget)
+    cap = capacity.to(torch.int32).expand(groups, e)
+    holders = int(cap.clamp(max=n).max()) if cap.numel() else 1
+    # The emulator's dynamic shared memory is 256 KiB; use_scratch puts the state in the scratch
+    # buffer (global memory on a GPU) and keeps the graph and affinities out of shared memory.
+    room = 0 if use_scratch else 200 * 1024
+    defines = global_cuda.kernel_defines(n, e, k, holders, budget or GlobalBudget(), shared_bytes=room)
     lib = _library(tuple(defines.items()))
     a = np.ascontiguousarray(affinities.float().numpy())
-    cap = np.ascontiguousarray(capacity.to(torch.int32).expand(groups, e).numpy())
+    cap_np = np.ascontiguousarray(cap.numpy())
     out = np.zeros((groups, n, k), dtype=np.int64)
-    stats = np.zeros((groups, 4), dtype=np.int32)
-    clocks = np.zeros((groups, 8), dtype=np.int64)
+    stats = np.zeros((groups, 20), dtype=np.int32)
+    _, scratch_bytes = global_cuda.shared_and_scratch_bytes(defines, groups)
+    scratch = np.zeros(max(1, scratch_bytes), dtype=np.uint8)
+    mask = np.ones((groups, n), dtype=np.uint8)
+    if token_mask is not None:
+        mask = np.ascontiguousarray(token_mask.expand(groups, n).numpy().astype(np.uint8))
     ptr = ctypes.c_void_p
     lib.run_solver(
         ptr(a.ctypes.data),
-        ptr(cap.ctypes.data),
+        ptr(cap_np.ctypes.data),
         ptr(out.ctypes.data),
         ptr(stats.ctypes.data),
-        ptr(clocks.ctypes.data),
+        ptr(scratch.ctypes.data),
+        ctypes.c_int(0 if defines["STATE_SMEM"] == "1" else 1),
+        ptr(mask.ctypes.data),
+        ctypes.c_int(0 if token_mask is None else 1),
         ctypes.c_int(groups),
     )
     return torch.from_numpy(out), torch.from_numpy(stats)

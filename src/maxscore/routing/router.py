@@ -367,14 +367,11 @@ class Router(nn.Module):
         if spec.log_scores:
             # exp(log A) = A: Sinkhorn transports the affinities themselves, not exp(A).
             scores = scores.clamp_min(torch.finfo(torch.float32).tiny).log()
-        capacity = None
+        capacity, c = None, None
         if spec.uses_capacity:
             c = expert_capacity(n, e, k, cfg.capacity_factor, cfg.min_capacity)
             capacity = self._capacity_vector(c, logits.device)
-        if mask is None:
-            expert_index = spec.assign(scores, k, capacity, cfg)
-        else:
-            expert_index = spec.assign(scores, k, capacity, cfg, token_mask=mask)
+        expert_index = spec.assign(scores, k, capacity, cfg, token_mask=mask, capacity_bound=c)
 
         gathered = affinities.gather(-1, expert_index.clamp_min(0))
         weights = torch.where(expert_index >= 0, gathered, 0.0)

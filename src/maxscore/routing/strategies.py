@@ -2,8 +2,12 @@
 
 Every strategy has one signature::
 
-    assign(scores[G, n, e] float32, k, capacity[e] long | None, config, token_mask=None)
-        -> expert_index[G, n, S] long
+    assign(scores[G, n, e] float32, k, capacity[e] long | None, config, token_mask=None,
+           capacity_bound=None) -> expert_index[G, n, S] long
+
+(``capacity_bound``: an int known on the host that no ``capacity[j]`` exceeds, or ``None``; the
+router passes its capacity so the GPU flow solver can size its state without reading
+``capacity`` back; the other strategies ignore it.)
 
 ``G`` routing groups of ``n`` tokens, ``e`` experts, ``k`` experts per token, ``S`` slots per token
 (``k`` for token-choice strategies, ``e`` for expert choice); :data:`~maxscore.routing.types.DROPPED`
@@ -24,8 +28,9 @@ strategy excludes padding:
 * Sinkhorn: padded rows get row mass 0 (log ``-inf``), so they carry no transport mass and drop
   out of every column sum exactly;
 * expert choice: padded rows are ranked after every real token and never chosen;
-* min-cost flow: the solver gives every token up to ``k`` slots, so padding cannot just be given
-  low scores (a maximum flow would still route it into spare capacity and, with a capacity factor
+* min-cost flow: a solver that takes ``token_mask`` (``"global"``, ``"exact"``) gives padded rows
+  no slot and solves the real tokens' problem directly. For the others: the solver gives every
+  token up to ``k`` slots, so padding cannot just be given low scores (a maximum flow would still route it into spare capacity and, with a capacity factor
   of 1, displace real tokens). The problem handed to the solver gets ``k`` extra "padding sink"
   experts of capacity ``n``: padded rows score 0 on them and far below anything on the real
   experts, real rows score below their own minimum by a margin on them. Every maximum flow then
@@ -299,6 +304,7 @@ def assign_topk(
     capacity: Tensor | None,
     config: RouterConfig,
     token_mask: Tensor | None = None,
+    capacity_bound: int | None = None,
 ) -> Tensor:
     """GShard top-k with expert capacity (GShard, Lepikhin et al. 2021; paper Sec. 2.2).
 
@@ -371,6 +377,7 @@ def assign_topk_reroute(
     capacity: Tensor | None,
     config: RouterConfig,
     token_mask: Tensor | None = None,
+    capacity_bound: int | None = None,
 ) -> Tensor:
     """Top-k with capacity, then iterative rerouting of dropped slots (Switch Transformers' "-I").
 
@@ -436,6 +443,7 @@ def assign_sinkhorn(
     capacity: Tensor | None,
     config: RouterConfig,
     token_mask: Tensor | None = None,
+    capacity_bound: int | None = None,
 ) -> Tensor:
     """SBASE (Clark et al. 2022): Sinkhorn optimal transport, then top-k of the plan, then capacity.
 
@@ -496,6 +504,7 @@ def assign_expert_choice(
     capacity: Tensor | None,
     config: RouterConfig,
     token_mask: Tensor | None = None,
+    capacity_bound: int | None = None,
 ) -> Tensor:
     """Expert choice (Zhou et al. 2022): expert ``j`` takes its top-``capacity[j]`` tokens.
 
@@ -531,6 +540,7 @@ def assign_dropless(
     capacity: Tensor | None,
     config: RouterConfig,
     token_mask: Tensor | None = None,
+    capacity_bound: int | None = None,
 ) -> Tensor:
     """Dropless top-k (MegaBlocks, Gale et al. 2023; OLMoE): no capacity, nothing dropped.
 
@@ -549,6 +559,7 @@ def assign_group_limited(
     capacity: Tensor | None,
     config: RouterConfig,
     token_mask: Tensor | None = None,
+    capacity_bound: int | None = None,
 ) -> Tensor:
     """DeepSeek-V2 group-limited (device-limited) top-k routing (DeepSeek-AI 2024, Sec. 2.2.1).
 
@@ -601,6 +612,7 @@ def assign_min_cost_flow(
     capacity: Tensor | None,
     config: RouterConfig,
     token_mask: Tensor | None = None,
+    capacity_bound: int | None = None,
 ) -> Tensor:
     """MaxScore's min-cost max-flow assignment (paper Eq. 7-8, Fig. 4, Algorithm 1).
 
@@ -618,18 +630,15 @@ def assign_min_cost_flow(
     the token's ``r``-th best assigned expert). Whether this syncs with the host depends on the
     solver (``FlowSolverSpec.device == "cpu"`` solvers copy to the CPU).
 
-    Padding (``token_mask``) is excluded outside the solver, by :func:`padding_sink_problem`:
-    ``k`` sink experts of capacity ``n`` absorb the padded rows, whose scores on the real experts
-    are pushed far below everything else. The solver thus solves a problem with ``e + k``
-    experts (on the GPU global solver, whose fast kernels want ``e`` a power of two, a slower
-    path); sink slots come back as ``-1``. Without a mask nothing changes.
+    Padding (``token_mask``): solvers that take it (``FlowSolverSpec.keywords``) give padded
+    rows no slot; for the others :func:`padding_sink_problem` adds ``k`` sink experts of capacity
+    ``n`` that absorb the padded rows (sink slots come back as ``-1``). ``capacity_bound`` (the
+    router's capacity) lets the GPU solver size its state without reading ``capacity`` back.
     """
     cap = _validate("min-cost-flow", scores, k, capacity, needs_capacity=True)
     assert cap is not None
     mask = _check_mask("min-cost-flow", scores, token_mask)
     e = scores.shape[-1]
-    if mask is not None:
-        scores, cap = padding_sink_problem(scores.float(), k, cap, mask)
     # Imported here: flow/ imports routing modules, and the solvers are only needed on use.
     try:
         from maxscore.routing.flow import FLOW_SOLVERS
@@ -646,8 +655,18 @@ def assign_min_cost_flow(
         )
     from maxscore.routing.flow.compiled_call import solve_flow
 
+    solver_mask = mask if "token_mask" in FLOW_SOLVERS[method].keywords else None
+    if mask is not None and solver_mask is None:
+        scores, cap = padding_sink_problem(scores.float(), k, cap, mask)
+        capacity_bound = None if capacity_bound is None else max(capacity_bound, scores.shape[1])
     idx = solve_flow(
-        method, scores.to(torch.float32), int(k), cap.clamp(min=0), config.sinkhorn_iterations
+        method,
+        scores.to(torch.float32),
+        int(k),
+        cap.clamp(min=0),
+        config.sinkhorn_iterations,
+        capacity_bound,
+        solver_mask,
     )
     if idx.shape != (*scores.shape[:2], k):
         raise RuntimeError(

@@ -12,8 +12,9 @@ Solvers (:data:`FLOW_SOLVERS`, one signature, see :mod:`.registry`):
   problem and a feasible rounding; batched, on any device, no host sync (:mod:`.two_stage`).
 - ``"two-stage-exact"``: top-1, then the residual problem solved exactly on the CPU (what the
   authors' code does with a Hungarian matching) (:mod:`.two_stage`).
-- ``"global"``: the GPU global solver (issue 3), registered by ``flow/global_solver.py`` when that
-  module exists.
+- ``"global"``: the global solver (:mod:`.global_solver`): an auction from warm prices, then
+  augmenting paths and cycle cancelling on the expert graph; one CUDA kernel per call on a GPU
+  (no host sync), NumPy on the host otherwise.
 
 Public API: :func:`min_cost_flow_assignment` (validated, user-facing; may synchronise),
 :func:`flow_objective`, :func:`register_flow_solver`.
@@ -21,8 +22,6 @@ Public API: :func:`min_cost_flow_assignment` (validated, user-facing; may synchr
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import numbers
 from collections.abc import Sequence
 
@@ -32,12 +31,15 @@ from torch import Tensor
 from . import exact as exact
 from . import two_stage as two_stage
 from .objective import assignment_mask, flow_objective, mask_to_expert_index
-from .registry import FLOW_SOLVERS, FlowSolveFn, FlowSolverSpec, register_flow_solver
+from .registry import (
+    FLOW_SOLVERS,
+    FlowSolveFn,
+    FlowSolverSpec,
+    register_flow_solver,
+    solve_with,
+)
 
-# The GPU global solver lives in its own module and registers itself on import. Import it only if
-# the file exists, and without a try/except, so a genuine error inside it is not hidden.
-if importlib.util.find_spec(f"{__name__}.global_solver") is not None:
-    importlib.import_module(f"{__name__}.global_solver")
+from . import global_solver as global_solver  # registers "global"
 
 __all__ = [
     "FLOW_SOLVERS",
@@ -58,6 +60,7 @@ def min_cost_flow_assignment(
     method: str = "exact",
     *,
     iterations: int | None = None,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Route tokens to experts by solving Eq. (8) (min-cost max-flow over Eq. 7's feasible set).
 
@@ -69,6 +72,9 @@ def min_cost_flow_assignment(
             sequence of ``e`` ints, or an ``[e]`` integer tensor; all ``>= 0``.
         method: a name in :data:`FLOW_SOLVERS`.
         iterations: iteration budget for iterative solvers (``None``: the solver's default).
+        token_mask: ``[n]`` or ``[G, n]`` bool, False for padded positions: they take no expert
+            and the real tokens' result does not depend on them (solvers listing
+            ``"token_mask"`` in ``FlowSolverSpec.keywords``: ``"exact"``, ``"global"``).
 
     Returns:
         ``[n, k]`` or ``[G, n, k]`` long expert indices on ``affinities.device``, each token's
@@ -76,8 +82,9 @@ def min_cost_flow_assignment(
         only when no assignment gives every token ``k`` experts (e.g. ``sum_j c_j < n * k``).
 
     Raises:
-        ValueError: unknown method, bad shape or dtype, ``k`` outside ``[1, e]``, a negative or
-            wrongly sized capacity, or NaN / infinite affinities.
+        ValueError: unknown method, bad shape or dtype, ``k`` outside ``[1, e]``, a negative,
+            fractional or wrongly sized capacity, NaN / infinite affinities, or a ``token_mask``
+            of the wrong shape or for a solver that does not take one.
 
     This is the user-facing entry point: it validates its input, which reads values from the
     device (a host sync). Routers call ``FLOW_SOLVERS[name].solve`` directly instead.
@@ -106,7 +113,24 @@ def min_cost_flow_assignment(
     if not bool(torch.isfinite(scores).all()):
         raise ValueError("affinities contain NaN or infinite values")
     cap = _capacity_tensor(capacity, e, scores.device)
-    out = FLOW_SOLVERS[method].solve(scores.float(), k, cap, iterations=iterations)
+    mask = None
+    if token_mask is not None:
+        mask = torch.as_tensor(token_mask, device=scores.device).bool()
+        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
+        if mask.shape != scores.shape[:2]:
+            raise ValueError(
+                f"token_mask must have shape {tuple(affinities.shape[:-1])} (one entry per "
+                f"token), got {tuple(torch.as_tensor(token_mask).shape)}"
+            )
+    out = solve_with(
+        FLOW_SOLVERS[method],
+        scores.float(),
+        k,
+        cap,
+        iterations=iterations,
+        capacity_bound=int(cap.max()) if cap.numel() else 0,
+        token_mask=mask,
+    )
     return out[0] if single else out
 
 
@@ -114,9 +138,10 @@ def _capacity_tensor(
     capacity: int | Sequence[int] | Tensor, e: int, device: torch.device
 ) -> Tensor:
     """Validate a capacity argument and return it as an ``[e]`` long tensor on ``device``."""
-    if isinstance(capacity, bool):
+    if isinstance(capacity, bool) or isinstance(capacity, float):
         raise ValueError(
-            f"capacity must be an int, a sequence of ints or a tensor, got {capacity!r}"
+            f"capacity must be an int, a sequence of ints or an integer tensor, got {capacity!r} "
+            "(round it, e.g. math.ceil(capacity_factor * k * n / e))"
         )
     if isinstance(capacity, int):
         cap = torch.full((e,), capacity, dtype=torch.long)

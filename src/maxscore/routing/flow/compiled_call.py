@@ -1,10 +1,9 @@
 """The flow solvers as one opaque operator for ``torch.compile``.
 
-A solver of Eq. (8) is a fixed sequence of its own kernels (hand-written Triton kernels on the
-GPU) with an integer result and no gradient. Traced by dynamo / inductor it gains nothing, and
-inductor's handling of user Triton kernels is version-dependent (torch 2.11 fails to launch the
-fused global-solver kernel from generated code). Registered as a custom operator it is one node
-in the compiled graph: inductor fuses the work around it and calls the solver as it is, and the
+A solver of Eq. (8) is a fixed sequence of its own kernels (a CUDA kernel launched through
+NVRTC on the GPU) with an integer result and no gradient. Traced by dynamo it gains nothing, and
+the kernel launch goes through ctypes, which dynamo cannot trace. Registered as a custom
+operator it is one node in the compiled graph: inductor fuses the work around it and calls the solver as it is, and the
 call stays capturable in CUDA graphs whenever the solver is (``FlowSolverSpec.device == "any"``).
 """
 
@@ -13,29 +12,54 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .registry import FLOW_SOLVERS
+from .registry import FLOW_SOLVERS, solve_with
 
 __all__ = ["solve_flow"]
 
 
 @torch.library.custom_op("maxscore::flow_solve", mutates_args=())
 def _flow_solve_op(
-    affinities: Tensor, k: int, capacity: Tensor, method: str, iterations: int
+    affinities: Tensor,
+    k: int,
+    capacity: Tensor,
+    method: str,
+    iterations: int,
+    bound: int,
+    token_mask: Tensor | None,
 ) -> Tensor:
-    budget = None if iterations < 0 else iterations
-    out = FLOW_SOLVERS[method].solve(affinities, k, capacity, iterations=budget)
+    out = solve_with(
+        FLOW_SOLVERS[method],
+        affinities,
+        k,
+        capacity,
+        iterations=None if iterations < 0 else iterations,
+        capacity_bound=None if bound < 0 else bound,
+        token_mask=token_mask,
+    )
     return out.long()  # a fresh tensor: a custom operator's output may not alias its inputs
 
 
 @_flow_solve_op.register_fake
 def _flow_solve_fake(
-    affinities: Tensor, k: int, capacity: Tensor, method: str, iterations: int
+    affinities: Tensor,
+    k: int,
+    capacity: Tensor,
+    method: str,
+    iterations: int,
+    bound: int,
+    token_mask: Tensor | None,
 ) -> Tensor:
     return affinities.new_empty((*affinities.shape[:2], k), dtype=torch.long)
 
 
 def solve_flow(
-    method: str, affinities: Tensor, k: int, capacity: Tensor, iterations: int | None
+    method: str,
+    affinities: Tensor,
+    k: int,
+    capacity: Tensor,
+    iterations: int | None,
+    capacity_bound: int | None = None,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """``FLOW_SOLVERS[method].solve(...)``; through the custom operator while compiling.
 
@@ -44,6 +68,20 @@ def solve_flow(
     """
     if torch.compiler.is_compiling():
         return _flow_solve_op(
-            affinities, k, capacity, method, -1 if iterations is None else iterations
+            affinities,
+            k,
+            capacity,
+            method,
+            -1 if iterations is None else iterations,
+            -1 if capacity_bound is None else capacity_bound,
+            token_mask,
         )
-    return FLOW_SOLVERS[method].solve(affinities, k, capacity, iterations=iterations)
+    return solve_with(
+        FLOW_SOLVERS[method],
+        affinities,
+        k,
+        capacity,
+        iterations=iterations,
+        capacity_bound=capacity_bound,
+        token_mask=token_mask,
+    )

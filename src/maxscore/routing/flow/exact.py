@@ -258,7 +258,12 @@ def _warm_start(
 
 
 def solve_exact(
-    affinities: Tensor, k: int, capacity: Tensor, *, iterations: int | None = None
+    affinities: Tensor,
+    k: int,
+    capacity: Tensor,
+    *,
+    iterations: int | None = None,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Exact min-cost max-flow routing (Eq. 7–8), one group at a time on the CPU.
 
@@ -267,6 +272,8 @@ def solve_exact(
         k: experts per token.
         capacity: ``[e]`` long per-expert capacity of one group.
         iterations: ignored (the solver runs to optimality).
+        token_mask: ``[G, n]`` bool, False for padded positions (they take no expert; the
+            problem is the real tokens' alone).
 
     Returns:
         ``[G, n, k]`` long on ``affinities.device``; see :mod:`maxscore.routing.flow.registry` for
@@ -275,8 +282,13 @@ def solve_exact(
     del iterations
     a = affinities.detach().to("cpu", torch.float64)
     cap = capacity.detach().to("cpu").numpy()
-    masks = [torch.from_numpy(solve_exact_numpy(a[g].numpy(), k, cap)) for g in range(a.shape[0])]
-    mask = torch.stack(masks) if masks else torch.zeros(a.shape, dtype=torch.bool)
+    real = np.ones(a.shape[:2], dtype=bool) if token_mask is None else token_mask.cpu().numpy()
+    mask = torch.zeros(a.shape, dtype=torch.bool)
+    for g in range(a.shape[0]):
+        # The problem of the real tokens alone: padded rows are left out, so their content
+        # cannot change the result (not even how ties are broken).
+        rows = np.flatnonzero(real[g])
+        mask[g, rows] = torch.from_numpy(solve_exact_numpy(a[g, rows].numpy(), k, cap))
     return mask_to_expert_index(mask, a, k).to(affinities.device)
 
 
@@ -284,6 +296,7 @@ register_flow_solver(
     "exact",
     FlowSolverSpec(
         solve=solve_exact,
+        keywords=frozenset({"token_mask"}),
         exact=True,
         device="cpu",
         description="Exact min-cost max-flow (successive shortest paths on the expert graph), CPU",

@@ -1,21 +1,14 @@
-"""The global solver of Eq. (8) as one CUDA kernel per call for small groups (NVRTC-compiled).
+"""The global solver of Eq. (8) as one CUDA kernel per call (``kernels/global_auction.cu``).
 
-Same phases as :mod:`.global_solver` (Jacobi prices of Eq. 8's dual, rounding, repair, cycle
-cancelling on the expert graph, Eq. 7 enforced exactly), written in CUDA C++
-(``global_fused.cu``) with one thread block per routing group and one thread per token: a
-block-wide count is a warp vote plus one barrier, the token lists and the assignment live in
-shared memory, and the graph phase (``e + 1`` nodes) runs in one warp with shuffles. The Triton
-kernel of :mod:`.global_triton` keeps the state in register tiles and global scratch, so each of
-its dependent steps costs several barriers and L2 round trips (``benchmarks/flow_solver_notes.md``).
+The kernel runs the three phases of :mod:`.global_reference` (auction, augmenting paths, cycle
+cancelling on the expert graph) with one thread block per routing group. Its per-group state
+lives in shared memory when it fits and in a global scratch buffer otherwise, so any group size
+works; groups of up to a few thousand tokens fit in shared memory (see :func:`work_bytes`).
 
 The source is compiled at first use for each shape and budget with NVRTC through PyTorch's
 runtime-compilation helpers (``torch.cuda._utils``, private; present since PyTorch 2.8) and
 launched on the current stream, so calls are capturable in CUDA graphs and need no host sync.
-Where NVRTC or those helpers are missing, :func:`available` is false and the Triton kernel runs.
-
-Applies to CUDA tensors on GPUs of compute capability 8.0 or newer with ``n <= 1024`` tokens per
-group (one thread each), ``2 <= e <= 31`` experts (the graph's ``e + 1`` nodes on one warp's
-lanes) and ``1 <= k < e``; any ``n``, not only powers of two.
+Where NVRTC or those helpers are missing, :func:`available` is false.
 """
 
 from __future__ import annotations
@@ -28,24 +21,30 @@ import math
 import torch
 from torch import Tensor
 
+from .global_reference import GlobalBudget, stop_open_slots
+
 __all__ = [
+    "MAX_EXPERTS",
+    "MAX_K",
     "KernelCompileError",
     "available",
     "disable",
     "kernel_defines",
     "kernel_source",
-    "shared_bytes",
     "solve_cuda",
     "supported",
+    "shared_and_scratch_bytes",
+    "work_bytes",
 ]
 
-MAX_TOKENS = 1024  # one thread per token
-MAX_EXPERTS = 31  # e + 1 graph nodes on the 32 lanes of a warp; expert sets as 32-bit masks
-MAX_MOVES = 4  # the largest ``moves`` budget that supported() makes room for
-MIN_CAPABILITY = (8, 0)  # __reduce_add_sync (warp reductions) needs sm_80
-KERNEL_NAME = "global_fused_kernel"
+MAX_EXPERTS = 256  # a warp's lanes hold E / 32 experts each in the bidding and graph scans
+MAX_K = 8  # a token's open entry is packed in 4 bits; 8 keeps the per-token loops short
+MIN_CAPABILITY = (8, 0)
+KERNEL_NAME = "global_auction_kernel"
+THREADS = 512
+BID_BUFFER = 128  # bids an expert takes per auction round at most (more wait a round)
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-
+_STATIC_SHARED_RESERVE = 40 * 1024  # the kernel's static shared memory (Block), upper bound
 
 _disabled_reason: str | None = None
 
@@ -61,55 +60,77 @@ def disable(reason: str) -> None:
 
 
 def kernel_source() -> str:
-    """The CUDA C++ source of the kernel (``global_fused.cu``, shipped with the package)."""
-    return importlib.resources.files(__package__).joinpath("global_fused.cu").read_text()
+    """The CUDA C++ source of the kernel (shipped with the package)."""
+    kernels = importlib.resources.files(__package__).joinpath("kernels")
+    return kernels.joinpath("global_auction.cu").read_text()
 
 
-def shared_bytes(n: int, e: int, moves: int = 1) -> int:
-    """Dynamic shared memory of one block: affinities and price thresholds ``[n, e + 1]`` fp32
-    (rows padded by one word against bank conflicts), assignment masks ``[n]`` u32; with
-    ``moves > 1`` the 2nd..``moves``-th best moves per expert pair and the tokens leaving each
-    expert on a cycle."""
-    extra = (moves - 1) * 32 * 32 * 8 + 32 * moves * 4 if moves > 1 else 0
-    return 8 * n * (e + 1) + 4 * n + extra
+def _threads(n: int) -> int:
+    return min(THREADS, 32 * max(1, math.ceil(n / 32)))
 
 
 def kernel_defines(
     n: int,
     e: int,
     k: int,
+    holders: int,
+    budget: GlobalBudget,
     *,
-    price_iterations: int,
-    repair_rounds: int,
-    cycle_rounds: int,
-    bf_iterations: int,
-    bisect0: int = 16,
-    bisect: int = 8,
-    window: float = 0.0625,
-    early_exit: bool = True,
-    moves: int = 1,
+    shared_bytes: int | None = None,
 ) -> dict[str, str]:
-    """The compile-time constants of ``global_fused.cu`` for one shape and budget.
+    """The compile-time constants of the kernel for one shape, capacity bound and budget.
 
-    ``moves``: parallel copies of each cycle applied per round in phase 4 (each with the next
-    best token of every edge, while the copy's gain stays positive); 1 = one token per edge.
+    ``holders``: the most tokens an expert can hold (the largest capacity, clamped to ``n``).
+    ``shared_bytes``: the dynamic shared memory a block may use (``None``: only the state, in
+    shared memory); the expert graph and then the affinities go there too where they fit.
     """
-    return {
+    cb = max(1, min(holders, n))
+    defines = {
         "N": str(n),
         "E": str(e),
         "K": str(k),
-        "THREADS": str(32 * math.ceil(n / 32)),
-        "PRICE_IT": str(max(1, price_iterations)),
-        "BISECT0": str(bisect0),
-        "BISECT": str(bisect),
-        "WINDOW": f"{float(window)!r}f",
-        "REPAIR": str(max(0, repair_rounds)),
-        "CYCLES": str(max(0, cycle_rounds)),
-        "BF": str(max(0, bf_iterations)),
-        "JUMPS": str(max(1, math.ceil(math.log2(e + 1)))),
-        "EARLY_EXIT": "1" if early_exit else "0",
-        "MOVES": str(max(1, moves)),
+        "THREADS": str(_threads(n)),
+        "CB": str(cb),
+        "BUF": str(min(BID_BUFFER, max(2 * cb, 32))),
+        "AUCTION": str(max(0, budget.auction_rounds)),
+        "STOP_OPEN": str(stop_open_slots(n, k, budget)),
+        "CANCELS": str(max(0, budget.cancel_rounds)),
+        "RELAX": str(max(1, min(budget.relaxations, e + 3))),
+        "EPS_REL": f"{float(budget.epsilon)!r}f",
+        "TOL_REL": f"{float(budget.tolerance)!r}f",
+        "WARP_BIDS": "1" if e > 32 else "0",
     }
+    state, graph, affinities = work_bytes(defines), 4 * (e + 2) ** 2, 4 * n * e
+    room = shared_bytes if shared_bytes is not None else state
+    defines["STATE_SMEM"] = "1" if state <= room else "0"
+    room -= state if state <= room else 0
+    defines["GRAPH_SMEM"] = "1" if graph <= room else "0"
+    room -= graph if graph <= room else 0
+    defines["A_SMEM"] = "1" if affinities <= room else "0"
+    return defines
+
+
+def shared_and_scratch_bytes(defines: dict[str, str], groups: int) -> tuple[int, int]:
+    """(dynamic shared memory per block, global scratch bytes) of a launch."""
+    n, e = int(defines["N"]), int(defines["E"])
+    state, graph, affinities = work_bytes(defines), 4 * (e + 2) ** 2, 4 * n * e
+    shared = scratch = 0
+    for flag, size in (("STATE_SMEM", state), ("GRAPH_SMEM", graph), ("A_SMEM", affinities)):
+        if defines[flag] == "1":
+            shared += size
+        elif flag != "A_SMEM":  # the affinities are read where they are
+            scratch += groups * size
+    return shared, scratch
+
+
+def work_bytes(defines: dict[str, str]) -> int:
+    """Bytes of one group's state (the kernel's ``WORK_BYTES``; the graph and affinities apart)."""
+    n, e, k = int(defines["N"]), int(defines["E"]), int(defines["K"])
+    cb, buf = int(defines["CB"]), int(defines["BUF"])
+    warps = int(defines["THREADS"]) // 32
+    v, mw = e + 2, (e + 31) // 32
+    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + 2 * n * k
+    return 4 * (words + warps * e)
 
 
 def _with_defines(defines: dict[str, str]) -> str:
@@ -139,17 +160,17 @@ def available() -> bool:
 
 
 def supported(affinities: Tensor, k: int) -> bool:
-    """Whether the CUDA kernel handles this shape and device."""
+    """Whether the kernel handles this shape and device (any group size; ``e <= 256``,
+    ``k <= 8``, a CUDA GPU of compute capability 8.0 or newer with NVRTC)."""
     if affinities.dim() != 3 or not affinities.is_cuda or _disabled_reason or not available():
         return False
     _, n, e = affinities.shape
-    if not (1 <= n <= MAX_TOKENS and 2 <= e <= MAX_EXPERTS and 1 <= k < e):
+    if not (1 <= n and 1 <= e <= MAX_EXPERTS and 1 <= k <= min(e, MAX_K)):
+        return False
+    if n * k >= 1 << 27:  # bid records pack (token << 4 | entry) in an int
         return False
     props = torch.cuda.get_device_properties(affinities.device)
-    if (props.major, props.minor) < MIN_CAPABILITY:
-        return False
-    # the static part (the Shared struct, ~14 KB) comes on top of the dynamic part
-    return shared_bytes(n, e, MAX_MOVES) + 16 * 1024 <= props.shared_memory_per_block_optin
+    return (props.major, props.minor) >= MIN_CAPABILITY
 
 
 def _nvrtc_cubin(source: str, arch: str) -> bytes:
@@ -198,8 +219,8 @@ def _compiled(device_index: int, defines: tuple[tuple[str, str], ...], dynamic_b
             kernel = _utils._cuda_load_module(cubin, [KERNEL_NAME])[KERNEL_NAME]
         except RuntimeError as exc:
             raise KernelCompileError(f"could not load {KERNEL_NAME}: {exc}") from exc
-        # Static plus dynamic shared memory above 48 KiB must be allowed explicitly (set always:
-        # torch's own helper skips it when the dynamic part alone is below 48 KiB).
+        # Dynamic shared memory above 48 KiB must be allowed explicitly (set always: torch's own
+        # helper skips it when the dynamic part alone is below 48 KiB).
         libcuda = _utils._get_gpu_runtime_library()
         _utils._check_cuda(
             libcuda.cuFuncSetAttribute(
@@ -215,39 +236,44 @@ def solve_cuda(
     affinities: Tensor,
     k: int,
     capacity: Tensor,
+    holders: int,
+    budget: GlobalBudget,
     *,
+    token_mask: Tensor | None = None,
     stats: Tensor | None = None,
-    clocks: Tensor | None = None,
-    **budget: int | float | bool,
 ) -> Tensor:
-    """Run the kernel; ``capacity`` is the ``[G, e]`` effective capacity (clamped to ``[0, n]``).
+    """Run the kernel on ``affinities[G, n, e]`` (CUDA) with ``capacity[G, e]`` (each ``<=
+    holders``; larger values are clamped to it, so ``holders`` must bound them).
 
-    ``budget``: the step counts of :func:`kernel_defines` (``price_iterations``,
-    ``repair_rounds``, ``cycle_rounds``, ``bf_iterations``; optionally ``bisect0``, ``bisect``,
-    ``window``, ``early_exit``). Returns ``[G, n, k]`` long expert indices, each token's experts
-    by decreasing affinity (ties: lower expert), ``-1`` last. ``stats`` (``[G, 4]`` int32), if
-    given, receives the repair and cycle rounds each group used; ``clocks`` (``[G, 8]`` int64),
-    for profiling, the SM clock at the phase boundaries in slots 0-5 (start, then the ends of
-    load, prices, repair, cycles, finalize) and in slots 6 and 7 the SM cycles of the cycle
-    phase's two parts summed over its rounds: the edge scans (with their barrier) and warp 0's
-    graph work (Bellman-Ford, cycle search, moves).
+    Returns ``[G, n, k]`` long expert indices, each token's experts by decreasing affinity (ties:
+    lower expert), ``-1`` last. ``stats`` (``[G, 20]`` int32), if given, receives per group the
+    auction rounds used, the slots open after the auction, the augmenting and cancelling rounds,
+    then thousands of SM cycles: setup, auction, phase 2, phase 3, the auction's parts (open
+    list, bids, merges) and each graph phase's parts (graph, Bellman-Ford, moves). ``token_mask`` (``[G, n]`` bool), if given, marks the real tokens; padded ones take
+    no expert.
     """
     if not supported(affinities, k):
         raise ValueError(
             "the CUDA global-solver kernel does not apply: it needs CUDA tensors [G, n, e] with "
-            f"n <= {MAX_TOKENS}, 2 <= e <= {MAX_EXPERTS}, 1 <= k < e, and NVRTC"
+            f"e <= {MAX_EXPERTS}, 1 <= k <= min(e, {MAX_K}), a GPU of compute capability >= 8.0 "
+            "and NVRTC"
         )
     groups, n, e = affinities.shape
     a = affinities.float().contiguous()
     cap = capacity.to(device=a.device, dtype=torch.int32).expand(groups, e).contiguous()
     out = torch.empty(groups, n, k, dtype=torch.long, device=a.device)
-    defines = kernel_defines(n, e, k, **budget)  # type: ignore[arg-type]
-    dynamic = shared_bytes(n, e, int(defines["MOVES"]))
-    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    kernel = _compiled(device_index, tuple(defines.items()), dynamic)
-    flags = (1 if stats is not None else 0) | (2 if clocks is not None else 0)
     if groups == 0:
         return out
+    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(device_index)
+    room = props.shared_memory_per_block_optin - _STATIC_SHARED_RESERVE
+    defines = kernel_defines(n, e, k, holders, budget, shared_bytes=room)
+    dynamic, scratch_bytes = shared_and_scratch_bytes(defines, groups)
+    kernel = _compiled(device_index, tuple(defines.items()), dynamic)
+    scratch = torch.empty(max(1, scratch_bytes), dtype=torch.uint8, device=a.device)
+    mask = None
+    if token_mask is not None:
+        mask = token_mask.to(device=a.device, dtype=torch.uint8).expand(groups, n).contiguous()
     with torch.cuda.device(device_index):
         kernel(
             grid=(groups, 1, 1),
@@ -257,8 +283,11 @@ def solve_cuda(
                 cap,
                 out,
                 stats if stats is not None else cap,
-                clocks if clocks is not None else out,
-                flags,
+                scratch,
+                0 if defines["STATE_SMEM"] == "1" else 1,
+                1 if stats is not None else 0,
+                mask if mask is not None else scratch,
+                0 if mask is None else 1,
             ],
             shared_mem=dynamic,
         )

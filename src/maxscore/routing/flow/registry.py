@@ -7,7 +7,8 @@ without an import cycle through the package ``__init__``.
 Every solver has one signature::
 
     solve(affinities: Tensor[G, n, e] fp32, k: int, capacity: Tensor[e] long,
-          *, iterations: int | None = None) -> Tensor[G, n, k] long
+          *, iterations: int | None = None[, capacity_bound: int | None = None])
+        -> Tensor[G, n, k] long
 
 The result holds, for each token, the experts it is assigned to, in decreasing order of affinity
 (slot ``r`` is the token's ``r``-th choice among its assigned experts), never the same expert
@@ -16,6 +17,11 @@ slot, which an exact solver leaves only when no assignment gives every token ``k
 the assignment is a maximum flow of maximal affinity). ``iterations`` is the iteration budget of
 iterative solvers (the ``"min-cost-flow"`` strategy passes ``RouterConfig.sinkhorn_iterations``);
 ``None`` means the solver's own default, and solvers without iterations ignore it.
+Optional keywords, passed only to solvers that list them in ``FlowSolverSpec.keywords``
+(:func:`solve_with`): ``capacity_bound``, an int known on the host that no ``capacity[j]``
+exceeds (it lets a GPU solver size its state without reading the capacities back; the router
+passes its capacity); ``token_mask``, ``[G, n]`` bool, False for padded positions, which then
+take no expert and do not influence the others.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from typing import Literal, Protocol
 
 from torch import Tensor
 
-__all__ = ["FLOW_SOLVERS", "FlowSolveFn", "FlowSolverSpec", "register_flow_solver"]
+__all__ = [
+    "FLOW_SOLVERS",
+    "FlowSolveFn",
+    "FlowSolverSpec",
+    "register_flow_solver",
+    "solve_with",
+]
 
 
 class FlowSolveFn(Protocol):
@@ -47,12 +59,15 @@ class FlowSolverSpec:
             cannot be captured in a CUDA graph); ``"any"`` if it runs on the input's device with no
             host synchronisation.
         description: one line for docs and ``--help``.
+        keywords: the optional keywords ``solve`` accepts (``"capacity_bound"``,
+            ``"token_mask"``).
     """
 
     solve: FlowSolveFn
     exact: bool
     device: Literal["cpu", "any"]
     description: str
+    keywords: frozenset[str] = frozenset()
 
 
 #: Solvers by name. Filled by the solver modules through :func:`register_flow_solver`.
@@ -68,3 +83,26 @@ def register_flow_solver(name: str, spec: FlowSolverSpec, *, replace: bool = Fal
     if name in FLOW_SOLVERS and not replace:
         raise ValueError(f"flow solver {name!r} is already registered")
     FLOW_SOLVERS[name] = spec
+
+
+def solve_with(
+    spec: FlowSolverSpec,
+    affinities: Tensor,
+    k: int,
+    capacity: Tensor,
+    *,
+    iterations: int | None = None,
+    **options: object,
+) -> Tensor:
+    """Call ``spec.solve``, passing each option that is not ``None`` and that the solver takes.
+
+    Raises ``ValueError`` for an option the solver does not take (the caller must then solve a
+    problem without it, e.g. padding by sink experts).
+    """
+    given = {key: value for key, value in options.items() if value is not None}
+    unknown = set(given) - spec.keywords - {"capacity_bound"}
+    if unknown:
+        raise ValueError(f"this flow solver does not take {sorted(unknown)}")
+    # capacity_bound is only a hint: solvers that do not take it ignore it
+    passed = {key: value for key, value in given.items() if key in spec.keywords}
+    return spec.solve(affinities, k, capacity, iterations=iterations, **passed)  # type: ignore[call-arg]

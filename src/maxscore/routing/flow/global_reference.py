@@ -1,0 +1,438 @@
+"""The global solver of Eq. (7)–(8), reference implementation (NumPy, one routing group at a time).
+
+Eq. (8) asks for the 0/1 matrix ``P`` (``n x e``) that maximises ``sum_ij P_ij A_ij`` subject to
+Eq. (7): each token takes ``k`` distinct experts, expert ``j`` takes at most ``c_j`` tokens. The
+solver has three phases, all of them exact in what they guarantee, whatever the input:
+
+1. **Auction** (a Jacobi forward auction, Bertsekas; tokens bid, experts are the objects, each
+   with ``c_j`` slots). Every token missing ``m`` slots looks at the reduced values
+   ``A_ij - p_j`` of the experts it does not hold, takes its best ``m`` and bids for each
+   ``p_j + (A_ij - p_j) - w + eps``, ``w`` being its ``(m+1)``-th best reduced value; each expert
+   keeps the ``c_j`` highest offers among its holders and the new bids, and its price ``p_j``
+   becomes the lowest slot price it keeps. A token's held experts then stay within ``eps`` of
+   its best alternatives (eps-complementary slackness), so a finished auction is within
+   ``n k eps`` of the optimum. The prices start at the experts' mean affinities (shifted so the
+   lowest is 0): a router early in training gives every token nearly the same row, and from
+   zero prices the auction would spend thousands of rounds raising the popular experts' prices
+   by ``eps`` at a time. The auction stops after ``auction_rounds`` rounds or when every token
+   holds ``k`` experts, whichever comes first; the few slots still open go to phase 2.
+2. **Augmenting paths** on the *expert graph*: ``e + 2`` nodes (the experts, a node ``S`` for
+   spare capacity and a node ``D`` for open slots). Edge ``a -> b`` carries the best move
+   "a token on ``a`` that is not on ``b`` leaves ``a`` for ``b``", of gain ``A_tb - A_ta``;
+   ``D -> b`` the best token with an open slot taking ``b`` (gain ``A_tb``). Bellman-Ford from
+   ``D`` finds the best way to fill an open slot, through any chain of moves, into an expert
+   with spare capacity; each round applies every such path that shares no node with a better
+   one (so the moves of one round never conflict). This is successive shortest paths on the
+   flow network with its token nodes contracted: it gives every token ``k`` experts whenever
+   ``sum_j min(c_j, n) >= n k`` (a maximum flow otherwise).
+3. **Cycle cancelling** on the same graph, now also with ``b -> S`` (``b`` has spare capacity),
+   ``S -> a`` (any expert may lose a token) and ``a -> D`` (a token gives up its slot at ``a``
+   when the flow is not full, gain ``-A_ta``): a feasible assignment is optimal iff this graph
+   has no cycle of positive gain (the residual graph of the flow network with the token nodes
+   contracted). Each round finds, by Bellman-Ford from a virtual source joined to every node,
+   all cycles of its predecessor graph (they are node-disjoint, so their moves are compatible)
+   and applies them. Every edge is charged ``tol`` (a relative 1e-7 of the affinities' spread)
+   so float rounding cannot create a cycle; the result is optimal up to that tolerance.
+
+Phases 2 and 3 share a round budget (``max_rounds``, far above what any measured input needed:
+see ``benchmarks/flow_solver/README.md``); if it ran out with a slot still open, the open slots
+are filled greedily with each token's best expert of spare capacity, so Eq. 7 holds whatever the
+budget. The CUDA kernel (:mod:`.global_cuda`) runs the same three phases on the GPU.
+
+This module computes on the host in float64, one group after another; it is the solver's CPU
+path and its reference in the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["GlobalBudget", "solve_group", "solve_reference"]
+
+
+@dataclass(frozen=True)
+class GlobalBudget:
+    """Step counts and tolerances of the global solver (shared by every backend).
+
+    Attributes:
+        auction_rounds: Jacobi auction rounds (phase 1) at most.
+        stop_open: phase 1 also stops once at most this fraction of the ``n k`` slots (at least
+            one) is open: its last slots fill slowly (bidders raise prices by ``epsilon`` at a
+            time), phase 2 fills them with far fewer rounds.
+        epsilon: the auction's bid increment, relative to the mean of each token's top-``k``
+            affinities (so a finished auction is within about ``epsilon`` of the optimum,
+            relative; phases 2-3 then remove what is left).
+        cancel_rounds: cycle-cancelling rounds (phase 3) at most.
+        relaxations: Bellman-Ford relaxations per round of phases 2-3 at most (``e + 2`` would
+            always settle without a positive cycle; paths of the expert graph are short).
+        tolerance: gain charged to every expert-graph edge, relative to the affinities' spread.
+    """
+
+    auction_rounds: int = 64
+    stop_open: float = 0.005
+    epsilon: float = 1e-5
+    cancel_rounds: int = 16
+    relaxations: int = 48
+    tolerance: float = 1e-7
+
+
+def solve_reference(
+    affinities: np.ndarray,
+    k: int,
+    capacity: np.ndarray,
+    budget: GlobalBudget | None = None,
+    token_mask: np.ndarray | None = None,
+) -> np.ndarray:
+    """Solve Eq. (8) for each group of ``affinities[G, n, e]``; ``capacity`` is ``[e]`` or
+    ``[G, e]``; ``token_mask[G, n]`` (False: a padded position, which takes no expert and does
+    not influence the others). Returns the ``[G, n, e]`` bool assignment ``P``."""
+    a = np.asarray(affinities, dtype=np.float64)
+    groups, n, e = a.shape
+    cap = np.broadcast_to(np.asarray(capacity, dtype=np.int64), (groups, e))
+    real = np.ones((groups, n), dtype=bool) if token_mask is None else np.asarray(token_mask, bool)
+    budget = budget or GlobalBudget()
+    out = np.zeros((groups, n, e), dtype=bool)
+    for g in range(groups):
+        rows = np.flatnonzero(real[g])
+        out[g, rows] = solve_group(a[g, rows], k, cap[g], budget)
+    return out
+
+
+def solve_group(
+    a: np.ndarray,
+    k: int,
+    capacity: np.ndarray,
+    budget: GlobalBudget,
+    stats: dict[str, int] | None = None,
+) -> np.ndarray:
+    """One group: ``a[n, e]`` float64, ``capacity[e]`` ints; the ``[n, e]`` bool ``P``.
+
+    ``stats``, if given, receives the work done: ``open_after_auction`` (slots phase 1 left
+    open), ``augment_rounds``, ``paths``, ``cancel_rounds``.
+    """
+    stats = {} if stats is None else stats
+    n, e = a.shape
+    cap = np.minimum(np.asarray(capacity, dtype=np.int64), n)
+    if n == 0 or e == 0:
+        return np.zeros((n, e), dtype=bool)
+    held = _auction(a, k, cap, budget)
+    stats.update(
+        open_after_auction=int(k * n - held.sum()), augment_rounds=0, paths=0, cancel_rounds=0
+    )
+    spread = float(a.max() - a.min()) or 1.0
+    tol = budget.tolerance * spread
+    # Phase 2's edges are charged the auction's eps too: its state has no cycle above that.
+    charge = tol + auction_epsilon(a, budget)
+    # Phase 2: fill open slots along augmenting paths (each round fills at least one while a
+    # path exists, so at most n k rounds).
+    while (held.sum(1) < k).any():
+        graph = _expert_graph(a, held, cap, k, cycles=False)
+        moved = _augment(graph, held, cap, charge, budget.relaxations)
+        stats["augment_rounds"] += 1
+        stats["paths"] += moved
+        if not moved:  # no path left: the flow is maximum
+            break
+    # Phase 3: cancel positive cycles until none is left or the budget is spent.
+    for _ in range(budget.cancel_rounds):
+        if not _cancel(_expert_graph(a, held, cap, k, cycles=True), held, tol, budget.relaxations):
+            break
+        stats["cancel_rounds"] += 1
+    _fill_open_slots(a, held, k, cap)
+    return held
+
+
+# --- phase 1 ---------------------------------------------------------------------------------
+
+
+def auction_epsilon(a: np.ndarray, budget: GlobalBudget) -> float:
+    """The auction's bid increment: ``budget.epsilon`` times the mean of the rows' maxima."""
+    spread = float(a.max() - a.min()) or 1.0
+    return max(budget.epsilon * float(a.max(axis=1).mean()), 1e-12 * spread)
+
+
+STALL_ROUNDS = 4  # the auction stops once this many rounds filled fewer than this many slots
+
+
+def stop_open_slots(n: int, k: int, budget: GlobalBudget) -> int:
+    """Open slots at which the auction hands over to phase 2."""
+    return max(1, int(budget.stop_open * n * k))
+
+
+def warm_prices(a: np.ndarray) -> np.ndarray:
+    """The auction's starting prices: each expert's mean affinity, the lowest shifted to 0."""
+    mean = a.mean(axis=0)
+    return mean - mean.min()
+
+
+def _auction(a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget) -> np.ndarray:
+    """Phase 1: ``[n, e]`` bool holdings after at most ``budget.auction_rounds`` rounds.
+
+    Each expert has ``c_j`` slots, each with a price (the warm price while nobody holds it, then
+    the winning bid), so prices never fall.
+    """
+    n, e = a.shape
+    closed = cap == 0  # an expert without capacity is never offered
+    eps = auction_epsilon(a, budget)
+    # No alternative left (a token that needs every expert it does not hold): bid as if the
+    # next best were this far below the worst affinity.
+    floor = float(a.min() - (a.max() - a.min()) - 1.0)
+    slot_price = [np.full(int(c), p) for c, p in zip(cap, warm_prices(a), strict=True)]
+    slot_owner = [np.full(int(c), -1) for c in cap]
+    held = np.zeros((n, e), dtype=bool)
+    stop = stop_open_slots(n, k, budget)
+    history: list[int] = []
+    for round_ in range(budget.auction_rounds):
+        missing = k - held.sum(axis=1)
+        open_now = int(missing.sum())
+        if open_now <= (0 if round_ == 0 else stop):
+            break
+        # ... or when the last STALL_ROUNDS rounds filled fewer than STALL_ROUNDS slots
+        if round_ >= STALL_ROUNDS and history[-STALL_ROUNDS] - open_now < STALL_ROUNDS:
+            break
+        history.append(open_now)
+        price = np.array([sp.min() if sp.size else np.inf for sp in slot_price])
+        bids = _bids(a, held, closed, price, missing, k, floor, eps)
+        for j, (tokens, values) in bids.items():
+            # The c_j highest offers among the slots' prices and the new bids stay.
+            prices = np.concatenate([slot_price[j], values])
+            owners = np.concatenate([slot_owner[j], tokens])
+            keep = np.argsort(-prices, kind="stable")[: cap[j]]
+            for t in slot_owner[j][slot_owner[j] >= 0]:
+                if t not in owners[keep]:
+                    held[t, j] = False
+            slot_price[j], slot_owner[j] = prices[keep], owners[keep]
+            for t in slot_owner[j][slot_owner[j] >= 0]:
+                held[t, j] = True
+    price = np.array([sp.min() if sp.size else np.inf for sp in slot_price])
+    # A token evicted from one expert can now prefer it to one it still holds by more than eps
+    # (it was won against other prices): give such slots up, so that eps-complementary
+    # slackness holds for every held slot and phase 2 starts without positive cycles.
+    reduced = a - price
+    best_alt = np.where(held | closed, -np.inf, reduced).max(axis=1, keepdims=True)
+    held &= ~(reduced < best_alt - eps)
+    return held
+
+
+def _bids(
+    a: np.ndarray,
+    held: np.ndarray,
+    closed: np.ndarray,
+    price: np.ndarray,
+    missing: np.ndarray,
+    k: int,
+    floor: float,
+    eps: float,
+) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Every token missing ``m`` slots bids for its best ``m`` experts: ``{expert: (tokens,
+    bids)}``, a bid being ``A_ij - w + eps`` with ``w`` the token's ``(m+1)``-th best reduced
+    value (so the token stays within ``eps`` of its next best choice at the new price)."""
+    n, e = a.shape
+    bidders = np.flatnonzero(missing > 0)
+    reduced = np.where(held[bidders] | closed, -np.inf, a[bidders] - price)
+    order = np.argsort(-reduced, axis=1, kind="stable")[:, : k + 1]
+    values = np.take_along_axis(reduced, order, axis=1)
+    if values.shape[1] < k + 1:  # fewer than k + 1 experts
+        values = np.concatenate(
+            [values, np.full((len(bidders), k + 1 - values.shape[1]), -np.inf)], axis=1
+        )
+    m = missing[bidders]
+    w = values[np.arange(len(bidders)), np.minimum(m, k)]
+    w = np.where(np.isfinite(w), w, floor)
+    out: dict[int, list[tuple[int, float]]] = {}
+    for r in range(min(k, order.shape[1])):
+        for row in np.flatnonzero((r < m) & np.isfinite(values[:, r])):
+            t, j = int(bidders[row]), int(order[row, r])
+            out.setdefault(j, []).append((t, a[t, j] - w[row] + eps))
+    return {
+        j: (np.array([t for t, _ in v]), np.array([b for _, b in v]))
+        for j, v in sorted(out.items())
+    }
+
+
+# --- the expert graph ------------------------------------------------------------------------
+
+
+@dataclass
+class _Graph:
+    """Edges of the expert graph: ``gain[u, v]`` and the token that realises each edge."""
+
+    gain: np.ndarray  # [V, V], V = e + 2; -inf = no edge
+    token: np.ndarray  # [V, V] int, -1 where no token is involved
+    spare: np.ndarray  # [e] bool, expert has spare capacity
+    open_slots: np.ndarray  # [n] int, slots each token still has open
+
+
+def _expert_graph(
+    a: np.ndarray, held: np.ndarray, cap: np.ndarray, k: int, *, cycles: bool
+) -> _Graph:
+    """Build the expert graph of ``held`` (nodes: experts ``0..e-1``, ``S = e``, ``D = e + 1``).
+
+    ``cycles=False`` gives the edges that phase 2 uses (moves between experts, ``D -> b``);
+    ``cycles=True`` adds ``b -> S``, ``S -> a`` and ``a -> D`` for phase 3.
+    """
+    n, e = a.shape
+    sink, drop = e, e + 1
+    gain = np.full((e + 2, e + 2), -np.inf)
+    token = np.full((e + 2, e + 2), -1, dtype=np.int64)
+    load = held.sum(axis=0)
+    spare = load < cap
+    open_slots = k - held.sum(axis=1)
+    for src in range(e):
+        on = np.flatnonzero(held[:, src])
+        if on.size == 0:
+            continue
+        move = np.where(held[on], -np.inf, a[on] - a[on, src][:, None])
+        best = move.argmax(axis=0)
+        gain[src, :e] = move[best, np.arange(e)]
+        token[src, :e] = on[best]
+        if cycles and (open_slots > 0).any():
+            worst = int(np.argmin(a[on, src]))
+            gain[src, drop] = -a[on[worst], src]
+            token[src, drop] = on[worst]
+    needy = np.flatnonzero(open_slots > 0)
+    if needy.size:
+        enter = np.where(held[needy] | (cap == 0), -np.inf, a[needy])
+        best = enter.argmax(axis=0)
+        gain[drop, :e] = enter[best, np.arange(e)]
+        token[drop, :e] = needy[best]
+    if cycles:
+        gain[:e, sink] = np.where(spare, 0.0, -np.inf)
+        gain[sink, :e] = 0.0
+    return _Graph(gain, token, spare, open_slots)
+
+
+def _bellman_ford(
+    gain: np.ndarray, dist: np.ndarray, tol: float, relaxations: int
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Longest paths with every edge charged ``tol``, at most ``relaxations`` rounds; returns
+    ``(dist, pred, settled)``."""
+    v = gain.shape[0]
+    pred = np.full(v, -1, dtype=np.int64)
+    charged = gain - tol
+    for _ in range(min(relaxations, v + 1)):
+        cand = dist[:, None] + charged
+        src = cand.argmax(axis=0)
+        best = cand[src, np.arange(v)]
+        better = best > dist
+        if not better.any():
+            return dist, pred, True
+        dist = np.where(better, best, dist)
+        pred = np.where(better, src, pred)
+    return dist, pred, False
+
+
+def _apply(held: np.ndarray, graph: _Graph, path: list[int]) -> None:
+    """Carry out the moves of the edges ``path[0] -> path[1] -> ...`` (no edge into ``S``)."""
+    e = held.shape[1]
+    for u, v in zip(path[:-1], path[1:], strict=True):
+        if u == e or v == e:  # edges through S move no token
+            continue
+        t = graph.token[u, v]
+        if u < e:
+            held[t, u] = False
+        if v < e:
+            held[t, v] = True
+
+
+# --- phase 2 ---------------------------------------------------------------------------------
+
+
+def _augment(
+    graph: _Graph, held: np.ndarray, cap: np.ndarray, tol: float, relaxations: int
+) -> int:
+    """One round of phase 2: apply node-disjoint augmenting paths ``D -> ... -> spare expert``.
+
+    A positive cycle (the auction leaves some) keeps Bellman-Ford from settling: the paths found
+    anyway are used (a walk that loops is skipped); only if none is found are the edges charged
+    more, which makes every cycle negative eventually. Returns the number of paths applied (0:
+    no open slot can be filled, the flow is maximum).
+    """
+    e = held.shape[1]
+    drop = e + 1
+    start = np.full(e + 2, -np.inf)
+    start[drop] = 0.0
+    charge = tol
+    while True:
+        dist, pred, settled = _bellman_ford(graph.gain, start, charge, relaxations)
+        applied = _apply_paths(graph, held, cap, dist, pred)
+        if applied or settled:
+            return applied
+        charge *= 16
+
+
+def _apply_paths(
+    graph: _Graph, held: np.ndarray, cap: np.ndarray, dist: np.ndarray, pred: np.ndarray
+) -> int:
+    """Apply the node-disjoint paths of ``pred`` from D to spare experts, best first."""
+    e = held.shape[1]
+    drop = e + 1
+    order = np.argsort(-dist[:e], kind="stable")
+    claimed = np.zeros(e + 2, dtype=bool)
+    open_left = graph.open_slots.copy()
+    applied = 0
+    for b in order:
+        if applied >= graph.open_slots.sum():
+            break
+        if not (graph.spare[b] and np.isfinite(dist[b])):
+            continue
+        path = [int(b)]
+        while path[-1] != drop and pred[path[-1]] >= 0 and len(path) <= e + 2:
+            path.append(int(pred[path[-1]]))
+        if path[-1] != drop or len(set(path)) != len(path):  # unreachable, or a loop
+            continue
+        path.reverse()
+        first = graph.token[drop, path[1]]
+        if claimed[path[1:]].any() or open_left[first] == 0:
+            continue
+        claimed[path[1:]] = True
+        open_left[first] -= 1
+        _apply(held, graph, path)
+        applied += 1
+    return applied
+
+
+# --- phase 3 ---------------------------------------------------------------------------------
+
+
+def _cancel(graph: _Graph, held: np.ndarray, tol: float, relaxations: int) -> bool:
+    """One round of phase 3: apply every cycle of the predecessor graph; False if none."""
+    v = graph.gain.shape[0]
+    dist, pred, _ = _bellman_ford(graph.gain, np.zeros(v), tol, relaxations)
+    # Nodes on cycles: the image of pred^(2^m) for 2^m >= V (roots map to themselves).
+    jump = np.where(pred >= 0, pred, np.arange(v))
+    for _ in range(max(1, math.ceil(math.log2(v)))):
+        jump = jump[jump]
+    on_cycle = np.zeros(v, dtype=bool)
+    on_cycle[jump] = True
+    on_cycle &= pred >= 0
+    if not on_cycle.any():
+        return False
+    done = np.zeros(v, dtype=bool)
+    for start in np.flatnonzero(on_cycle):
+        if done[start]:
+            continue
+        cycle = [int(start)]
+        done[start] = True
+        node = int(pred[start])
+        while node != start:
+            cycle.append(node)
+            done[node] = True
+            node = int(pred[node])
+        cycle.append(int(start))
+        cycle.reverse()  # pred[v] -> v order
+        _apply(held, graph, cycle)
+    return True
+
+
+def _fill_open_slots(a: np.ndarray, held: np.ndarray, k: int, cap: np.ndarray) -> None:
+    """Give each open slot the best expert of spare capacity its token does not hold (only
+    reached if the round budget ran out; keeps Eq. 7 whatever the budget)."""
+    for t in np.flatnonzero(held.sum(axis=1) < k):
+        while held[t].sum() < k:
+            spare = (held.sum(axis=0) < cap) & ~held[t]
+            if not spare.any():
+                return
+            held[t, int(np.argmax(np.where(spare, a[t], -np.inf)))] = True

@@ -1,0 +1,925 @@
+// The global solver of Eq. (8) on the GPU: one thread block per routing group.
+//
+// Same three phases as maxscore/routing/flow/global_reference.py (read its docstring first):
+//   1. a Jacobi forward auction from warm prices (every expert's mean affinity), until at most
+//      STOP_OPEN slots are open or AUCTION rounds have run (its last slots fill slowly: the
+//      bidders raise prices by eps at a time, so graph search finishes them faster);
+//   2. augmenting paths on the expert graph (E experts + S + D) from D, the open slots, to experts
+//      with spare capacity, node-disjoint paths applied together, until no slot is open or no
+//      path exists (a maximum flow);
+//   3. at most CANCELS rounds of cycle cancelling on the expert graph (all cycles of the
+//      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left.
+// Then each token's experts are written by decreasing affinity (ties: lower index), -1 last.
+//
+// Memory. The per-group state (each token's K held experts (-1 = open) and held set as a bit
+// mask, each expert's holders with the prices they paid (ascending during phase 1), the bids an
+// expert received in a round, the lists of a round) lives in `work`: dynamic shared memory, or a
+// global scratch row when it does not fit. The expert graph's gains (V x V floats) and a copy of
+// the affinities follow in shared memory when they fit too (GRAPH_SMEM, A_SMEM), else they are
+// read from global memory (L1 / L2). An edge's token is not stored: the few edges a round
+// applies look it up again.
+//
+// Compile-time constants (prepended by maxscore.routing.flow.global_cuda): N, E, K, THREADS,
+// CB (holders per expert: the largest capacity, clamped to N), BUF (bids an expert takes per
+// round), AUCTION, STOP_OPEN, CANCELS, RELAX (Bellman-Ford relaxations per round), EPS_REL, TOL_REL, WARP_BIDS (1: a warp per bidding token,
+// for large E; 0: a thread per token), A_SMEM, GRAPH_SMEM.
+
+#define WARPS (THREADS / 32)
+#define V (E + 2)
+#define SINK E
+#define DROP (E + 1)
+#define MW ((E + 31) / 32)      // mask words per token
+#define LANE_E ((E + 31) / 32)  // experts per lane in warp-wide scans
+#define NEG (-3.0e38f)
+#define FULL_MASK 0xffffffffu
+#define MAX_ESCALATIONS 16
+#define STALL 4  // the auction stops once STALL rounds have filled fewer than STALL slots
+
+#ifndef DYNAMIC_SHARED  // the CPU emulator of the tests defines its own
+#define DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+typedef unsigned int u32;
+
+// Byte offsets of the per-group state inside `work` (all 4-byte aligned).
+#define OFF_TOK_E 0                          // int [N * K]
+#define OFF_MASK (OFF_TOK_E + 4 * N * K)     // u32 [N * MW]
+#define OFF_HOLD_T (OFF_MASK + 4 * N * MW)   // int [E * CB]
+#define OFF_HOLD_P (OFF_HOLD_T + 4 * E * CB) // float [E * CB]
+#define OFF_BID_T (OFF_HOLD_P + 4 * E * CB)  // int [E * BUF] (token << 4 | entry)
+#define OFF_BID_P (OFF_BID_T + 4 * E * BUF)  // float [E * BUF]
+#define OFF_OPEN (OFF_BID_P + 4 * E * BUF)   // int [N]
+#define OFF_MOVE (OFF_OPEN + 4 * N)          // int [3 * V]
+#define OFF_REC_E (OFF_MOVE + 12 * V)        // int [N * K]: expert of each posted bid
+#define OFF_REC_P (OFF_REC_E + 4 * N * K)    // float [N * K]: its value
+#define OFF_TMP (OFF_REC_P + 4 * N * K)      // float [WARPS * E]: per-warp column sums
+#define WORK_BYTES (OFF_TMP + 4 * WARPS * E)
+#define GRAPH_BYTES (4 * V * V)
+#define A_BYTES (4 * N * E)
+
+struct Block {
+  int rank[WARPS][BUF];     // phase 1 merge: each bid's rank among its expert's bids
+  float wsort[WARPS][BUF];  // the winning bids, ascending
+  int widx[WARPS][BUF];
+  float warp_max[WARPS];
+  int warp_rows[WARPS];
+  float price[E];    // the price a new bid must beat (reserve while a slot is free)
+  float reserve[E];  // warm price: mean affinity, the lowest shifted to 0
+  int cap[E];        // capacity, clamped to [0, N]
+  int held[E];       // holders
+  int nbid[E];       // bids posted this round
+  float dist[V], dist_next[V];
+  int pred[V], pred_next[V], jump[V], jump_next[V], on_cycle[V], claimed[V], looked[V];
+  int lo_ord, hi_ord, real_rows;
+  float lo, hi, eps, tol;
+  int open_count, open_tokens, moves;
+  long long prof[10];  // SM cycles per part (thread 0's clock): see the stats at the end
+};
+
+// Monotone map of floats to ints (integer atomics give float min / max).
+__device__ __forceinline__ int ord_float(float f) {
+  const int i = __float_as_int(f);
+  return i >= 0 ? i : i ^ 0x7fffffff;
+}
+__device__ __forceinline__ float unord_float(int i) {
+  return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff);
+}
+
+__device__ __forceinline__ bool has_bit(const u32* mask, int j) {
+  return (mask[j >> 5] >> (j & 31)) & 1u;
+}
+
+// Warp argmax over (value, index) pairs; ties go to the lower index. Every lane gets the result.
+__device__ __forceinline__ void warp_argmax(float& v, int& j) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+    const int oj = __shfl_xor_sync(FULL_MASK, j, o);
+    if (ov > v || (ov == v && oj < j)) {
+      v = ov;
+      j = oj;
+    }
+  }
+}
+
+// The index of the q-th open entry (-1) of token t.
+__device__ __forceinline__ int open_entry(const int* tok_e, int t, int q) {
+  int seen = 0;
+  for (int s = 0; s < K; ++s) {
+    if (tok_e[t * K + s] < 0) {
+      if (seen == q) return s;
+      ++seen;
+    }
+  }
+  return -1;
+}
+
+// Warp-aggregated atomicAdd of `value` (every lane calls it; lanes with active == 0 add
+// nothing): one shared-memory atomic per warp instead of one per lane. Returns this lane's
+// offset, like atomicAdd.
+__device__ __forceinline__ int warp_atomic_add(int* counter, int value, bool active) {
+  int prefix = active ? value : 0;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, prefix, o);
+    if ((threadIdx.x & 31) >= o) prefix += y;
+  }
+  const int total = __shfl_sync(FULL_MASK, prefix, 31);
+  int base = 0;
+  if ((threadIdx.x & 31) == 31 && total > 0) base = atomicAdd(counter, total);
+  base = __shfl_sync(FULL_MASK, base, 31);
+  return base + prefix - (active ? value : 0);
+}
+
+__device__ __forceinline__ int held_count(const int* tok_e, int t) {
+  int h = 0;
+#pragma unroll
+  for (int s = 0; s < K; ++s) h += tok_e[t * K + s] >= 0;
+  return h;
+}
+
+// Every token with an open slot into `open_list`; their number into b.open_tokens and the open
+// slots into b.open_count (both reset by the caller). Every thread calls it.
+__device__ __forceinline__ void list_open_tokens(Block& b, const int* tok_e, int* open_list,
+                                                 const unsigned char* real) {
+  for (int base = 0; base < N; base += THREADS) {
+    const int t = base + threadIdx.x;
+    const int open = t < N ? (real == nullptr || real[t] ? K : 0) - held_count(tok_e, t) : 0;
+    const int slot = warp_atomic_add(&b.open_tokens, 1, open > 0);
+    warp_atomic_add(&b.open_count, open > 0 ? open : 0, open > 0);
+    if (open > 0) open_list[slot] = t;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    global_auction_kernel(const float* __restrict__ affinities, const int* __restrict__ capacity,
+                          long long* __restrict__ out, int* __restrict__ stats,
+                          unsigned char* __restrict__ scratch, int use_scratch, int want_stats,
+                          const unsigned char* __restrict__ token_mask, int has_mask) {
+  __shared__ Block b;
+  DYNAMIC_SHARED(dyn);
+  const int g = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long t_start = clock64();
+  // Slots token t must get: K, or 0 for a padded position (which then takes no part at all).
+  const unsigned char* real = has_mask ? token_mask + (long long)g * N : nullptr;
+#define DEMAND(t) (real == nullptr || real[t] ? K : 0)
+  unsigned char* work = use_scratch ? scratch + (long long)g * WORK_BYTES : dyn;
+  unsigned char* smem_tail = dyn + (use_scratch ? 0 : WORK_BYTES);
+#if GRAPH_SMEM
+  float* gain = (float*)smem_tail;
+  smem_tail += GRAPH_BYTES;
+#else
+  float* gain = (float*)(scratch + (long long)gridDim.x * (use_scratch ? WORK_BYTES : 0) +
+                         (long long)g * GRAPH_BYTES);
+#endif
+  const float* a_global = affinities + (long long)g * N * E;
+#if A_SMEM
+  float* a_shared = (float*)smem_tail;
+  for (int i = tid; i < N * E; i += THREADS) a_shared[i] = a_global[i];
+  const float* a = a_shared;
+#else
+  const float* a = a_global;
+#endif
+  int* tok_e = (int*)(work + OFF_TOK_E);
+  u32* mask = (u32*)(work + OFF_MASK);
+  int* hold_t = (int*)(work + OFF_HOLD_T);
+  float* hold_p = (float*)(work + OFF_HOLD_P);
+  int* bid_t = (int*)(work + OFF_BID_T);
+  float* bid_p = (float*)(work + OFF_BID_P);
+  int* open_list = (int*)(work + OFF_OPEN);
+  int* move = (int*)(work + OFF_MOVE);
+  int* rec_e = (int*)(work + OFF_REC_E);
+  float* rec_p = (float*)(work + OFF_REC_P);
+  float* tmp = (float*)(work + OFF_TMP);
+
+  // ---- setup: capacities, warm prices, scales (deterministic: no float atomics) ----
+  for (int j = tid; j < E; j += THREADS) {
+    const int c = capacity[g * E + j];
+    b.cap[j] = c < 0 ? 0 : (c > N ? N : c);
+    b.held[j] = 0;
+    b.nbid[j] = 0;
+  }
+  if (tid == 0) {
+    for (int i = 0; i < 10; ++i) b.prof[i] = 0;
+    b.lo_ord = 0x7fffffff;
+    b.hi_ord = (int)0x80000000;
+  }
+  for (int i = tid; i < N * K; i += THREADS) {
+    tok_e[i] = -1;
+    rec_e[i] = -1;
+  }
+  for (int i = tid; i < N * MW; i += THREADS) mask[i] = 0u;
+  __syncthreads();
+  {
+    // A warp per row: column sums in registers, row maxima, the group's min / max.
+    float col[LANE_E];
+#pragma unroll
+    for (int c = 0; c < LANE_E; ++c) col[c] = 0.0f;
+    float rmax_sum = 0.0f, lo = 3.0e38f, hi = -3.0e38f;
+    int rows = 0;
+    for (int t = warp; t < N; t += WARPS) {
+      if (DEMAND(t) == 0) continue;
+      ++rows;
+      float m = NEG;
+#pragma unroll
+      for (int c = 0; c < LANE_E; ++c) {
+        const int j = lane + 32 * c;
+        if (j < E) {
+          const float x = a[t * E + j];
+          col[c] += x;
+          m = fmaxf(m, x);
+          lo = fminf(lo, x);
+          hi = fmaxf(hi, x);
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+      rmax_sum += m;
+    }
+#pragma unroll
+    for (int c = 0; c < LANE_E; ++c) {
+      const int j = lane + 32 * c;
+      if (j < E) tmp[warp * E + j] = col[c];
+    }
+    if (lane == 0) {
+      b.warp_max[warp] = rmax_sum;
+      b.warp_rows[warp] = rows;
+    }
+    atomicMin(&b.lo_ord, ord_float(lo));
+    atomicMax(&b.hi_ord, ord_float(hi));
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int rows = 0;
+    for (int w = 0; w < WARPS; ++w) rows += b.warp_rows[w];
+    b.real_rows = rows > 0 ? rows : 1;
+  }
+  __syncthreads();
+  for (int j = tid; j < E; j += THREADS) {
+    float sum = 0.0f;
+    for (int w = 0; w < WARPS; ++w) sum += tmp[w * E + j];
+    b.reserve[j] = sum / b.real_rows;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float lowest = 3.0e38f, rsum = 0.0f;
+    for (int j = 0; j < E; ++j) lowest = fminf(lowest, b.reserve[j]);
+    for (int j = 0; j < E; ++j) b.reserve[j] -= lowest;
+    for (int w = 0; w < WARPS; ++w) rsum += b.warp_max[w];
+    b.lo = unord_float(b.lo_ord);
+    b.hi = unord_float(b.hi_ord);
+    float spread = b.hi - b.lo;
+    if (!(spread > 0.0f)) spread = 1.0f;
+    b.tol = TOL_REL * spread;
+    b.eps = EPS_REL * (rsum / b.real_rows);
+    if (!(b.eps > 1e-12f * spread)) b.eps = 1e-12f * spread;
+  }
+  __syncthreads();
+  for (int j = tid; j < E; j += THREADS) b.price[j] = b.reserve[j];
+  __syncthreads();
+  // No alternative left (a token needing every expert it does not hold): bid as if the next
+  // best were this far below the worst affinity.
+  const float floor_w = b.lo - (b.hi - b.lo) - 1.0f;
+  const long long t_setup = clock64();
+
+  // ---- phase 1: the auction ----
+  int rounds = 0;
+  int open_history[STALL];  // open slots of the last STALL rounds (same in every thread)
+  for (; rounds < AUCTION; ++rounds) {
+    const long long t_round = clock64();
+    if (tid == 0) {
+      b.open_count = 0;
+      b.open_tokens = 0;
+    }
+    __syncthreads();
+    // Open tokens into a list (its order does not matter: bids are ranked per expert).
+    list_open_tokens(b, tok_e, open_list, real);
+    __syncthreads();
+    const long long t_listed = clock64();
+    const int open_tokens = b.open_tokens;
+    // Stop when few slots are open, or when the last STALL rounds filled fewer than STALL of
+    // them (the tail, where bidders raise prices by eps at a time: a round of phase 2 fills
+    // several slots for the cost of a few auction rounds).
+    const int open_now = b.open_count;
+    if (open_now <= (rounds == 0 ? 0 : STOP_OPEN)) break;
+    if (rounds >= STALL && open_history[rounds % STALL] - open_now < STALL) break;
+    open_history[rounds % STALL] = open_now;
+#if WARP_BIDS
+    for (int q = warp; q < open_tokens; q += WARPS) {
+      const int t = open_list[q];
+      const u32* mt = mask + t * MW;
+      const int m = DEMAND(t) - held_count(tok_e, t);
+      if (lane < K) rec_e[t * K + lane] = -1;
+      __syncwarp();
+      float val[LANE_E];
+#pragma unroll
+      for (int c = 0; c < LANE_E; ++c) {
+        const int j = lane + 32 * c;
+        val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? a[t * E + j] - b.price[j] : NEG;
+      }
+      int my_pick = -1;  // lane r < m keeps the r-th pick
+      float w = NEG;
+      int w_valid = 0;
+      for (int r = 0; r <= m; ++r) {
+        float best = NEG;
+        int bj = 0x7fffffff;
+#pragma unroll
+        for (int c = 0; c < LANE_E; ++c) {
+          const int j = lane + 32 * c;
+          if (val[c] > best) {
+            best = val[c];
+            bj = j;
+          }
+        }
+        warp_argmax(best, bj);
+        const bool found = best > NEG;
+        if (r < m) {
+          if (lane == r && found) my_pick = bj;
+        } else {
+          w = best;
+          w_valid = found;
+        }
+#pragma unroll
+        for (int c = 0; c < LANE_E; ++c)
+          if (lane + 32 * c == bj) val[c] = NEG;
+      }
+      if (!w_valid) w = floor_w;
+      if (lane < m && my_pick >= 0) {
+        const int j = my_pick, s = open_entry(tok_e, t, lane);
+        const float value = a[t * E + j] - w + b.eps;
+        rec_e[t * K + s] = j;
+        rec_p[t * K + s] = value;
+        const int slot = atomicAdd(&b.nbid[j], 1);
+        if (slot < BUF) {
+          bid_t[j * BUF + slot] = (t << 4) | s;
+          bid_p[j * BUF + slot] = value;
+        }
+      }
+    }
+#else
+    for (int q = tid; q < open_tokens; q += THREADS) {
+      const int t = open_list[q];
+      const u32* mt = mask + t * MW;
+      const int m = DEMAND(t) - held_count(tok_e, t);
+      for (int s = 0; s < K; ++s) rec_e[t * K + s] = -1;
+      float top[K + 1];
+      int topj[K + 1];
+#pragma unroll
+      for (int r = 0; r <= K; ++r) {
+        top[r] = NEG;
+        topj[r] = -1;
+      }
+      for (int j = 0; j < E; ++j) {
+        if (b.cap[j] == 0 || has_bit(mt, j)) continue;
+        float x = a[t * E + j] - b.price[j];
+        int xj = j;
+        // insertion into the descending top-(m+1) list (ties keep the lower index first)
+#pragma unroll
+        for (int r = 0; r <= K; ++r) {
+          if (r <= m && x > top[r]) {
+            const float tv = top[r];
+            const int tj = topj[r];
+            top[r] = x;
+            topj[r] = xj;
+            x = tv;
+            xj = tj;
+          }
+        }
+      }
+      float w = floor_w;
+#pragma unroll
+      for (int r = 0; r <= K; ++r)
+        if (r == m && topj[r] >= 0) w = top[r];
+      int q2 = 0;
+#pragma unroll
+      for (int r = 0; r < K; ++r) {
+        if (r >= m || topj[r] < 0) continue;
+        const int j = topj[r], s = open_entry(tok_e, t, q2++);
+        const float value = a[t * E + j] - w + b.eps;
+        rec_e[t * K + s] = j;
+        rec_p[t * K + s] = value;
+        const int slot = atomicAdd(&b.nbid[j], 1);
+        if (slot < BUF) {
+          bid_t[j * BUF + slot] = (t << 4) | s;
+          bid_p[j * BUF + slot] = value;
+        }
+      }
+    }
+#endif
+    __syncthreads();
+    const long long t_bid = clock64();
+    // Each expert keeps the c_j highest offers among its holders, its free slots (at the
+    // reserve price) and the new bids: a warp per expert.
+    for (int j = warp; j < E; j += WARPS) {
+      const int posted = b.nbid[j];
+      if (posted == 0) continue;
+      int* bt = bid_t + j * BUF;
+      float* bp = bid_p + j * BUF;
+      if (posted > BUF) {
+        // More bids than the buffer holds: keep the BUF best, found deterministically from the
+        // bidders' own records (value descending, then token ascending); the rest wait.
+        float last_v = 3.0e38f;
+        int last_r = -1;
+        for (int p = 0; p < BUF; ++p) {
+          float best = NEG;
+          int best_r = 0x7fffffff;
+          for (int q = lane; q < open_tokens * K; q += 32) {
+            const int r = open_list[q / K] * K + q % K;
+            if (rec_e[r] != j) continue;
+            const float x = rec_p[r];
+            const bool after_last = x < last_v || (x == last_v && r > last_r);
+            if (after_last && (x > best || (x == best && r < best_r))) {
+              best = x;
+              best_r = r;
+            }
+          }
+          warp_argmax(best, best_r);  // ties: lower record index = lower token
+          if (lane == 0) {
+            bt[p] = ((best_r / K) << 4) | (best_r % K);
+            bp[p] = best;
+          }
+          last_v = best;
+          last_r = best_r;
+        }
+        __syncwarp();
+      }
+      const int nb = min(posted, BUF);
+      const int h = b.held[j], c = b.cap[j], f = c - h;
+      int* ht = hold_t + j * CB;
+      float* hp = hold_p + j * CB;
+      // Rank of each bid (price descending, ties: lower token first); the r-th best bid wins
+      // if it beats the r-th cheapest slot (the free slots, at the reserve price, come first).
+      int win = 0;
+      for (int q = lane; q < nb; q += 32) {
+        const float x = bp[q];
+        const int xt = bt[q] >> 4;
+        int rank = 0;
+        for (int p = 0; p < nb; ++p) {
+          const float y = bp[p];
+          rank += (y > x) || (y == x && (bt[p] >> 4) < xt);
+        }
+        b.rank[warp][q] = rank;
+        const float slot = rank < f ? b.reserve[j] : (rank - f < h ? hp[rank - f] : 3.0e38f);
+        win += (rank < c && x > slot);
+      }
+      // the winners are a prefix of the ranking (bids descending, slots ascending)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) win += __shfl_xor_sync(FULL_MASK, win, o);
+      __syncwarp();
+      for (int q = lane; q < nb; q += 32) {
+        const int r = b.rank[warp][q];
+        if (r < win) {
+          b.wsort[warp][win - 1 - r] = bp[q];
+          b.widx[warp][win - 1 - r] = q;
+        }
+      }
+      const int evict = win > f ? win - f : 0;  // the cheapest holders are replaced
+      const int kept = h - evict;
+      for (int q = lane; q < evict; q += 32) {
+        const int t = ht[q];
+        for (int s = 0; s < K; ++s)
+          if (tok_e[t * K + s] == j) tok_e[t * K + s] = -1;
+        atomicAnd(&mask[t * MW + (j >> 5)], ~(1u << (j & 31)));
+      }
+      __syncwarp();
+      // Merge the kept holders (hp[evict..h), ascending) with the winners (ascending): every
+      // element's position first (reads into registers), then the writes.
+      constexpr int KEPT_R = (CB + 31) / 32, WIN_R = (BUF + 31) / 32;
+      int kpos[KEPT_R], ktok[KEPT_R];
+      float kval[KEPT_R];
+#pragma unroll
+      for (int r = 0; r < KEPT_R; ++r) {
+        const int q = lane + 32 * r;
+        kpos[r] = -1;
+        if (q < kept) {
+          const float x = hp[evict + q];
+          int lo = 0, hi = win;  // winners priced below x come first
+          while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (b.wsort[warp][mid] < x) lo = mid + 1;
+            else hi = mid;
+          }
+          kpos[r] = q + lo;
+          kval[r] = x;
+          ktok[r] = ht[evict + q];
+        }
+      }
+      int wpos[WIN_R], wrec[WIN_R];
+      float wval[WIN_R];
+#pragma unroll
+      for (int r = 0; r < WIN_R; ++r) {
+        const int i = lane + 32 * r;
+        wpos[r] = -1;
+        if (i < win) {
+          const float x = b.wsort[warp][i];
+          int lo = 0, hi = kept;  // kept holders priced at most x come first
+          while (lo < hi) {
+            const int mid = (lo + hi) >> 1;
+            if (hp[evict + mid] <= x) lo = mid + 1;
+            else hi = mid;
+          }
+          wpos[r] = i + lo;
+          wval[r] = x;
+          wrec[r] = bt[b.widx[warp][i]];
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int r = 0; r < KEPT_R; ++r) {
+        if (kpos[r] >= 0) {
+          hp[kpos[r]] = kval[r];
+          ht[kpos[r]] = ktok[r];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < WIN_R; ++r) {
+        if (wpos[r] >= 0) {
+          const int t = wrec[r] >> 4, s = wrec[r] & 15;
+          hp[wpos[r]] = wval[r];
+          ht[wpos[r]] = t;
+          tok_e[t * K + s] = j;
+          atomicOr(&mask[t * MW + (j >> 5)], 1u << (j & 31));
+        }
+      }
+      __syncwarp();
+      if (lane == 0) {
+        const int total = kept + win;
+        b.held[j] = total;
+        b.price[j] = total < c ? b.reserve[j] : hp[0];
+        b.nbid[j] = 0;
+      }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      const long long now = clock64();
+      b.prof[0] += t_listed - t_round;
+      b.prof[1] += t_bid - t_listed;
+      b.prof[2] += now - t_bid;
+    }
+  }
+  // A token evicted from one expert can now prefer it to one it still holds by more than eps
+  // (that slot was won against other prices): give such slots up, so that eps-complementary
+  // slackness holds for every held slot and phase 2 starts without positive cycles.
+  for (int t = tid; t < N; t += THREADS) {
+    if (DEMAND(t) == 0) continue;
+    const u32* mt = mask + t * MW;
+    float best_alt = NEG;
+    for (int j = 0; j < E; ++j)
+      if (b.cap[j] > 0 && !has_bit(mt, j)) best_alt = fmaxf(best_alt, a[t * E + j] - b.price[j]);
+    for (int s = 0; s < K; ++s) {
+      const int j = tok_e[t * K + s];
+      if (j < 0 || !(a[t * E + j] - b.price[j] < best_alt - b.eps)) continue;
+      tok_e[t * K + s] = -1;
+      atomicAnd(&mask[t * MW + (j >> 5)], ~(1u << (j & 31)));
+      int* ht = hold_t + j * CB;
+      for (int p = 0; p < b.held[j]; ++p)
+        if (ht[p] == t) ht[p] = -1;
+    }
+  }
+  __syncthreads();
+  for (int j = warp; j < E; j += WARPS) {  // drop the released holders, keeping the order
+    int* ht = hold_t + j * CB;
+    const int h = b.held[j];
+    int kept = 0;
+    for (int base = 0; base < h; base += 32) {
+      const int q = base + lane;
+      const int t = q < h ? ht[q] : -1;
+      const u32 keep = __ballot_sync(FULL_MASK, t >= 0);
+      __syncwarp();
+      if (t >= 0) ht[kept + __popc(keep & ((1u << lane) - 1))] = t;
+      kept += __popc(keep);
+      __syncwarp();
+    }
+    if (lane == 0) b.held[j] = kept;
+  }
+  __syncthreads();
+  const long long t_auction = clock64();
+
+  // ---- phases 2 and 3: the expert graph ----
+  int open_after_auction = 0, augment_rounds = 0, cancel_rounds = 0;
+  long long t_augment = t_auction;
+  for (int phase = 2; phase <= 3; ++phase) {
+    const bool cycles = phase == 3;
+    const int limit = cycles ? CANCELS : N * K;
+    // Phase 2's edges are charged the auction's eps too: its state has no cycle above that.
+    float charge = cycles ? b.tol : b.tol + b.eps;
+    int escalations = 0;
+    for (int round = 0; round < limit; ++round) {
+      // open slots and the tokens that have them
+      if (tid == 0) {
+        b.open_count = 0;
+        b.open_tokens = 0;
+        b.moves = 0;
+      }
+      __syncthreads();
+      list_open_tokens(b, tok_e, open_list, real);
+      __syncthreads();
+      long long t_part = clock64();
+      if (!cycles && round == 0) open_after_auction = b.open_count;
+      if (!cycles && b.open_count == 0) break;
+      const int open_tokens = b.open_tokens;
+      // Rows of the experts: the best move of one of their holders to every other expert.
+      for (int u = warp; u < E; u += WARPS) {
+        const int h = b.held[u];
+        const int* ht = hold_t + u * CB;
+        float best[LANE_E];
+#pragma unroll
+        for (int c = 0; c < LANE_E; ++c) best[c] = NEG;
+        float worst = NEG;
+        for (int q = 0; q < h; ++q) {
+          const int t = ht[q];
+          const u32* mt = mask + t * MW;
+          const float from = a[t * E + u];
+#pragma unroll
+          for (int c = 0; c < LANE_E; ++c) {
+            const int v = lane + 32 * c;
+            if (v < E && b.cap[v] > 0 && !has_bit(mt, v)) best[c] = fmaxf(best[c], a[t * E + v] - from);
+          }
+          worst = fmaxf(worst, -from);
+        }
+#pragma unroll
+        for (int c = 0; c < LANE_E; ++c) {
+          const int v = lane + 32 * c;
+          if (v < E) gain[u * V + v] = best[c];
+        }
+        if (lane == 0) {
+          // u -> S (u may take one more), u -> D (its worst holder gives up its slot)
+          gain[u * V + SINK] = (cycles && h < b.cap[u]) ? 0.0f : NEG;
+          gain[u * V + DROP] = (cycles && open_tokens > 0 && h > 0) ? worst : NEG;
+        }
+      }
+      // Rows of S (an expert may lose a token) and D (an open slot takes an expert).
+      for (int v = tid; v < V; v += THREADS) {
+        gain[SINK * V + v] = (cycles && v < E) ? 0.0f : NEG;
+        float best = NEG;
+        if (v < E && b.cap[v] > 0) {
+          for (int q = 0; q < open_tokens; ++q) {
+            const int t = open_list[q];
+            if (!has_bit(mask + t * MW, v)) best = fmaxf(best, a[t * E + v]);
+          }
+        }
+        gain[DROP * V + v] = best;
+      }
+      __syncthreads();
+      if (tid == 0) {
+        const long long now = clock64();
+        b.prof[3 + 3 * cycles] += now - t_part;
+        t_part = now;
+      }
+      // Bellman-Ford (longest paths, every edge charged `charge`, at most RELAX relaxations):
+      // from D for phase 2, from a virtual source joined to every node for phase 3. In phase 2
+      // a positive cycle (the auction leaves some) keeps it from settling; the paths found
+      // anyway are used (a walk that loops is skipped), and when there is none the cycles of
+      // the predecessor graph are cancelled instead.
+      for (int v = tid; v < V; v += THREADS) {
+        b.dist[v] = cycles ? 0.0f : (v == DROP ? 0.0f : NEG);
+        b.pred[v] = -1;
+      }
+      __syncthreads();
+      int changed = 1;
+      for (int it = 0; it < RELAX && changed; ++it) {
+        // Jacobi relaxation into the other buffer: one barrier per relaxation
+        float* cur = (it & 1) ? b.dist_next : b.dist;
+        float* nxt = (it & 1) ? b.dist : b.dist_next;
+        int mine = 0;
+        for (int v = tid; v < V; v += THREADS) {
+          float best = cur[v];
+          int bp = b.pred[v];
+          for (int u = 0; u < V; ++u) {
+            const float du = cur[u];
+            const float w = gain[u * V + v];
+            if (du <= NEG || w <= NEG) continue;
+            const float x = du + w - charge;
+            if (x > best) {
+              best = x;
+              bp = u;
+            }
+          }
+          nxt[v] = best;
+          mine |= best != cur[v];
+          b.pred[v] = bp;  // only this thread reads or writes pred[v] during the loop
+        }
+        changed = __syncthreads_or(mine);
+        if ((it & 1) == 0 && (!changed || it + 1 == RELAX)) {
+          for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
+          __syncthreads();
+        }
+      }
+      if (!cycles) {
+        // Node-disjoint augmenting paths, best target first (one thread: few targets). A path's
+        // D edge takes the best open token for its first expert, if that token still has an
+        // open slot this round; its other edges' tokens are looked up below.
+        if (tid == 0) {
+          for (int v = 0; v < V; ++v) {
+            b.claimed[v] = 0;
+            b.looked[v] = 0;
+          }
+          int nm = 0, filled = 0;
+          while (filled < b.open_count) {
+            float best = NEG;
+            int tgt = -1;
+            for (int v = 0; v < E; ++v) {
+              if (b.looked[v] || b.held[v] >= b.cap[v] || b.dist[v] <= NEG) continue;
+              if (b.dist[v] > best) {
+                best = b.dist[v];
+                tgt = v;
+              }
+            }
+            if (tgt < 0) break;
+            b.looked[tgt] = 1;
+            int x = tgt, first = tgt, steps = 0, ok = 1;
+            while (x != DROP) {
+              if (b.claimed[x] || b.pred[x] < 0 || ++steps > V) {
+                ok = 0;
+                break;
+              }
+              first = x;
+              x = b.pred[x];
+            }
+            if (!ok) continue;
+            int tok = -1;
+            float tv = NEG;
+            for (int q = 0; q < open_tokens; ++q) {
+              const int t = open_list[q];
+              if (has_bit(mask + t * MW, first)) continue;
+              const float y = a[t * E + first];
+              if (y > tv || (y == tv && t < tok)) {
+                tv = y;
+                tok = t;
+              }
+            }
+            int uses = 0;
+            for (int p = 0; p < nm; ++p) uses += move[3 * p + 1] == DROP && move[3 * p] == tok;
+            if (tok < 0 || uses >= DEMAND(tok) - held_count(tok_e, tok)) continue;
+            x = tgt;
+            while (x != DROP) {
+              b.claimed[x] = 1;
+              move[3 * nm] = b.pred[x] == DROP ? tok : -1;  // -1: looked up below
+              move[3 * nm + 1] = b.pred[x];
+              move[3 * nm + 2] = x;
+              ++nm;
+              x = b.pred[x];
+            }
+            ++filled;
+          }
+          b.moves = nm;
+        }
+      }
+      __syncthreads();
+      const bool cancel = cycles || (b.moves == 0 && changed);
+      if (tid == 0) {
+        const long long now = clock64();
+        b.prof[4 + 3 * cycles] += now - t_part;
+        t_part = now;
+      }
+      if (cancel) {
+        // Nodes on cycles of the predecessor graph: the image of pred^(2^m), 2^m >= V.
+        for (int v = tid; v < V; v += THREADS) {
+          b.jump[v] = b.pred[v] >= 0 ? b.pred[v] : v;
+          b.on_cycle[v] = 0;
+        }
+        __syncthreads();
+        for (int step = 1; step < 2 * V; step *= 2) {
+          for (int v = tid; v < V; v += THREADS) b.jump_next[v] = b.jump[b.jump[v]];
+          __syncthreads();
+          for (int v = tid; v < V; v += THREADS) b.jump[v] = b.jump_next[v];
+          __syncthreads();
+        }
+        for (int v = tid; v < V; v += THREADS)
+          if (b.pred[b.jump[v]] >= 0) b.on_cycle[b.jump[v]] = 1;
+        __syncthreads();
+        if (tid == 0) {
+          int nm = 0;
+          for (int v = 0; v < V; ++v) {
+            if (!b.on_cycle[v]) continue;
+            move[3 * nm] = -1;
+            move[3 * nm + 1] = b.pred[v];
+            move[3 * nm + 2] = v;
+            ++nm;
+          }
+          b.moves = nm;
+        }
+      }
+      __syncthreads();
+      const int nm = b.moves;
+      if (nm == 0 && !cycles && changed && escalations < MAX_ESCALATIONS) {
+        // No path and no cycle found within RELAX relaxations: charge the edges more (this
+        // makes every cycle negative eventually) and look again.
+        charge *= 64.0f;
+        ++escalations;
+        continue;
+      }
+      if (nm == 0) break;  // phase 2: no path (maximum flow); phase 3: no positive cycle
+      if (cycles) ++cancel_rounds;
+      else ++augment_rounds;
+      // Each edge's token: the holder of u (or open token for u = D) realising gain[u][v], the
+      // lowest index among equals; a warp per move.
+      for (int q = warp; q < nm; q += WARPS) {
+        const int u = move[3 * q + 1], v = move[3 * q + 2];
+        if (!cycles && u == DROP) continue;  // chosen with its path
+        float best = NEG;
+        int bt = 0x7fffffff;
+        if (u < E) {
+          const int* ht = hold_t + u * CB;
+          for (int p = lane; p < b.held[u]; p += 32) {
+            const int t = ht[p];
+            const float x = v < E ? (has_bit(mask + t * MW, v) ? NEG : a[t * E + v] - a[t * E + u])
+                                  : -a[t * E + u];
+            if (x > best || (x == best && t < bt)) {
+              best = x;
+              bt = t;
+            }
+          }
+        } else if (u == DROP) {
+          for (int p = lane; p < open_tokens; p += 32) {
+            const int t = open_list[p];
+            const float x = has_bit(mask + t * MW, v) ? NEG : a[t * E + v];
+            if (x > best || (x == best && t < bt)) {
+              best = x;
+              bt = t;
+            }
+          }
+        }
+        warp_argmax(best, bt);
+        if (lane == 0) move[3 * q] = (u == SINK || v == SINK || best <= NEG) ? -1 : bt;
+      }
+      __syncthreads();
+      // Apply: first every token leaves its expert, then every token joins its new one (an
+      // expert on a path both loses and gains one).
+      for (int q = tid; q < nm; q += THREADS) {
+        const int t = move[3 * q], u = move[3 * q + 1];
+        if (t < 0 || u >= E) continue;  // edges out of S or D remove nothing
+        int* ht = hold_t + u * CB;
+        const int h = b.held[u];
+        for (int p = 0; p < h; ++p) {
+          if (ht[p] == t) {
+            ht[p] = ht[h - 1];
+            break;
+          }
+        }
+        b.held[u] = h - 1;
+        for (int s = 0; s < K; ++s)
+          if (tok_e[t * K + s] == u) tok_e[t * K + s] = -1;
+        atomicAnd(&mask[t * MW + (u >> 5)], ~(1u << (u & 31)));
+      }
+      __syncthreads();
+      for (int q = tid; q < nm; q += THREADS) {
+        const int t = move[3 * q], v = move[3 * q + 2];
+        if (t < 0 || v >= E) continue;  // edges into S or D add nothing
+        hold_t[v * CB + b.held[v]] = t;
+        b.held[v] += 1;
+        for (int s = 0; s < K; ++s)
+          if (atomicCAS(&tok_e[t * K + s], -1, v) == -1) break;
+        atomicOr(&mask[t * MW + (v >> 5)], 1u << (v & 31));
+      }
+      __syncthreads();
+      if (tid == 0) b.prof[5 + 3 * cycles] += clock64() - t_part;
+    }
+    if (!cycles) t_augment = clock64();
+  }
+  const long long t_end = clock64();
+  if (tid == 0 && want_stats) {
+    int* st = stats + g * 20;
+    st[0] = rounds;
+    st[1] = open_after_auction;
+    st[2] = augment_rounds;
+    st[3] = cancel_rounds;
+    // thousands of SM cycles: setup, auction, phase 2, phase 3; then the auction's list / bid /
+    // merge parts and each graph phase's build / Bellman-Ford / moves parts
+    st[4] = (int)((t_setup - t_start) / 1000);
+    st[5] = (int)((t_auction - t_setup) / 1000);
+    st[6] = (int)((t_augment - t_auction) / 1000);
+    st[7] = (int)((t_end - t_augment) / 1000);
+    for (int i = 0; i < 9; ++i) st[8 + i] = (int)(b.prof[i] / 1000);
+  }
+
+  // ---- output: each token's experts by decreasing affinity, ties to the lower index ----
+  for (int t = tid; t < N; t += THREADS) {
+    int ex[K];
+    float val[K];
+#pragma unroll
+    for (int s = 0; s < K; ++s) {
+      ex[s] = tok_e[t * K + s];
+      val[s] = ex[s] >= 0 ? a[t * E + ex[s]] : NEG;
+    }
+#pragma unroll
+    for (int s = 1; s < K; ++s) {  // insertion sort, K <= 8
+      for (int r = s; r > 0; --r) {
+        const bool swap = ex[r] >= 0 && (ex[r - 1] < 0 || val[r] > val[r - 1] ||
+                                         (val[r] == val[r - 1] && ex[r] < ex[r - 1]));
+        if (swap) {
+          const int te = ex[r];
+          const float tv = val[r];
+          ex[r] = ex[r - 1];
+          val[r] = val[r - 1];
+          ex[r - 1] = te;
+          val[r - 1] = tv;
+        }
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < K; ++s) out[((long long)g * N + t) * K + s] = ex[s];
+  }
+#undef DEMAND
+}
