@@ -68,15 +68,17 @@ class GlobalBudget:
         cancel_rounds: cycle-cancelling rounds (phase 3) at most.
         relaxations: Bellman-Ford relaxations per round of phases 2-3 at most (``e + 2`` would
             always settle without a positive cycle; paths of the expert graph are short).
-        tolerance: gain charged to every expert-graph edge, relative to the affinities' spread.
+        tolerance: gain charged to every expert-graph edge, relative to the affinities' spread
+            (about 16 float32 rounding steps of the largest affinity, so that rounding never
+            makes a cycle look positive).
     """
 
     auction_rounds: int = 64
     stop_open: float = 0.005
     epsilon: float = 1e-5
     cancel_rounds: int = 16
-    relaxations: int = 48
-    tolerance: float = 1e-7
+    relaxations: int = 32
+    tolerance: float = 1e-6
 
 
 def solve_reference(

@@ -68,8 +68,9 @@ struct Block {
   int cap[E];        // capacity, clamped to [0, N]
   int held[E];       // holders
   int nbid[E];       // bids posted this round
-  float dist[V], dist_next[V];
+  float dist[V], dist_next[V], pot[V];
   int pred[V], pred_next[V], jump[V], jump_next[V], on_cycle[V], claimed[V], looked[V];
+  int drop_token[V];  // the open token realising each edge D -> v
   int lo_ord, hi_ord, real_rows;
   float lo, hi, eps, tol;
   int open_count, open_tokens, moves;
@@ -136,6 +137,89 @@ __device__ __forceinline__ int held_count(const int* tok_e, int t) {
 #pragma unroll
   for (int s = 0; s < K; ++s) h += tok_e[t * K + s] >= 0;
   return h;
+}
+
+// Phase 2's search (warp 0 alone, no block barrier): Dijkstra from D over the expert graph on
+// reduced costs rc(u, v) = max(0, -gain(u, v) + P(v) - P(u) + charge). Leaves in b.dist[v] the gain
+// of the best augmenting path D -> ... -> v (NEG if v is unreachable) and its tree in b.pred;
+// then moves the potentials to P - distance. `first`: start P from the auction's prices.
+__device__ void shortest_paths_from_drop(Block& b, const float* gain, float charge, bool first) {
+  constexpr int R = (V + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const float INF = 3.0e38f;
+  if (first) {
+    for (int v = lane; v < E; v += 32) b.pot[v] = b.price[v];
+  }
+  __syncwarp();
+  // P(D): the largest reduced value D can offer, so that no edge out of D is negative.
+  float pd = NEG;
+  for (int v = lane; v < E; v += 32) {
+    const float g = gain[DROP * V + v];
+    if (g > NEG) pd = fmaxf(pd, g - b.pot[v]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) pd = fmaxf(pd, __shfl_xor_sync(FULL_MASK, pd, o));
+  float dist[R];
+  int pred[R];
+  bool done[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int v = lane + 32 * r;
+    dist[r] = v == DROP ? 0.0f : INF;
+    pred[r] = -1;
+    done[r] = v >= E && v != DROP;  // S is not used in phase 2
+  }
+  float reached_max = 0.0f;
+  for (int step = 0; step < V; ++step) {
+    float best = INF;
+    int bu = 0x7fffffff;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int v = lane + 32 * r;
+      if (v < V && !done[r] && dist[r] < best) {
+        best = dist[r];
+        bu = v;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {  // argmin, ties to the lower node
+      const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+      const int ou = __shfl_xor_sync(FULL_MASK, bu, o);
+      if (ob < best || (ob == best && ou < bu)) {
+        best = ob;
+        bu = ou;
+      }
+    }
+    if (!(best < INF)) break;
+    reached_max = best;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane + 32 * r == bu) done[r] = true;
+    const float pu = bu == DROP ? pd : b.pot[bu];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int v = lane + 32 * r;
+      if (v >= E || done[r]) continue;
+      const float g = gain[bu * V + v];
+      if (g <= NEG) continue;
+      const float rc = fmaxf(0.0f, -g + b.pot[v] - pu + charge);
+      if (best + rc < dist[r]) {
+        dist[r] = best + rc;
+        pred[r] = bu;
+      }
+    }
+  }
+  // Path gains for the selection, then the new potentials.
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int v = lane + 32 * r;
+    if (v >= V) continue;
+    const bool reached = dist[r] < INF;
+    b.dist[v] = (v < E && reached) ? b.pot[v] - pd - dist[r] : NEG;
+    b.pred[v] = pred[r];
+    if (v < E) b.pot[v] -= reached ? dist[r] : reached_max;
+  }
+  __syncwarp();
 }
 
 // Every token with an open slot into `open_list`; their number into b.open_tokens and the open
@@ -602,9 +686,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   for (int phase = 2; phase <= 3; ++phase) {
     const bool cycles = phase == 3;
     const int limit = cycles ? CANCELS : N * K;
-    // Phase 2's edges are charged the auction's eps too: its state has no cycle above that.
-    float charge = cycles ? b.tol : b.tol + b.eps;
-    int escalations = 0;
+    const float charge = b.tol;
     for (int round = 0; round < limit; ++round) {
       // open slots and the tokens that have them
       if (tid == 0) {
@@ -653,13 +735,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       for (int v = tid; v < V; v += THREADS) {
         gain[SINK * V + v] = (cycles && v < E) ? 0.0f : NEG;
         float best = NEG;
+        int bt = -1;
         if (v < E && b.cap[v] > 0) {
           for (int q = 0; q < open_tokens; ++q) {
             const int t = open_list[q];
-            if (!has_bit(mask + t * MW, v)) best = fmaxf(best, a[t * E + v]);
+            if (has_bit(mask + t * MW, v)) continue;
+            const float x = a[t * E + v];
+            if (x > best || (x == best && t < bt)) {
+              best = x;
+              bt = t;
+            }
           }
         }
         gain[DROP * V + v] = best;
+        b.drop_token[v] = bt;
       }
       __syncthreads();
       if (tid == 0) {
@@ -667,17 +756,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         b.prof[3 + 3 * cycles] += now - t_part;
         t_part = now;
       }
-      // Bellman-Ford (longest paths, every edge charged `charge`, at most RELAX relaxations):
-      // from D for phase 2, from a virtual source joined to every node for phase 3. In phase 2
-      // a positive cycle (the auction leaves some) keeps it from settling; the paths found
-      // anyway are used (a walk that loops is skipped), and when there is none the cycles of
-      // the predecessor graph are cancelled instead.
+      int changed = 0;
+      if (!cycles) {
+        // Phase 2: Dijkstra from D on reduced costs, in warp 0. The potentials P (the auction's
+        // prices to start with) keep every reduced cost -gain(u, v) + P(v) - P(u) above -eps
+        // (eps-complementary slackness; P(D) is set so that D's edges are >= 0); the few
+        // negative ones count as 0, so the paths are the best augmenting paths up to eps each.
+        // Afterwards P -= distance keeps the costs non-negative for the next round (successive
+        // shortest paths).
+        if (warp == 0) shortest_paths_from_drop(b, gain, charge, round == 0);
+        __syncthreads();
+      } else {
+        // Phase 3: Bellman-Ford (longest paths, every edge charged `charge`, at most RELAX
+        // relaxations) from a virtual source joined to every node; the cycles of its
+        // predecessor graph have positive gain.
       for (int v = tid; v < V; v += THREADS) {
-        b.dist[v] = cycles ? 0.0f : (v == DROP ? 0.0f : NEG);
+        b.dist[v] = 0.0f;
         b.pred[v] = -1;
       }
       __syncthreads();
-      int changed = 1;
+      changed = 1;
       for (int it = 0; it < RELAX && changed; ++it) {
         // Jacobi relaxation into the other buffer: one barrier per relaxation
         float* cur = (it & 1) ? b.dist_next : b.dist;
@@ -705,6 +803,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
           __syncthreads();
         }
+      }
       }
       if (!cycles) {
         // Node-disjoint augmenting paths, best target first (one thread: few targets). A path's
@@ -738,17 +837,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
               x = b.pred[x];
             }
             if (!ok) continue;
-            int tok = -1;
-            float tv = NEG;
-            for (int q = 0; q < open_tokens; ++q) {
-              const int t = open_list[q];
-              if (has_bit(mask + t * MW, first)) continue;
-              const float y = a[t * E + first];
-              if (y > tv || (y == tv && t < tok)) {
-                tv = y;
-                tok = t;
-              }
-            }
+            const int tok = b.drop_token[first];
             int uses = 0;
             for (int p = 0; p < nm; ++p) uses += move[3 * p + 1] == DROP && move[3 * p] == tok;
             if (tok < 0 || uses >= DEMAND(tok) - held_count(tok_e, tok)) continue;
@@ -767,7 +856,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
       }
       __syncthreads();
-      const bool cancel = cycles || (b.moves == 0 && changed);
+      const bool cancel = cycles;
       if (tid == 0) {
         const long long now = clock64();
         b.prof[4 + 3 * cycles] += now - t_part;
@@ -803,13 +892,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       __syncthreads();
       const int nm = b.moves;
-      if (nm == 0 && !cycles && changed && escalations < MAX_ESCALATIONS) {
-        // No path and no cycle found within RELAX relaxations: charge the edges more (this
-        // makes every cycle negative eventually) and look again.
-        charge *= 64.0f;
-        ++escalations;
-        continue;
-      }
       if (nm == 0) break;  // phase 2: no path (maximum flow); phase 3: no positive cycle
       if (cycles) ++cancel_rounds;
       else ++augment_rounds;
