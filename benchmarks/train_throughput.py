@@ -79,20 +79,6 @@ def _sdpa_backends(first: str) -> contextlib.AbstractContextManager:
     return sdpa_kernel([*backends, SDPBackend.MATH], set_priority=True)
 
 
-def _set_solver_options(options: dict[str, int]) -> None:
-    """``--solver-option``: extra keywords of the CUDA flow kernel (e.g. ``moves=4``,
-    ``cycle_rounds=16``) for every solver call of the run, to time a variant before adopting it."""
-    from maxscore.routing.flow import global_solver
-
-    default = global_solver.cuda_budget
-
-    def varied(budget: Any) -> dict[str, int]:
-        return {**default(budget), **options}
-
-    global_solver.cuda_budget = varied
-    print(f"CUDA flow kernel options: {options}", flush=True)
-
-
 def run_throughput(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
 
@@ -196,8 +182,6 @@ def run_throughput(args: argparse.Namespace) -> None:
                 )
             return control
 
-    if args.solver_option:
-        _set_solver_options(dict(_parse_option(o) for o in args.solver_option))
     for router in args.routers.split(","):
         model_preset = args.model  # router "dense" makes every MLP a dense SwiGLU
         cfg = TrainConfig(
@@ -288,7 +272,6 @@ def run_throughput(args: argparse.Namespace) -> None:
         "gradient_checkpointing": args.gradient_checkpointing,
         "peak_flops": H100_BF16_PEAK,
         "sdpa_backend_first": args.sdpa_backend,
-        "solver_options": dict(_parse_option(o) for o in args.solver_option) or None,
     }
     tag = f"_{args.tag}" if args.tag else ""
     (out / f"train_throughput{tag}.json").write_text(
@@ -405,9 +388,6 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--compile-mode", default="default", help="TrainConfig.compile_mode")
     t.add_argument("--gradient-checkpointing", action="store_true")
     t.add_argument("--model-option", action="append", default=[], help="KEY=VALUE (dry runs)")
-    t.add_argument(
-        "--solver-option", action="append", default=[], help="KEY=VALUE, CUDA flow kernel"
-    )
     t.add_argument("--allow-cpu", action="store_true", help="dry run without a GPU")
     t.add_argument(
         "--sdpa-backend",

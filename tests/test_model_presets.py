@@ -71,6 +71,22 @@ def test_deepseek_base_matches_base_activated() -> None:
     assert got["total"] - base["total"] == 12 * (3 * 768 * 768 + 768 * (64 - 16))
 
 
+def test_fine_grained_base_matches_base_activated() -> None:
+    config = get_model_config("base-8x128")
+    assert config.router == "maxscore"
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (
+        128,
+        8,
+        384,
+    )
+    got, base = counts("base-8x128"), counts("base", "gshard")
+    assert got["activated"] == pytest.approx(base["activated"], rel=0.01)
+    # Routed experts: 128 x 384 instead of 16 x 1536 per layer (4x the total width).
+    assert got["total"] - base["total"] == 12 * 3 * 768 * (128 * 384 - 16 * 1536) + 12 * 768 * (
+        128 - 16
+    )
+
+
 @pytest.mark.parametrize("size", ["base", "large", "xl"])
 def test_dense_baselines_have_the_activated_size(size: str) -> None:
     dense, moe = counts(f"dense-{size}"), counts(size, "gshard")

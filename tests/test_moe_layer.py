@@ -7,11 +7,13 @@ layer's padded (capacity) and grouped (dropless) paths must match it in value an
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 from torch import Tensor
 
-from flow_helpers import triton_device
 from maxscore.moe import (
     DenseMLP,
     MoE,
@@ -28,6 +30,15 @@ from maxscore.routing.types import RoutingResult
 
 ATOL = 1e-5
 RTOL = 1e-5
+
+
+def triton_device() -> str | None:
+    """``"cuda"`` with a GPU, ``"cpu"`` under Triton's interpreter, else None (skip)."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
 
 
 # --------------------------------------------------------------------------------------------

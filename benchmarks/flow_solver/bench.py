@@ -29,10 +29,12 @@ import argparse
 import datetime as dt
 import json
 import math
+import multiprocessing
 import platform
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -184,7 +186,9 @@ def run_gaps(args: argparse.Namespace, results: dict) -> None:
     device = "cuda" if torch.cuda.is_available() and not args.reference else "cpu"
     backend = "cuda" if device == "cuda" else "reference"
     rows = results.setdefault("gaps", [])
-    with ProcessPoolExecutor(args.workers) as pool:
+    # spawn, not fork: the parent has initialised CUDA, and a forked child would hang on it
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
         for n, e, k in SHAPES + (LARGE_SHAPES if args.large else []):
             c = math.ceil(k * n / e)
             families = {f: synthetic(f, args.groups, n, e, seed=1000 + e + k) for f in SYNTHETIC}
@@ -227,11 +231,7 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
         cap = torch.full((e,), c, device="cuda")
         for family in ["random", "near-tied-0.03"]:
             a = synthetic(family, groups, n, e, seed=7).cuda()
-            out = torch.empty(groups, n, k, dtype=torch.long, device="cuda")
-
-            def call() -> None:
-                out.copy_(solve_global(a, k, cap, capacity_bound=c, backend="cuda"))
-
+            call = partial(solve_global, a, k, cap, capacity_bound=c, backend="cuda")
             ms = graph_time_ms(call, args.reps)
             stats = torch.zeros(groups, 20, dtype=torch.int32, device="cuda")
             global_cuda.solve_cuda(a, k, cap.expand(groups, e), c, GlobalBudget(), stats=stats)
@@ -247,7 +247,9 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
                 "open_after_auction_max": int(s[:, 1].max()),
                 "augment_rounds_max": int(s[:, 2].max()),
                 "cancel_rounds_max": int(s[:, 3].max()),
-                "kcycles_setup_auction_augment_cancel_max": [int(x) for x in s[:, 4:8].max(0).values],
+                "kcycles_setup_auction_augment_cancel_max": [
+                    int(x) for x in s[:, 4:8].max(0).values
+                ],
                 "kcycles_auction_list_bid_merge": [int(x) for x in s[:, 8:11].max(0).values],
                 "kcycles_augment_graph_bf_moves": [int(x) for x in s[:, 11:14].max(0).values],
                 "kcycles_cancel_graph_bf_moves": [int(x) for x in s[:, 14:17].max(0).values],
@@ -260,7 +262,7 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
                 flush=True,
             )
         # torch.topk on the same input: the floor a router pays anyway
-        ms = graph_time_ms(lambda: a.topk(k, -1), args.reps)
+        ms = graph_time_ms(partial(torch.topk, a, k, -1), args.reps)
         rows.append({"n": n, "e": e, "k": k, "groups": groups, "family": "topk-baseline", "ms": ms})
 
 

@@ -23,6 +23,11 @@ We pick the expert width so the *activated* FFN equals Base's: 6 routed + 1 shar
 wide (this is DeepSeekMoE's fine-grained segmentation of Base's 16 × 1536 experts into 64 × 384).
 Activated = Base's 162.6M; total = Base + one 768-wide shared expert per layer = 778.3M.
 
+Fine-grained (``base-8x128``): 128 experts, k = 8, the granularity of today's frontier MoEs
+(Qwen3-MoE: 128 experts, k = 8). Expert width 384 keeps the activated FFN at Base's 8 × 384 =
+2 × 1536 = 3072, so activated = 163.6M (Base's 162.6M plus the 8 times wider router gate);
+total 1.438B (the routed width per layer is 128 × 384, four times Base's 16 × 1536).
+
 Dense baselines (``dense-*``) use one SwiGLU MLP of width ``4 * hidden`` = ``k * 4 * hidden / k``,
 so their parameters equal the MoE model's activated parameters (less the router gates).
 """
@@ -120,6 +125,12 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         description="sparsity 2:64: Base with 64 experts (paper: 2867M total)",
         paper_activated=162_000_000,
         paper_total=2_867_000_000,
+    ),
+    "base-8x128": ModelPreset(
+        fields=_paper(768, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=384),
+        description="fine-grained Base: 128 experts of 384, k=8 (activated as Base: 8 x 384 = "
+        "2 x 1536)",
+        paper_activated=162_000_000,
     ),
     "deepseek-base": ModelPreset(
         fields=_paper(

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from . import exact as exact
+from . import global_solver as global_solver  # registers "global"
 from . import two_stage as two_stage
 from .objective import assignment_mask, flow_objective, mask_to_expert_index
 from .registry import (
@@ -38,8 +39,6 @@ from .registry import (
     register_flow_solver,
     solve_with,
 )
-
-from . import global_solver as global_solver  # registers "global"
 
 __all__ = [
     "FLOW_SOLVERS",
@@ -138,7 +137,7 @@ def _capacity_tensor(
     capacity: int | Sequence[int] | Tensor, e: int, device: torch.device
 ) -> Tensor:
     """Validate a capacity argument and return it as an ``[e]`` long tensor on ``device``."""
-    if isinstance(capacity, bool) or isinstance(capacity, float):
+    if isinstance(capacity, bool | float):
         raise ValueError(
             f"capacity must be an int, a sequence of ints or an integer tensor, got {capacity!r} "
             "(round it, e.g. math.ceil(capacity_factor * k * n / e))"

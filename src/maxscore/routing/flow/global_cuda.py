@@ -31,9 +31,9 @@ __all__ = [
     "disable",
     "kernel_defines",
     "kernel_source",
+    "shared_and_scratch_bytes",
     "solve_cuda",
     "supported",
-    "shared_and_scratch_bytes",
     "work_bytes",
 ]
 
@@ -95,7 +95,7 @@ def kernel_defines(
         "AUCTION": str(max(0, budget.auction_rounds)),
         "STOP_OPEN": str(stop_open_slots(n, k, budget)),
         "CANCELS": str(max(0, budget.cancel_rounds)),
-        "RELAX": str(max(1, min(budget.relaxations, e + 3))),
+        "RELAX_CANCEL": str(max(1, min(budget.relaxations, e + 3))),
         "EPS_REL": f"{float(budget.epsilon)!r}f",
         "TOL_REL": f"{float(budget.tolerance)!r}f",
         "WARP_BIDS": "1" if e > 32 else "0",
@@ -165,7 +165,7 @@ def supported(affinities: Tensor, k: int) -> bool:
     if affinities.dim() != 3 or not affinities.is_cuda or _disabled_reason or not available():
         return False
     _, n, e = affinities.shape
-    if not (1 <= n and 1 <= e <= MAX_EXPERTS and 1 <= k <= min(e, MAX_K)):
+    if not (n >= 1 and 1 <= e <= MAX_EXPERTS and 1 <= k <= min(e, MAX_K)):
         return False
     if n * k >= 1 << 27:  # bid records pack (token << 4 | entry) in an int
         return False

@@ -66,8 +66,10 @@ class GlobalBudget:
             affinities (so a finished auction is within about ``epsilon`` of the optimum,
             relative; phases 2-3 then remove what is left).
         cancel_rounds: cycle-cancelling rounds (phase 3) at most.
-        relaxations: Bellman-Ford relaxations per round of phases 2-3 at most (``e + 2`` would
-            always settle without a positive cycle; paths of the expert graph are short).
+        relaxations: Bellman-Ford relaxations per cycle-cancelling round (phase 3) and per first
+            try of a phase-2 round. Positive cycles are short, so their predecessor cycles show up
+            within a few relaxations; a phase-2 round that finds no path this way searches fully
+            (``e + 3``), so the flow is always maximum.
         tolerance: gain charged to every expert-graph edge, relative to the affinities' spread
             (about 16 float32 rounding steps of the largest affinity, so that rounding never
             makes a cycle look positive).
@@ -77,7 +79,7 @@ class GlobalBudget:
     stop_open: float = 0.005
     epsilon: float = 1e-5
     cancel_rounds: int = 16
-    relaxations: int = 32
+    relaxations: int = 12
     tolerance: float = 1e-6
 
 
@@ -342,9 +344,7 @@ def _apply(held: np.ndarray, graph: _Graph, path: list[int]) -> None:
 # --- phase 2 ---------------------------------------------------------------------------------
 
 
-def _augment(
-    graph: _Graph, held: np.ndarray, cap: np.ndarray, tol: float, relaxations: int
-) -> int:
+def _augment(graph: _Graph, held: np.ndarray, cap: np.ndarray, tol: float, relaxations: int) -> int:
     """One round of phase 2: apply node-disjoint augmenting paths ``D -> ... -> spare expert``.
 
     A positive cycle (the auction leaves some) keeps Bellman-Ford from settling: the paths found
@@ -360,9 +360,14 @@ def _augment(
     while True:
         dist, pred, settled = _bellman_ford(graph.gain, start, charge, relaxations)
         applied = _apply_paths(graph, held, cap, dist, pred)
-        if applied or settled:
+        if applied:
             return applied
-        charge *= 16
+        if relaxations <= e + 2:
+            relaxations = e + 3  # the capped search may have stopped short of a path
+        elif settled:
+            return 0  # a complete search found no path: the flow is maximum
+        else:
+            charge *= 16
 
 
 def _apply_paths(

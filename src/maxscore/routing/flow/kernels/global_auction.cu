@@ -21,7 +21,8 @@
 //
 // Compile-time constants (prepended by maxscore.routing.flow.global_cuda): N, E, K, THREADS,
 // CB (holders per expert: the largest capacity, clamped to N), BUF (bids an expert takes per
-// round), AUCTION, STOP_OPEN, CANCELS, RELAX (Bellman-Ford relaxations per round), EPS_REL, TOL_REL, WARP_BIDS (1: a warp per bidding token,
+// round), AUCTION, STOP_OPEN, CANCELS, RELAX_CANCEL (Bellman-Ford relaxations per cancelling
+// round: positive cycles are short, so their predecessor cycles show up within a few), EPS_REL, TOL_REL, WARP_BIDS (1: a warp per bidding token,
 // for large E; 0: a thread per token), A_SMEM, GRAPH_SMEM.
 
 #define WARPS (THREADS / 32)
@@ -767,8 +768,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (warp == 0) shortest_paths_from_drop(b, gain, charge, round == 0);
         __syncthreads();
       } else {
-        // Phase 3: Bellman-Ford (longest paths, every edge charged `charge`, at most RELAX
-        // relaxations) from a virtual source joined to every node; the cycles of its
+        // Phase 3: Bellman-Ford (longest paths, every edge charged `charge`, at most
+        // RELAX_CANCEL relaxations) from a virtual source joined to every node; the cycles of its
         // predecessor graph have positive gain.
       for (int v = tid; v < V; v += THREADS) {
         b.dist[v] = 0.0f;
@@ -776,7 +777,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       __syncthreads();
       changed = 1;
-      for (int it = 0; it < RELAX && changed; ++it) {
+      for (int it = 0; it < RELAX_CANCEL && changed; ++it) {
         // Jacobi relaxation into the other buffer: one barrier per relaxation
         float* cur = (it & 1) ? b.dist_next : b.dist;
         float* nxt = (it & 1) ? b.dist : b.dist_next;
@@ -799,7 +800,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           b.pred[v] = bp;  // only this thread reads or writes pred[v] during the loop
         }
         changed = __syncthreads_or(mine);
-        if ((it & 1) == 0 && (!changed || it + 1 == RELAX)) {
+        if ((it & 1) == 0 && (!changed || it + 1 == RELAX_CANCEL)) {
           for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
           __syncthreads();
         }
