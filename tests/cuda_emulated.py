@@ -66,8 +66,19 @@ def _library(defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
         flags = [f"-D{name}={value}" for name, value in defines]
         tmp = build / f"auction_{key}.tmp.so"
         done = subprocess.run(
-            ["g++", "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f"-I{HERE}", *flags]
-            + [str(src), "-o", str(tmp)],
+            [
+                "g++",
+                "-std=c++20",
+                "-O1",
+                "-pthread",
+                "-shared",
+                "-fPIC",
+                f"-I{HERE}",
+                *flags,
+                str(src),
+                "-o",
+                str(tmp),
+            ],
             capture_output=True,
             text=True,
         )

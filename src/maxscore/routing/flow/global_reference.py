@@ -45,6 +45,7 @@ path and its reference in the tests.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -233,7 +234,7 @@ def _bids(
     """Every token missing ``m`` slots bids for its best ``m`` experts: ``{expert: (tokens,
     bids)}``, a bid being ``A_ij - w + eps`` with ``w`` the token's ``(m+1)``-th best reduced
     value (so the token stays within ``eps`` of its next best choice at the new price)."""
-    n, e = a.shape
+    _n, _e = a.shape
     bidders = np.flatnonzero(missing > 0)
     reduced = np.where(held[bidders] | closed, -np.inf, a[bidders] - price)
     order = np.argsort(-reduced, axis=1, kind="stable")[:, : k + 1]
@@ -277,7 +278,7 @@ def _expert_graph(
     ``cycles=False`` gives the edges that phase 2 uses (moves between experts, ``D -> b``);
     ``cycles=True`` adds ``b -> S``, ``S -> a`` and ``a -> D`` for phase 3.
     """
-    n, e = a.shape
+    _n, e = a.shape
     sink, drop = e, e + 1
     gain = np.full((e + 2, e + 2), -np.inf)
     token = np.full((e + 2, e + 2), -1, dtype=np.int64)
@@ -331,7 +332,7 @@ def _bellman_ford(
 def _apply(held: np.ndarray, graph: _Graph, path: list[int]) -> None:
     """Carry out the moves of the edges ``path[0] -> path[1] -> ...`` (no edge into ``S``)."""
     e = held.shape[1]
-    for u, v in zip(path[:-1], path[1:], strict=True):
+    for u, v in itertools.pairwise(path):
         if u == e or v == e:  # edges through S move no token
             continue
         t = graph.token[u, v]
@@ -407,7 +408,7 @@ def _apply_paths(
 def _cancel(graph: _Graph, held: np.ndarray, tol: float, relaxations: int) -> bool:
     """One round of phase 3: apply every cycle of the predecessor graph; False if none."""
     v = graph.gain.shape[0]
-    dist, pred, _ = _bellman_ford(graph.gain, np.zeros(v), tol, relaxations)
+    _dist, pred, _ = _bellman_ford(graph.gain, np.zeros(v), tol, relaxations)
     # Nodes on cycles: the image of pred^(2^m) for 2^m >= V (roots map to themselves).
     jump = np.where(pred >= 0, pred, np.arange(v))
     for _ in range(max(1, math.ceil(math.log2(v)))):
