@@ -355,8 +355,8 @@ def _add_optional_commands(sub: Any) -> None:
         ("eval", "maxscore.evaluation.commands", "add_eval_parser"),
         ("analyze", "maxscore.analysis.commands", "add_analyze_parser"),
         ("report", "maxscore.analysis.commands", "add_report_parser"),
-        ("upcycle", "maxscore.models.commands", "add_upcycle_parser"),
-        ("export", "maxscore.models.commands", "add_export_parser"),
+        ("upcycle", "maxscore.model_commands", "add_upcycle_parser"),
+        ("export", "maxscore.model_commands", "add_export_parser"),
     )
     import importlib
 

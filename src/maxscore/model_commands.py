@@ -1,4 +1,9 @@
-"""``maxscore upcycle`` and ``maxscore export``: dense checkpoints in, family checkpoints out."""
+"""``maxscore upcycle`` and ``maxscore export``: dense checkpoints in, family checkpoints out.
+
+This module lives beside :mod:`maxscore.cli`, not in :mod:`maxscore.models`: importing that
+package imports torch and transformers (it registers the model with the Auto classes), and the
+CLI imports this module to build its parser, which ``maxscore --help`` must do without them.
+"""
 
 from __future__ import annotations
 
