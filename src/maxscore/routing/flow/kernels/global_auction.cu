@@ -35,6 +35,12 @@
 #define FULL_MASK 0xffffffffu
 #define MAX_ESCALATIONS 16
 #define STALL 4  // the auction stops once STALL rounds have filled fewer than STALL slots
+#ifndef NO_STALL_STOP
+#define NO_STALL_STOP 0
+#endif
+#ifndef PATHS_PER_ROUND
+#define PATHS_PER_ROUND 0
+#endif
 
 #ifndef DYNAMIC_SHARED  // the CPU emulator of the tests defines its own
 #define DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
@@ -152,14 +158,17 @@ __device__ void shortest_paths_from_drop(Block& b, const float* gain, float char
     for (int v = lane; v < E; v += 32) b.pot[v] = b.price[v];
   }
   __syncwarp();
-  // P(D): the largest reduced value D can offer, so that no edge out of D is negative.
-  float pd = NEG;
+  // P(D) = -(the largest reduced value an open slot can take), so that every edge out of D has
+  // rc = -gain + P(v) - P(D) >= 0.
+  float best_open = NEG;
   for (int v = lane; v < E; v += 32) {
     const float g = gain[DROP * V + v];
-    if (g > NEG) pd = fmaxf(pd, g - b.pot[v]);
+    if (g > NEG) best_open = fmaxf(best_open, g - b.pot[v]);
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) pd = fmaxf(pd, __shfl_xor_sync(FULL_MASK, pd, o));
+  for (int o = 16; o > 0; o >>= 1)
+    best_open = fmaxf(best_open, __shfl_xor_sync(FULL_MASK, best_open, o));
+  const float pd = -best_open;
   float dist[R];
   int pred[R];
   bool done[R];
@@ -388,7 +397,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // several slots for the cost of a few auction rounds).
     const int open_now = b.open_count;
     if (open_now <= (rounds == 0 ? 0 : STOP_OPEN)) break;
-    if (rounds >= STALL && open_history[rounds % STALL] - open_now < STALL) break;
+    if (!NO_STALL_STOP && rounds >= STALL && open_history[rounds % STALL] - open_now < STALL) break;
     open_history[rounds % STALL] = open_now;
 #if WARP_BIDS
     for (int q = warp; q < open_tokens; q += WARPS) {
@@ -852,6 +861,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
               x = b.pred[x];
             }
             ++filled;
+            if (PATHS_PER_ROUND > 0 && filled >= PATHS_PER_ROUND) break;
           }
           b.moves = nm;
         }
