@@ -296,11 +296,11 @@ def test_metrics_jsonl_has_losses_schedule_and_routing(finished_run: tuple[Path,
     for key in ("loss", "learning_rate", "aux_loss", "t", "tokens_per_s", "peak_memory_gb"):
         assert key in first, key
     routing = first["routing"]
-    assert len(routing["drop_rate_by_rank"]) == 2 and len(routing["drop_rate_by_rank"][0]) == 2
+    for name in ("dropped", "rerouted"):
+        per_layer = routing[f"{name}_by_rank"]
+        assert len(per_layer) == 2 and len(per_layer[0]) == 2
+        assert first[f"{name}_rank1"] == pytest.approx(sum(layer[0] for layer in per_layer) / 2)
     assert len(routing["load_imbalance"]) == 2
-    assert first["drop_rate_rank1"] == pytest.approx(
-        sum(layer[0] for layer in routing["drop_rate_by_rank"]) / 2
-    )
     # t decays once per optimizer step (schedule 3 -> 0 over 30k steps by default)
     assert train_logs[0]["t"] > train_logs[-1]["t"]
     assert all(r["eval_ppl"] > 1 for r in evals)

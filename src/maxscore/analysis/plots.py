@@ -6,7 +6,8 @@ run name, so tests (and curious users) can read the plotted values back. :func:`
 writes a PNG and closes the figure.
 
 Figures:
-    * drop rate by choice rank per layer (paper Fig. 2a shows its complement, the kept share);
+    * dropped and rerouted share by choice rank per layer (paper Fig. 2a shows the complement of
+      the dropped share);
     * mean affinity of the r-th choice per layer (Fig. 2b);
     * sorted per-expert load / capacity of one layer, with mean and spread (Fig. 8);
     * training and validation loss curves;
@@ -90,13 +91,23 @@ def by_rank_figure(
     return fig
 
 
-def drop_rate_figure(snapshots: Mapping[str, RoutingSnapshot]) -> Figure:
-    """Per-layer share of tokens whose r-th choice expert was not assigned (Fig. 2a)."""
+def dropped_figure(snapshots: Mapping[str, RoutingSnapshot]) -> Figure:
+    """Per-layer share of tokens whose r-th choice was dropped: slot left empty (Fig. 2a)."""
     return by_rank_figure(
         snapshots,
-        "drop_rate_by_rank",
+        "dropped_by_rank",
         "share of tokens dropped",
-        "Token drop proportion by choice rank",
+        "Dropped: r-th choice not given, slot left empty",
+    )
+
+
+def rerouted_figure(snapshots: Mapping[str, RoutingSnapshot]) -> Figure:
+    """Per-layer share of tokens whose r-th choice was given to another expert instead."""
+    return by_rank_figure(
+        snapshots,
+        "rerouted_by_rank",
+        "share of tokens rerouted",
+        "Rerouted: r-th choice not given, slot filled by another expert",
     )
 
 

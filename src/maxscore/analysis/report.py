@@ -68,6 +68,22 @@ def _by_rank_table(runs: dict[str, Any], key: str, percent: bool) -> list[str]:
     return lines
 
 
+#: The by-rank routing sections of ``analysis.md``: (figure key, heading, what the share means).
+_BY_RANK_SECTIONS: tuple[tuple[str, str, str], ...] = (
+    (
+        "dropped",
+        "Dropped choices by rank",
+        "Share of tokens whose r-th choice was not given and whose slot stayed empty (the token "
+        "is processed by fewer than k experts; the paper's Fig. 2a shows one minus this)",
+    ),
+    (
+        "rerouted",
+        "Rerouted choices by rank",
+        "Share of tokens whose r-th choice was not given but whose slot another expert filled",
+    ),
+)
+
+
 def analysis_markdown(result: AnalysisResult) -> str:
     """The ``analysis.md`` page: figures side by side for all runs, numbers as tables."""
     data = result.data
@@ -85,18 +101,19 @@ def analysis_markdown(result: AnalysisResult) -> str:
             f"{_fmt(train[-1][1] if train else None)} | {_fmt(val[-1][1] if val else None)} |"
         )
     lines.append("")
-    if "drop_rate" in figures:
-        lines += [
-            "## Token drop proportion by choice rank",
-            "",
-            "Share of tokens whose r-th highest-affinity expert was not assigned to them, per "
-            f"layer (percent; {data.get('settings', {}).get('routing', 'train')} routing).",
-            "",
-            f"![drop rate by choice rank]({figures['drop_rate']})",
-            "",
-            *_by_rank_table(runs, "drop_rate_by_rank", percent=True),
-            "",
-        ]
+    routing_mode = data.get("settings", {}).get("routing", "train")
+    for name, title, meaning in _BY_RANK_SECTIONS:
+        if name in figures:
+            lines += [
+                f"## {title}",
+                "",
+                f"{meaning}, per layer (percent; {routing_mode} routing).",
+                "",
+                f"![{name} by choice rank]({figures[name]})",
+                "",
+                *_by_rank_table(runs, f"{name}_by_rank", percent=True),
+                "",
+            ]
     if "mean_affinity" in figures:
         lines += [
             "## Mean affinity of the 1st and 2nd choice",

@@ -22,8 +22,10 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("eval_loss", "val loss", "{:.4f}"),
     ("perplexity", "val ppl", "{:.2f}"),
     ("train_loss", "train loss", "{:.4f}"),
-    ("drop_rate_rank1", "drop 1st", "{:.2%}"),
-    ("drop_rate_rank2", "drop 2nd", "{:.2%}"),
+    ("dropped_rank1", "dropped 1st", "{:.2%}"),
+    ("dropped_rank2", "dropped 2nd", "{:.2%}"),
+    ("rerouted_rank1", "rerouted 1st", "{:.2%}"),
+    ("rerouted_rank2", "rerouted 2nd", "{:.2%}"),
     ("load_imbalance", "imbalance", "{:.3f}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("peak_memory_gb", "peak mem GiB", "{:.2f}"),
@@ -99,8 +101,9 @@ def compare(
             "load_imbalance": result.routing.get("load_imbalance"),
             "run_dir": str(run.run_dir),
         }
-        for i, rate in enumerate(result.routing.get("drop_rate_by_rank", [])):
-            row[f"drop_rate_rank{i + 1}"] = rate
+        for name in ("dropped", "rerouted"):
+            for i, rate in enumerate(result.routing.get(f"{name}_by_rank", [])):
+                row[f"{name}_rank{i + 1}"] = rate
         rows.append(row)
     write_comparison(rows, out, config)
     return rows
@@ -131,7 +134,8 @@ def write_comparison(rows: list[dict[str, Any]], out: Path, config: TrainConfig)
         "# Router comparison",
         "",
         f"Same data, seed and budget for every router: {settings}.",
-        "Drop rates and load imbalance: mean over MoE layers of the last logging interval "
+        "Dropped (slot left empty) and rerouted (slot given to another expert) shares of each "
+        "choice rank, and load imbalance: mean over MoE layers of the last logging interval "
         "(training routing); validation loss uses the evaluation routing (causal by default).",
         "",
         format_markdown(rows),

@@ -81,11 +81,15 @@ METRICS_SCHEMA: dict[str, str] = {
     "tokens_per_s": "training tokens per second since the last log (all processes; eval and "
     "checkpoint time excluded)",
     "peak_memory_gb": "peak CUDA memory allocated on this process (GiB), or peak RSS on CPU",
-    "drop_rate_rank{r}": "mean over MoE layers of the rank-r drop rate (1-based rank)",
+    "dropped_rank{r}": "mean over MoE layers of the share of tokens whose rank-r choice was "
+    "dropped: the token is processed by fewer than k experts (1-based rank)",
+    "rerouted_rank{r}": "mean over MoE layers of the share of tokens whose rank-r choice was not "
+    "given but the slot was filled by another expert (1-based rank)",
     "load_imbalance": "mean over MoE layers of max/mean expert load",
     "unused_experts": "mean over MoE layers of the number of experts given no token",
     "routing": "per-layer lists, averaged over the optimizer steps since the last log and over "
-    "all processes (last micro-batch of each step): drop_rate_by_rank[L][k], load_imbalance[L], "
+    "all processes (last micro-batch of each step): dropped_by_rank[L][k], rerouted_by_rank[L][k], "
+    "load_imbalance[L], "
     "unused_experts[L], tokens_per_expert[L][e], load_over_capacity[L][e], "
     "mean_affinity_by_rank[L][k], aux_loss[L], z_loss[L]; moe_layers[L] gives the decoder layer "
     "index of each entry (dense layers are left out)",
@@ -357,8 +361,10 @@ def format_log_line(step: int, max_steps: int, logs: dict[str, Any]) -> str:
         "aux_loss": ("aux", "{:.4f}"),
         "learning_rate": ("lr", "{:.2e}"),
         "t": ("t", "{:.3f}"),
-        "drop_rate_rank1": ("drop r1", "{:.3f}"),
-        "drop_rate_rank2": ("drop r2", "{:.3f}"),
+        "dropped_rank1": ("drop r1", "{:.3f}"),
+        "dropped_rank2": ("drop r2", "{:.3f}"),
+        "rerouted_rank1": ("reroute r1", "{:.3f}"),
+        "rerouted_rank2": ("reroute r2", "{:.3f}"),
         "load_imbalance": ("imbalance", "{:.2f}"),
         "tokens_per_s": ("tok/s", "{:,.0f}"),
         "peak_memory_gb": ("mem GiB", "{:.2f}"),
@@ -543,10 +549,10 @@ class MaxScoreTrainer(Trainer):
         routing = self._pop_routing()
         self.last_routing = routing
         if routing:
-            drop = routing.get("drop_rate_by_rank")
-            if drop:
-                for rank in range(len(drop[0])):
-                    logs[f"drop_rate_rank{rank + 1}"] = sum(d[rank] for d in drop) / len(drop)
+            for name in ("dropped", "rerouted"):
+                per_layer = routing.get(f"{name}_by_rank")
+                for rank, value in enumerate(_mean_over_layers(per_layer) if per_layer else []):
+                    logs[f"{name}_rank{rank + 1}"] = value
             for key in ("load_imbalance", "unused_experts"):
                 values = routing.get(key)
                 if values:
@@ -1080,16 +1086,23 @@ def train(
     return result
 
 
+def _mean_over_layers(per_layer: list[list[float]]) -> list[float]:
+    """``[L][k]`` -> ``[k]``: the mean over MoE layers of a by-rank statistic."""
+    return [sum(layer[r] for layer in per_layer) / len(per_layer) for r in range(len(per_layer[0]))]
+
+
 def summarize_routing(routing: dict[str, Any]) -> dict[str, Any]:
-    """Means over layers of the last logged routing statistics (drop rate, load balance)."""
+    """Means over layers of the last logged routing statistics (dropped / rerouted, balance)."""
     if not routing:
         return {}
     out: dict[str, Any] = {}
-    drop = routing.get("drop_rate_by_rank")
-    if drop:
-        by_rank = [sum(layer[r] for layer in drop) / len(drop) for r in range(len(drop[0]))]
-        out["drop_rate_by_rank"] = by_rank
-        out["drop_rate"] = sum(by_rank) / len(by_rank)
+    for name in ("dropped", "rerouted"):
+        per_layer = routing.get(f"{name}_by_rank")
+        if per_layer:
+            by_rank = _mean_over_layers(per_layer)
+            out[f"{name}_by_rank"] = by_rank
+            # The share of all k slots of all tokens.
+            out[name] = sum(by_rank) / len(by_rank)
     for key in ("load_imbalance", "unused_experts"):
         values = routing.get(key)
         if values:
@@ -1110,10 +1123,11 @@ def format_summary(result: TrainResult) -> str:
         lines.append(f"perplexity:        {result.perplexity:.2f}")
     r = result.routing
     if r:
-        ranks = ", ".join(
-            f"choice {i + 1}: {v:.1%}" for i, v in enumerate(r.get("drop_rate_by_rank", []))
-        )
-        lines.append(f"token drop rate:   {r.get('drop_rate', 0.0):.2%} ({ranks})")
+        for name, label in (("dropped", "dropped slots:"), ("rerouted", "rerouted slots:")):
+            ranks = ", ".join(
+                f"choice {i + 1}: {v:.1%}" for i, v in enumerate(r.get(f"{name}_by_rank", []))
+            )
+            lines.append(f"{label:<19}{r.get(name, 0.0):.2%} ({ranks})")
         if "load_imbalance" in r:
             lines.append(f"load imbalance:    {r['load_imbalance']:.3f} (max / mean expert load)")
         if "unused_experts" in r:
