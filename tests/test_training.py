@@ -267,7 +267,13 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_main_command_prints_loss_perplexity_and_routing(finished_run: tuple[Path, str]) -> None:
     _, printed = finished_run
-    for needle in ("validation loss:", "perplexity:", "token drop rate:", "load imbalance:"):
+    for needle in (
+        "validation loss:",
+        "perplexity:",
+        "dropped slots:",
+        "rerouted slots:",
+        "load imbalance:",
+    ):
         assert needle in printed
 
 
@@ -275,6 +281,9 @@ def test_run_directory_contents(finished_run: tuple[Path, str]) -> None:
     run, _ = finished_run
     stored = json.loads((run / "config.json").read_text())
     assert stored["train"]["router"] == "maxscore" and stored["resolved"]["total_steps"] == 6
+    schedule = stored["resolved"]["temperature_schedule"]
+    assert (schedule["steps"], schedule["source"], schedule["start"]) == (1, "fraction", 3.0)
+    assert stored["model"]["router_config"]["temperature"]["steps"] == 1
     assert [p.name for p in list_checkpoints(run)] == ["checkpoint-3", "checkpoint-6"]
     last = run / "checkpoint-6"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt"):
@@ -301,8 +310,8 @@ def test_metrics_jsonl_has_losses_schedule_and_routing(finished_run: tuple[Path,
         assert len(per_layer) == 2 and len(per_layer[0]) == 2
         assert first[f"{name}_rank1"] == pytest.approx(sum(layer[0] for layer in per_layer) / 2)
     assert len(routing["load_imbalance"]) == 2
-    # t decays once per optimizer step (schedule 3 -> 0 over 30k steps by default)
-    assert train_logs[0]["t"] > train_logs[-1]["t"]
+    # t anneals over 1/6 of the run's 6 steps: 3 -> 0 after the first step
+    assert [r["t"] for r in train_logs] == [0.0, 0.0, 0.0]
     assert all(r["eval_ppl"] > 1 for r in evals)
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from maxscore.training.config import ConfigError, TrainConfig, apply_recipe
+from maxscore.training.config import RECIPES, ConfigError, TrainConfig, apply_recipe
 
 _TRAIN_EXAMPLES = """\
 examples:
@@ -24,6 +24,7 @@ examples:
   maxscore train --router-option capacity_factor=1.25 --model-option num_hidden_layers=2
   maxscore train --output-dir runs/gshard --resume   # continue after a crash or Ctrl-C
   maxscore train --recipe paper --router maxscore   # the paper's setup (Base, C4, 180k steps)
+  maxscore train --recipe paper-shape --max-steps 400  # its schedule proportions, a short run
   torchrun --nproc-per-node 8 -m maxscore.cli train --recipe paper --deepspeed zero2
 """
 
@@ -121,6 +122,18 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     g.add_argument("--decay-ratio", type=float, help=f"(default {d.decay_ratio})")
     g.add_argument("--decay-shape", choices=["linear", "cosine", "1-sqrt"])
     g.add_argument("--min-lr-ratio", type=float)
+    g.add_argument(
+        "--temperature-steps",
+        type=int,
+        help="optimizer steps over which the SoftTopk t anneals (default: "
+        "--temperature-fraction of the run; the paper recipe: 30000)",
+    )
+    g.add_argument(
+        "--temperature-fraction",
+        type=float,
+        help="share of the run's optimizer steps over which t anneals when --temperature-steps "
+        "is not given (default 1/6: the paper's 30k of 180k)",
+    )
     g.add_argument("--seed", type=int, help=f"(default {d.seed})")
     g.add_argument(
         "--precision",
@@ -173,7 +186,10 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     )
     parser.add_argument("--config", help="a JSON/YAML TrainConfig file (flags override it)")
     parser.add_argument(
-        "--recipe", choices=["paper"], help="fill in the paper's setup (flags override it)"
+        "--recipe",
+        choices=list(RECIPES),
+        help="paper: the paper's setup (Base, C4, 180k steps, t over 30k); paper-shape: its "
+        "optimizer and WSD / t schedule proportions scaled to this run (flags override both)",
     )
 
 

@@ -4,10 +4,16 @@ A ``TrainConfig`` is plain data: the CLI fills one from its flags, the Python AP
 the run directory stores the *resolved* one (``config.json``) so a later ``--resume`` can check
 it is continuing the same experiment.
 
-``recipe="paper"`` fills in the paper's setup (SPEC section 2): context 512, global batch 688
-sequences, 180k steps, AdamW lr 3e-5, weight decay 0.1, betas (0.9, 0.95), eps 1e-6, a
-warmup-stable-decay schedule with 2k warmup steps and decay over the last 6k, bf16, activation
-checkpointing, C4 and a LLaMA tokenizer. Fields the user set explicitly win over the recipe.
+Recipes (:data:`RECIPES`; fields the user set explicitly win over a recipe):
+
+* ``"paper"``: the paper's setup: context 512, global batch 688 sequences, 180k steps, AdamW
+  lr 3e-5, weight decay 0.1, betas (0.9, 0.95), eps 1e-6, a warmup-stable-decay schedule with 2k
+  warmup steps and decay over the last 6k, the SoftTopk ``t`` annealed over 30k steps, bf16,
+  activation checkpointing, C4 and a LLaMA tokenizer.
+* ``"paper-shape"``: the paper's optimizer and schedule *shape* scaled to the run's length, for
+  short runs: the same AdamW betas / eps / weight decay, WSD with warmup over 2/180 and decay
+  over the last 6/180 of the run, ``t`` annealed over 1/6 of it (30k of 180k). Model, data,
+  batch, learning rate and budget stay the user's.
 """
 
 from __future__ import annotations
@@ -62,6 +68,11 @@ class TrainConfig:
         validation_fraction: share of documents held out when the source has no validation split.
         max_train_documents: use only the first N (seed-shuffled) training documents.
         max_eval_blocks: validation blocks used for each evaluation (keeps evaluation cheap).
+        temperature_steps: optimizer steps over which the SoftTopk ``t`` goes from its start to
+            its end value; ``None``: ``temperature_fraction`` of the run's steps
+            (:mod:`maxscore.training.temperature`).
+        temperature_fraction: share of the run's optimizer steps over which ``t`` anneals when
+            ``temperature_steps`` is not given (default 1/6: the paper's 30k of 180k).
         tokenizer: ``"default"`` (the embedded 32k LLaMA-style tokenizer), or a HF tokenizer name
             or local path.
         seq_len: tokens per training sequence (documents are packed into blocks of this length).
@@ -111,6 +122,8 @@ class TrainConfig:
     validation_fraction: float = 0.01
     max_train_documents: int | None = None
     max_eval_blocks: int = 64
+    temperature_steps: int | None = None
+    temperature_fraction: float = 1 / 6
     tokenizer: str = "default"
     seq_len: int = 128
     batch_size: int = 8
@@ -188,7 +201,15 @@ class TrainConfig:
             raise ConfigError(
                 f"decay_shape must be linear, cosine or 1-sqrt, got {self.decay_shape!r}"
             )
-        for name in ("warmup_ratio", "decay_ratio", "validation_fraction", "min_lr_ratio"):
+        if self.temperature_steps is not None and self.temperature_steps < 0:
+            raise ConfigError(f"temperature_steps must be >= 0, got {self.temperature_steps}")
+        for name in (
+            "warmup_ratio",
+            "decay_ratio",
+            "validation_fraction",
+            "min_lr_ratio",
+            "temperature_fraction",
+        ):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
@@ -201,8 +222,10 @@ class TrainConfig:
             raise ConfigError(
                 f"report_to must be auto, tensorboard or none, got {self.report_to!r}"
             )
-        if self.recipe not in (None, "paper"):
-            raise ConfigError(f"unknown recipe {self.recipe!r}; known recipes: paper")
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ConfigError(
+                f"unknown recipe {self.recipe!r}; known recipes: {', '.join(RECIPES)}"
+            )
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -288,6 +311,8 @@ PAPER_RECIPE: dict[str, Any] = {
     "lr_schedule": "wsd",
     "warmup_steps": 2_000,
     "decay_steps": 6_000,
+    # The authors' t schedule: 3 -> 0 over the first 30k optimizer steps.
+    "temperature_steps": 30_000,
     "precision": "bf16",
     "gradient_checkpointing": True,
     "compile": True,
@@ -297,6 +322,25 @@ PAPER_RECIPE: dict[str, Any] = {
     "max_eval_blocks": 512,
     "save_total_limit": 3,
 }
+
+#: The paper's optimizer and schedule shape, scaled to a run of any length: its 2k warmup and
+#: 6k decay steps and 30k ``t`` steps as shares of its 180k steps.
+PAPER_SHAPE_RECIPE: dict[str, Any] = {
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_eps": 1e-6,
+    "lr_schedule": "wsd",
+    "warmup_steps": 0,
+    "warmup_ratio": 2_000 / 180_000,
+    "decay_steps": 0,
+    "decay_ratio": 6_000 / 180_000,
+    "temperature_steps": None,
+    "temperature_fraction": 30_000 / 180_000,
+}
+
+#: Recipes by name (``--recipe``): the fields each one sets.
+RECIPES: dict[str, dict[str, Any]] = {"paper": PAPER_RECIPE, "paper-shape": PAPER_SHAPE_RECIPE}
 
 #: Global batch of the paper's recipe, in sequences.
 PAPER_GLOBAL_BATCH = 688
@@ -313,10 +357,10 @@ def apply_recipe(
     """
     if config.recipe is None:
         return config
-    if config.recipe != "paper":
-        raise ConfigError(f"unknown recipe {config.recipe!r}; known recipes: paper")
+    if config.recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {config.recipe!r}; known recipes: {', '.join(RECIPES)}")
     data = config.to_dict()
-    for key, value in PAPER_RECIPE.items():
+    for key, value in RECIPES[config.recipe].items():
         if key not in explicit:
             data[key] = value
     return TrainConfig.from_dict(data)

@@ -53,6 +53,11 @@ from maxscore.training.data import (
     collate_blocks,
     load_tokenizer,
 )
+from maxscore.training.temperature import (
+    ResolvedTemperature,
+    apply_temperature,
+    resolve_temperature,
+)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -776,6 +781,7 @@ class PreparedRun:
     precision: str
     world_size: int
     total_steps: int
+    temperature: ResolvedTemperature | None = None
 
 
 def prepare(config: TrainConfig) -> PreparedRun:
@@ -813,6 +819,11 @@ def prepare(config: TrainConfig) -> PreparedRun:
         )
     run_dir, resume_from = prepare_run_dir(config)
     total_steps = config.total_steps(ws)
+    # The SoftTopk t schedule follows the run (or a resumed run's stored length); resolved once.
+    temperature = resolve_temperature(
+        config, model_config.get_router_config(), total_steps, resume_from
+    )
+    apply_temperature(model_config, temperature)
     global_batch = config.batch_size * config.grad_accum * ws
     if config.recipe == "paper" and global_batch != PAPER_GLOBAL_BATCH and is_main_process():
         print(
@@ -828,7 +839,16 @@ def prepare(config: TrainConfig) -> PreparedRun:
         max_train_blocks=total_steps * global_batch,
     )
     return PreparedRun(
-        config, run_dir, resume_from, tokenizer, model_config, data, precision, ws, total_steps
+        config,
+        run_dir,
+        resume_from,
+        tokenizer,
+        model_config,
+        data,
+        precision,
+        ws,
+        total_steps,
+        temperature,
     )
 
 
@@ -979,6 +999,7 @@ def write_resolved_config(run: PreparedRun) -> None:
             "world_size": run.world_size,
             "global_batch": run.config.batch_size * run.config.grad_accum * run.world_size,
             "tokens_per_step": run.config.tokens_per_step(run.world_size),
+            "temperature_schedule": run.temperature.to_dict() if run.temperature else None,
             "precision": run.precision,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "data": run.data.description,
