@@ -292,6 +292,11 @@ def test_run_directory_contents(finished_run: tuple[Path, str]) -> None:
     assert not [p for p in run.iterdir() if p.name.startswith(".staging")]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["eval_loss"] > 0
+    # The loss over the validation documents, its standard error and the per-document sums.
+    validation = json.loads((run / "validation.json").read_text())
+    assert validation["loss"] == pytest.approx(summary["eval_loss"])
+    assert summary["eval_loss_se"] == pytest.approx(validation["se"]) and validation["se"] > 0
+    assert summary["eval_tokens"] == 2 * 15 and validation["se_unit"] == "document"
 
 
 def test_metrics_jsonl_has_losses_schedule_and_routing(finished_run: tuple[Path, str]) -> None:

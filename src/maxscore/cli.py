@@ -92,7 +92,9 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     )
     g.add_argument("--max-train-documents", type=int, help="use only the first N documents")
     g.add_argument(
-        "--max-eval-blocks", type=int, help=f"validation blocks (default {d.max_eval_blocks})"
+        "--max-eval-blocks",
+        type=int,
+        help="validation blocks, evenly spaced over the split (default: the whole split)",
     )
     g.add_argument(
         "--tokenizer", help="'default' (embedded 32k LLaMA-style) or a HF name / local path"

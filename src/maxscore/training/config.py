@@ -67,7 +67,9 @@ class TrainConfig:
         streaming: stream a HF dataset instead of downloading it (``None``: only for C4).
         validation_fraction: share of documents held out when the source has no validation split.
         max_train_documents: use only the first N (seed-shuffled) training documents.
-        max_eval_blocks: validation blocks used for each evaluation (keeps evaluation cheap).
+        max_eval_blocks: validation blocks per evaluation, evenly spaced over the split so every
+            source keeps its share; ``None`` (default): the whole split, up to 2^20 tokens
+            (:mod:`maxscore.training.validation`).
         temperature_steps: optimizer steps over which the SoftTopk ``t`` goes from its start to
             its end value; ``None``: ``temperature_fraction`` of the run's steps
             (:mod:`maxscore.training.temperature`).
@@ -121,7 +123,7 @@ class TrainConfig:
     streaming: bool | None = None
     validation_fraction: float = 0.01
     max_train_documents: int | None = None
-    max_eval_blocks: int = 64
+    max_eval_blocks: int | None = None
     temperature_steps: int | None = None
     temperature_fraction: float = 1 / 6
     tokenizer: str = "default"
@@ -172,8 +174,9 @@ class TrainConfig:
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "grad_accum": self.grad_accum,
-            "max_eval_blocks": self.max_eval_blocks,
         }
+        if self.max_eval_blocks is not None:
+            positive["max_eval_blocks"] = self.max_eval_blocks
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -319,7 +322,6 @@ PAPER_RECIPE: dict[str, Any] = {
     "eval_steps": 2_000,
     "save_steps": 2_000,
     "logging_steps": 50,
-    "max_eval_blocks": 512,
     "save_total_limit": 3,
 }
 

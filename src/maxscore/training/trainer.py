@@ -58,10 +58,12 @@ from maxscore.training.temperature import (
     apply_temperature,
     resolve_temperature,
 )
+from maxscore.training.validation import DOCUMENT_KEY, DocumentLosses, ValidationSummary
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
+VALIDATION_FILE = "validation.json"
 TRAIN_CONFIG_IN_CHECKPOINT = "maxscore_train_config.json"
 
 #: Shipped DeepSpeed configs, by short name.
@@ -98,7 +100,12 @@ METRICS_SCHEMA: dict[str, str] = {
     "unused_experts[L], tokens_per_expert[L][e], load_over_capacity[L][e], "
     "mean_affinity_by_rank[L][k], aux_loss[L], z_loss[L]; moe_layers[L] gives the decoder layer "
     "index of each entry (dense layers are left out)",
-    "eval_loss": "validation LM loss (eval routing, causal by default)",
+    "eval_loss": "validation LM loss (eval routing, causal by default): mean over the tokens of "
+    "the whole validation split (or --max-eval-blocks evenly spaced blocks)",
+    "eval_loss_se": "standard error of eval_loss over validation documents (the split is a random "
+    "sample of documents; see maxscore.training.validation)",
+    "eval_tokens": "validation tokens the loss is the mean over",
+    "eval_documents": "validation documents they come from",
     "eval_ppl": "exp(eval_loss)",
 }
 
@@ -401,6 +408,10 @@ class MaxScoreTrainer(Trainer):
         self._paused_s = 0.0
         self._schedule: Any = None
         self._moe_layers: list[int] = []
+        self._document_losses = DocumentLosses()
+        #: The last evaluation's loss, standard error and per-document sums (with its step).
+        self.last_validation: ValidationSummary | None = None
+        self.last_validation_step: int | None = None
         self.add_callback(_RoutingAccumulator(self))
 
     def get_train_dataloader(self) -> Any:
@@ -583,6 +594,35 @@ class MaxScoreTrainer(Trainer):
         finally:
             self._paused_s += time.perf_counter() - begin
 
+    # -- validation by document (maxscore.training.validation) ---------------------------------
+    def prediction_step(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Validation batches carry each token's document: sum the token losses by document."""
+        documents = inputs.pop(DOCUMENT_KEY, None)
+        if documents is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        size = getattr(self.eval_dataset, "num_documents", 0)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self._document_losses.add(model, inputs, documents, size)
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop, plus the loss over documents and its standard error."""
+        self._document_losses.reset()
+        output = super().evaluation_loop(*args, **kwargs)
+        sums, counts = self._document_losses.gather()
+        if counts:
+            summary = ValidationSummary.from_sums(sums, counts)
+            output.metrics.update(summary.metrics(kwargs.get("metric_key_prefix", "eval")))
+            self.last_validation, self.last_validation_step = summary, self.state.global_step
+        return output
+
     # -- atomic checkpoints -------------------------------------------------------------------
     def _get_output_dir(self, trial: Any) -> str:
         if self._staging_root is not None:
@@ -760,6 +800,9 @@ class TrainResult:
     runtime_s: float
     interrupted: bool
     routing: dict[str, Any] = field(default_factory=dict)
+    eval_loss_se: float | None = None
+    eval_tokens: int | None = None
+    eval_documents: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -1078,7 +1121,11 @@ def train(
     interrupted = final_cb.interrupted
     metrics: dict[str, float] = {}
     if not interrupted and len(run.data.validation) > 0:
-        metrics = trainer.evaluate()
+        # A periodic evaluation at the last step already measured the final model.
+        if trainer.last_validation_step != trainer.state.global_step:
+            trainer.evaluate()
+        if trainer.last_validation is not None:
+            metrics = trainer.last_validation.metrics()
     eval_loss = metrics.get("eval_loss")
     history = [h for h in trainer.state.log_history if "tokens_per_s" in h]
     speeds = [h["tokens_per_s"] for h in history]
@@ -1096,11 +1143,17 @@ def train(
         runtime_s=runtime,
         interrupted=interrupted,
         routing=summarize_routing(routing),
+        eval_loss_se=metrics.get("eval_loss_se"),
+        eval_tokens=metrics.get("eval_tokens"),
+        eval_documents=metrics.get("eval_documents"),
     )
     if trainer.is_world_process_zero():
         (run.run_dir / SUMMARY_FILE).write_text(
             json.dumps(result.to_dict(), indent=2, default=str) + "\n"
         )
+        if metrics and trainer.last_validation is not None:
+            payload = {"step": result.steps, **trainer.last_validation.to_dict()}
+            (run.run_dir / VALIDATION_FILE).write_text(json.dumps(payload) + "\n")
         with (run.run_dir / METRICS_FILE).open("a") as handle:
             record = {"type": "final", "step": result.steps, **result.to_dict()}
             handle.write(json.dumps(record, default=str) + "\n")
@@ -1140,7 +1193,13 @@ def format_summary(result: TrainResult) -> str:
         return "\n".join(lines)
     lines.append(f"steps / tokens:    {result.steps} / {result.tokens:,}")
     if result.eval_loss is not None:
-        lines.append(f"validation loss:   {result.eval_loss:.4f}")
+        loss = f"{result.eval_loss:.4f}"
+        if result.eval_loss_se is not None:
+            loss += (
+                f" ± {result.eval_loss_se:.4f} (standard error over {result.eval_documents} "
+                f"documents, {result.eval_tokens:,} tokens)"
+            )
+        lines.append(f"validation loss:   {loss}")
         lines.append(f"perplexity:        {result.perplexity:.2f}")
     r = result.routing
     if r:
