@@ -33,9 +33,12 @@ examples:
   maxscore compare                                  # gshard, maxscore, dropless on tiny (CPU)
   maxscore compare --routers gshard,gshard-i,maxscore-i,maxscore --max-steps 200
   maxscore compare --routers dense,gshard,maxscore --model base --output-dir runs/cmp-base
+  maxscore compare --routers gshard,maxscore --seeds 42,43,44   # mean +- std over seeds
 
-Every router trains with the same data, seed and budget; the output folder gets
-comparison.md, comparison.csv, loss_curves.png and one run directory per router.
+Every router trains with the same data, seed(s) and budget; the output folder gets
+comparison.md (validation loss with its standard error, differences to the first router),
+comparison.csv / .json, loss_curves.png, loss_differences.png and one run directory per
+router (per router and seed with --seeds).
 """
 
 
@@ -262,16 +265,35 @@ def run_compare(args: argparse.Namespace) -> int:
 
     try:
         routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+        seeds = _parse_seeds(args.seeds)
         config = config_from_args(args, router=routers[0] if routers else "maxscore")
         rows = compare(
-            routers, config, args.output_dir or "runs/compare", overwrite=bool(args.overwrite)
+            routers,
+            config,
+            args.output_dir or "runs/compare",
+            overwrite=bool(args.overwrite),
+            seeds=seeds,
         )
     except ConfigError as err:
         return _error(str(err))
-    from maxscore.training.compare import format_markdown
+    from maxscore.training.compare import format_summary_markdown
+    from maxscore.training.seed_stats import summarize_by_router
 
-    print(format_markdown(rows))
+    print(format_summary_markdown(summarize_by_router(rows), rows[0]["router"]))
     return 0
+
+
+def _parse_seeds(text: str | None) -> list[int] | None:
+    """``"42,43,44"`` -> ``[42, 43, 44]`` (``None``: the single ``--seed``)."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds expects comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise ConfigError("--seeds is empty; give comma-separated integers, e.g. 42,43,44")
+    return seeds
 
 
 def run_presets(args: argparse.Namespace) -> int:
@@ -330,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--routers",
         default="gshard,maxscore,dropless",
         help="comma-separated router presets (default gshard,maxscore,dropless)",
+    )
+    compare_p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds, e.g. 42,43,44: every router trains once per seed; the "
+        "table gives mean ± std over seeds and a plot the differences to the first router "
+        "(default: the single --seed)",
     )
     _add_train_options(compare_p, compare=True)
     compare_p.set_defaults(func=run_compare)

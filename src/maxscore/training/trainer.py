@@ -58,12 +58,16 @@ from maxscore.training.temperature import (
     apply_temperature,
     resolve_temperature,
 )
-from maxscore.training.validation import DOCUMENT_KEY, DocumentLosses, ValidationSummary
+from maxscore.training.validation import (
+    DOCUMENT_KEY,
+    VALIDATION_FILE,
+    DocumentLosses,
+    ValidationSummary,
+)
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
-VALIDATION_FILE = "validation.json"
 TRAIN_CONFIG_IN_CHECKPOINT = "maxscore_train_config.json"
 
 #: Shipped DeepSpeed configs, by short name.

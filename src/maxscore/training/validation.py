@@ -37,6 +37,7 @@ from maxscore.training.data import PackedDataset, _tokenize_iter
 __all__ = [
     "DEFAULT_MAX_EVAL_TOKENS",
     "DOCUMENT_KEY",
+    "VALIDATION_FILE",
     "DocumentLosses",
     "ValidationDataset",
     "pack_validation",
@@ -44,6 +45,8 @@ __all__ = [
     "ratio_standard_error",
 ]
 
+#: The run-directory file with the final evaluation's per-document sums.
+VALIDATION_FILE = "validation.json"
 #: Batch key of the per-token document index (removed before the model sees the batch).
 DOCUMENT_KEY = "document_ids"
 #: Default cap on validation tokens when no ``max_eval_blocks`` is given (the embedded corpus's
