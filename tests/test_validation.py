@@ -3,7 +3,9 @@ over documents, paired differences."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -88,3 +90,26 @@ def test_document_losses_equal_the_models_own_loss(split: tuple[list[str], list[
     summary = ValidationSummary.from_sums(sums, counts)
     assert summary.loss == pytest.approx(float(reference), rel=1e-5)
     assert summary.se > 0 and summary.documents <= data.num_documents
+
+
+def test_eval_and_analysis_tables_show_the_loss_with_its_standard_error(tmp_path: Path) -> None:
+    from maxscore.analysis.analyze import analyze
+    from maxscore.evaluation.results import checkpoint_validation, markdown_table
+
+    run = tmp_path / "gshard"
+    (run / "checkpoint-4").mkdir(parents=True)
+    records = [
+        {"type": "train", "step": 2, "loss": 9.0},
+        {"type": "eval", "step": 2, "eval_loss": 8.5, "eval_loss_se": 0.05, "eval_tokens": 60},
+        {"type": "eval", "step": 4, "eval_loss": 8.25, "eval_loss_se": 0.04, "eval_tokens": 60},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    validation = checkpoint_validation(run, run / "checkpoint-4")
+    assert validation == {"step": 4, "loss": 8.25, "se": 0.04, "tokens": 60}
+    assert checkpoint_validation(None, run / "checkpoint-4") is None
+    model = {"name": "gshard", "metrics": {"piqa": {"acc": 0.6}}, "validation": validation}
+    table = markdown_table([model, {"name": "other", "metrics": {"piqa": {"acc": 0.5}}}])
+    assert "Val loss ± SE |" in table and "| 8.2500 ± 0.0400 |" in table
+    assert table.splitlines()[-1].endswith("| – |")
+    result = analyze([run], tmp_path / "analysis")
+    assert "| 8.2500 ± 0.0400 |" in result.markdown_path.read_text()

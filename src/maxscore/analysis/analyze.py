@@ -164,6 +164,7 @@ def analyze(
             "router": run.router,
             "train_loss": run.train_loss(),
             "eval_loss": run.eval_loss(),
+            "validation": run.final_validation(),
             "throughput": run.throughput(),
         }
         if run.name in snapshots:

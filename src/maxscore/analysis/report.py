@@ -91,16 +91,25 @@ def analysis_markdown(result: AnalysisResult) -> str:
     figures = data.get("figures", {})
     lines = ["# Routing analysis", ""]
     lines += [
-        "| Run | Router | Routing statistics from | Final train loss | Final val loss |",
+        "| Run | Router | Routing statistics from | Final train loss | Final val loss ± SE |",
         "|---|---|---|---:|---:|",
     ]
     for name, run in runs.items():
         train, val = run["train_loss"], run["eval_loss"]
+        loss = _fmt(val[-1][1] if val else None)
+        se = (run.get("validation") or {}).get("se")
+        if val and se is not None:
+            loss += f" ± {se:.4f}"
         lines.append(
             f"| {name} | {run.get('router') or '–'} | {run.get('routing', {}).get('source', '–')} | "
-            f"{_fmt(train[-1][1] if train else None)} | {_fmt(val[-1][1] if val else None)} |"
+            f"{_fmt(train[-1][1] if train else None)} | {loss} |"
         )
-    lines.append("")
+    lines += [
+        "",
+        "SE: standard error of the validation loss over validation documents (the split is a "
+        "random sample of documents).",
+        "",
+    ]
     routing_mode = data.get("settings", {}).get("routing", "train")
     for name, title, meaning in _BY_RANK_SECTIONS:
         if name in figures:

@@ -117,6 +117,24 @@ class RunData:
                 seen.setdefault(int(r["step"]), float(r["eval_loss"]))
         return sorted(seen.items())
 
+    def final_validation(self) -> dict[str, float] | None:
+        """The last validation: ``{"step", "loss", "se", "tokens"}`` (``se``: standard error
+        over validation documents; missing in runs that predate it)."""
+        evals = [
+            r
+            for r in self.records
+            if r.get("type", "eval") == "eval" and _finite(r.get("eval_loss"))
+        ]
+        if not evals:
+            return None
+        last = evals[-1]
+        return {
+            "step": int(last["step"]),
+            "loss": float(last["eval_loss"]),
+            "se": last.get("eval_loss_se"),
+            "tokens": last.get("eval_tokens"),
+        }
+
     def throughput(self) -> dict[str, float | None]:
         """Mean training tokens/s, its last logged value, and peak memory (GiB, max over logs)."""
         speeds = [
