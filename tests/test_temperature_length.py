@@ -14,31 +14,7 @@ from maxscore.routing.presets import get_router_config
 from maxscore.training import TrainConfig, apply_recipe, prepare, train
 from maxscore.training.config import ConfigError
 from maxscore.training.temperature import PAPER_TEMPERATURE_FRACTION, resolve_temperature
-
-SMALL_MODEL = {
-    "hidden_size": 32,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "num_experts": 4,
-}
-
-
-def small_config(tmp_path: Path, name: str = "run", **overrides: object) -> TrainConfig:
-    """A few seconds of training on the embedded corpus (as in test_training.py)."""
-    base = {
-        "model": "tiny",
-        "model_overrides": dict(SMALL_MODEL),
-        "seq_len": 16,
-        "batch_size": 2,
-        "eval_steps": 0,
-        "logging_steps": 2,
-        "max_eval_blocks": 2,
-        "report_to": "none",
-        "quiet": True,
-        "output_dir": str(tmp_path / name),
-    }
-    base.update(overrides)
-    return TrainConfig(**base)  # type: ignore[arg-type]
+from test_training import small_config
 
 
 def resolved(config: TrainConfig, total: int) -> tuple[int, str]:

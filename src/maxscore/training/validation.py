@@ -144,7 +144,11 @@ class DocumentLosses:
         return losses.mean()
 
     def gather(self) -> tuple[list[float], list[float]]:
-        """``(loss sums, token counts)`` per document, summed over all processes."""
+        """``(loss sums, token counts)`` per document, summed over all processes.
+
+        Under data parallelism accelerate may repeat a few blocks at the end so that every
+        process gets full batches; those are counted twice (a few blocks out of hundreds).
+        """
         if self.loss_sum is None or self.tokens is None:
             return [], []
         both = torch.stack([self.loss_sum, self.tokens])
