@@ -611,17 +611,20 @@ class MaxScoreTrainer(Trainer):
         if documents is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
-        size = getattr(self.eval_dataset, "num_documents", 0)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self._document_losses.add(model, inputs, documents, size)
+            loss = self._document_losses.add(model, inputs, documents)
         return loss.detach(), None, None
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's loop, plus the loss over documents and its standard error."""
-        self._document_losses.reset()
+        size = getattr(self.eval_dataset, "num_documents", None)
+        if size is None:
+            self._document_losses.clear()
+        else:
+            self._document_losses.reset(size, self.args.device)
         output = super().evaluation_loop(*args, **kwargs)
         sums, counts = self._document_losses.gather()
-        if counts:
+        if any(counts):
             summary = ValidationSummary.from_sums(sums, counts)
             output.metrics.update(summary.metrics(kwargs.get("metric_key_prefix", "eval")))
             self.last_validation, self.last_validation_step = summary, self.state.global_step

@@ -123,23 +123,26 @@ class DocumentLosses:
         self.loss_sum: Tensor | None = None
         self.tokens: Tensor | None = None
 
-    def reset(self) -> None:
+    def clear(self) -> None:
+        """No sums: the evaluated dataset carries no documents."""
         self.loss_sum = self.tokens = None
 
-    @torch.no_grad()
-    def add(self, model: Any, inputs: dict[str, Tensor], documents: Tensor, size: int) -> Tensor:
-        """Run ``model`` on one batch, add its token losses by document; return the batch mean.
+    def reset(self, size: int, device: torch.device | str = "cpu") -> None:
+        """Zero sums for ``size`` documents on ``device`` (allocated here, so that a process
+        given no validation batch still takes part in :meth:`gather`'s all-reduce)."""
+        self.loss_sum = torch.zeros(size, dtype=torch.float64, device=device)
+        self.tokens = torch.zeros(size, dtype=torch.float64, device=device)
 
-        ``size`` is the number of documents of the split (the length of the sums).
-        """
+    @torch.no_grad()
+    def add(self, model: Any, inputs: dict[str, Tensor], documents: Tensor) -> Tensor:
+        """Run ``model`` on one batch, add its token losses by document; return the batch mean."""
+        if self.loss_sum is None or self.tokens is None:
+            raise RuntimeError("DocumentLosses.add before reset(num_documents)")
         outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         losses = per_token_loss(logits, inputs["input_ids"])
-        targets = documents.to(losses.device)[:, 1:].reshape(-1)
-        if self.loss_sum is None or self.tokens is None:
-            self.loss_sum = torch.zeros(size, dtype=torch.float64, device=losses.device)
-            self.tokens = torch.zeros(size, dtype=torch.float64, device=losses.device)
-        self.loss_sum.index_add_(0, targets, losses.reshape(-1).double())
+        targets = documents.to(self.loss_sum.device)[:, 1:].reshape(-1)
+        self.loss_sum.index_add_(0, targets, losses.reshape(-1).to(self.loss_sum))
         self.tokens.index_add_(0, targets, torch.ones_like(targets, dtype=torch.float64))
         return losses.mean()
 
