@@ -95,7 +95,9 @@ def resolve_temperature(
         resume_from: the checkpoint a resume starts from (``None``: a fresh run).
     """
     schedule = router_config.temperature
-    override = (config.router_overrides.get("temperature") or {}).get("steps")
+    given = config.router_overrides.get("temperature")
+    # A dict from the CLI / JSON, or a TemperatureScheduleConfig from Python.
+    override = given.get("steps") if isinstance(given, dict) else getattr(given, "steps", None)
     stored = _stored_steps(config.run_dir) if resume_from is not None else None
     if config.temperature_steps is not None:
         steps, source = config.temperature_steps, "explicit"
