@@ -381,8 +381,22 @@ def render_readme(data: dict[str, Any], status: list[dict[str, Any]]) -> str:
         "± is a standard error over validation documents, or a standard deviation over seeds "
         "where marked (n = seeds).",
         "- Devices: " + (", ".join(data["devices"]) or "pending") + ".",
-        "- Regenerate: `study.py run` (in chunks: it skips what `results/` holds and resumes "
-        "cut runs), then `study.py report`. See `run_h100.sh` for one device call.",
+        "",
+        "## How to regenerate",
+        "",
+        "```bash",
+        "python benchmarks/paper_reproduction/study.py plan     # done / pending, per run",
+        "python benchmarks/paper_reproduction/study.py run --deadline-s 540   # what fits",
+        "python benchmarks/paper_reproduction/study.py run --only gshard:42,maxscore:42",
+        "python benchmarks/paper_reproduction/study.py report   # results.json, figures, README",
+        "```",
+        "",
+        "`run` trains each pending (router, seed) into `runs/paper_reproduction/`, runs lm-eval on "
+        "its final checkpoint (both routings for capacity / flow routers) and copies the small "
+        "result files to `results/raw/`; stages already there are skipped, and a run cut by the "
+        "deadline stops with a checkpoint and resumes in the next call while its machine is held. "
+        "`run_h100.sh` is one device call (lm-eval and its task data must be on the machine: "
+        "wheels, and `MAXSCORE_CACHE_DIR` pointing at a copy of `~/.cache/maxscore`).",
         "",
         "## Runs",
         "",
