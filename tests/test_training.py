@@ -548,7 +548,7 @@ def test_readme_main_command_exactly(tmp_path: Path) -> None:
         timeout=1800,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "perplexity:" in out.stdout and "token drop rate:" in out.stdout
+    assert "perplexity:" in out.stdout and "dropped slots:" in out.stdout
     assert (tmp_path / "runs" / "tiny-maxscore" / "summary.json").is_file()
 
 
