@@ -11,7 +11,10 @@ affinities ``softmax(logits)`` with
 it reports the relative gap ``1 - objective / optimum`` (median / p90 / max, in %) of
 
 - ``two-stage-sinkhorn`` (Algorithm 1: capacity-limited top-1, Sinkhorn on the residual),
-- ``two-stage-exact`` (capacity-limited top-1, exact residual: the authors' code, less its bugs),
+- ``two-stage-score-exact`` (top-1 kept by score up to capacity, refused tokens re-served,
+  exact residual: our variant; the tables below call it by its former name ``two-stage-exact``),
+- ``two-stage-authors`` (the authors' code: top-1 in token order until full, exact residual of
+  ``k - 1`` experts per token),
 - ``paper-literal`` (Algorithm 1 as printed: *uncapped* top-1, ``c_j <- max(0, c_j - load)``, an
   exact residual, and the top-1 overflow dropped by position, as capacity-based dispatch does),
 - ``global`` (the GPU global solver, run here on the CPU) if registered,
@@ -105,7 +108,8 @@ def summarise(values: list[float]) -> dict[str, float]:
 def run(n: int, e: int, k: int, instances: int, seed: int) -> dict:
     methods: dict[str, Callable[[Tensor, int, Tensor], Tensor]] = {
         "two-stage-sinkhorn": FLOW_SOLVERS["two-stage-sinkhorn"].solve,
-        "two-stage-exact": FLOW_SOLVERS["two-stage-exact"].solve,
+        "two-stage-score-exact": FLOW_SOLVERS["two-stage-score-exact"].solve,
+        "two-stage-authors": FLOW_SOLVERS["two-stage-authors"].solve,
         "paper-literal": paper_literal,
         "topk-capacity": topk_capacity,
     }

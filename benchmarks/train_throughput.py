@@ -243,7 +243,7 @@ def run_throughput(args: argparse.Namespace) -> None:
             "peak_memory_gib": result.peak_memory_gb,
             "final_train_loss": result.train_loss,
             "eval_loss": result.eval_loss,
-            "drop_rate": result.routing.get("drop_rate"),
+            "dropped": result.routing.get("dropped"),
             "load_imbalance": result.routing.get("load_imbalance"),
         }
         results.append(row)
@@ -292,11 +292,11 @@ def run_throughput(args: argparse.Namespace) -> None:
         "with AdamW through `maxscore.training.train`. MFU: (6·N_active + 12·L·H·Q·T) FLOPs per "
         "token over 989 TFLOP/s (H100 bf16 dense).",
         "",
-        "| router | model | step ms | tokens/s | vs gshard | TFLOP/s | MFU | peak GiB | drop rate |",
+        "| router | model | step ms | tokens/s | vs gshard | TFLOP/s | MFU | peak GiB | dropped |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        drop = "-" if r["drop_rate"] is None else f"{r['drop_rate']:.1%}"
+        drop = "-" if r.get("dropped") is None else f"{r['dropped']:.1%}"
         ratio = "-" if r["vs_gshard"] is None else f"{r['vs_gshard']:.3f}"
         lines.append(
             f"| {r['router']} | {r['model']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | "

@@ -32,7 +32,8 @@ def routing_block(rng: random.Random) -> dict[str, Any]:
         return [rng.uniform(lo, hi) for _ in range(n)]
 
     return {
-        "drop_rate_by_rank": [row(K, 0.0, 0.3) for _ in LAYERS],
+        "dropped_by_rank": [row(K, 0.0, 0.3) for _ in LAYERS],
+        "rerouted_by_rank": [row(K, 0.0, 0.1) for _ in LAYERS],
         "mean_affinity_by_rank": [sorted(row(K, 0.1, 0.6), reverse=True) for _ in LAYERS],
         "load_over_capacity": [row(EXPERTS, 0.5, 1.5) for _ in LAYERS],
         "tokens_per_expert": [row(EXPERTS, 10, 60) for _ in LAYERS],
@@ -113,7 +114,8 @@ def test_analyze_writes_valid_pngs_and_the_metrics_numbers(
     out = tmp_path / "analysis"
     result = analyze(runs, out, layer=2)
     assert set(result.figures) == {
-        "drop_rate",
+        "dropped",
+        "rerouted",
         "mean_affinity",
         "expert_load",
         "loss_curves",
@@ -127,7 +129,12 @@ def test_analyze_writes_valid_pngs_and_the_metrics_numbers(
         expected = last_routing(run)
         got = data["runs"][name]["routing"]
         assert got["layers"] == LAYERS
-        for key in ("drop_rate_by_rank", "mean_affinity_by_rank", "load_over_capacity"):
+        for key in (
+            "dropped_by_rank",
+            "rerouted_by_rank",
+            "mean_affinity_by_rank",
+            "load_over_capacity",
+        ):
             assert flat(got["stats"][key]) == pytest.approx(flat(expected[key]))
         load = data["expert_load"]["runs"][name]
         layer_values = expected["load_over_capacity"][LAYERS.index(2)]
@@ -138,8 +145,9 @@ def test_analyze_writes_valid_pngs_and_the_metrics_numbers(
     md = (out / "analysis.md").read_text()
     for figure in result.figures.values():
         assert f"]({figure.name})" in md
-    drop = last_routing(runs[0])["drop_rate_by_rank"]
-    assert f"| gshard | 1st | {drop[0][0] * 100:.2f} | {drop[1][0] * 100:.2f} |" in md
+    for key in ("dropped_by_rank", "rerouted_by_rank"):
+        drop = last_routing(runs[0])[key]
+        assert f"| gshard | 1st | {drop[0][0] * 100:.2f} | {drop[1][0] * 100:.2f} |" in md
 
 
 def test_plotted_bars_and_lines_equal_the_metrics(runs: list[Path]) -> None:
@@ -149,7 +157,8 @@ def test_plotted_bars_and_lines_equal_the_metrics(runs: list[Path]) -> None:
     expected = {run.name: last_routing(path) for run, path in zip(loaded, runs, strict=True)}
 
     for figure_fn, key in (
-        (plots.drop_rate_figure, "drop_rate_by_rank"),
+        (plots.dropped_figure, "dropped_by_rank"),
+        (plots.rerouted_figure, "rerouted_by_rank"),
         (plots.mean_affinity_figure, "mean_affinity_by_rank"),
     ):
         fig = figure_fn(snapshots)
@@ -219,8 +228,8 @@ def test_window_averages_the_last_logs(runs: list[Path]) -> None:
     records = [r for r in run.records if r.get("routing")]
     snap = run.routing_snapshot(window=2)
     assert snap is not None and snap.step == 30 and snap.source == "metrics.jsonl steps 20-30"
-    a, b = (r["routing"]["drop_rate_by_rank"] for r in records[-2:])
-    assert flat(snap.stats["drop_rate_by_rank"]) == pytest.approx(
+    a, b = (r["routing"]["dropped_by_rank"] for r in records[-2:])
+    assert flat(snap.stats["dropped_by_rank"]) == pytest.approx(
         [(x + y) / 2 for x, y in zip(flat(a), flat(b), strict=True)]
     )
 
@@ -290,11 +299,16 @@ def test_checkpoint_statistics_equal_the_models_own(tmp_path: Path) -> None:
         model(input_ids=blocks)
     reference = [s for s in model.routing_statistics() if s]
     assert snap.layers == [0, 1]
-    for key in ("drop_rate_by_rank", "load_over_capacity", "mean_affinity_by_rank"):
+    for key in (
+        "dropped_by_rank",
+        "rerouted_by_rank",
+        "load_over_capacity",
+        "mean_affinity_by_rank",
+    ):
         assert flat(snap.stats[key]) == pytest.approx(
             flat([s[key].tolist() for s in reference]), rel=1e-5, abs=1e-6
         )
-    assert max(snap.stats["drop_rate_by_rank"][0]) > 0  # capacity routing really dropped tokens
+    assert max(snap.stats["dropped_by_rank"][0]) > 0  # capacity routing really dropped tokens
 
 
 # ------------------------------------------------------------------------------------------------
@@ -332,11 +346,12 @@ def test_report_combines_compare_eval_and_analysis(runs: list[Path], tmp_path: P
     assert "## Router comparison" in text and "| gshard | 9.1 |" in text
     assert "| Model | ARC-e | PIQA | Avg. |" in text
     assert "| maxscore | 42.00 | 63.00 | 52.50 |" in text
-    assert "## Routing analysis" in text and "### Token drop proportion by choice rank" in text
+    assert "## Routing analysis" in text and "### Dropped choices by rank" in text
+    assert "### Rerouted choices by rank" in text
     images = [
         line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")
     ]
-    assert len(images) == 6
+    assert len(images) == 7  # compare: 1; analysis: dropped, rerouted, affinity, load, loss, speed
     for image in images:
         assert_png((out.parent / image).resolve())
     with pytest.raises(ReportError, match="not found"):
@@ -376,8 +391,8 @@ def test_train_analyze_eval_report_end_to_end(tmp_path: Path) -> None:
         assert_png(path)
     for run in run_dirs:
         name = run.name
-        got = result.data["runs"][name]["routing"]["stats"]["drop_rate_by_rank"]
-        assert flat(got) == pytest.approx(flat(last_routing(run)["drop_rate_by_rank"]))
+        got = result.data["runs"][name]["routing"]["stats"]["dropped_by_rank"]
+        assert flat(got) == pytest.approx(flat(last_routing(run)["dropped_by_rank"]))
     measured = analyze(run_dirs[:1], tmp_path / "analysis-ckpt", checkpoint="latest", max_blocks=2)
     assert "checkpoint" in measured.data["runs"]["gshard"]["routing"]["source"]
     try:

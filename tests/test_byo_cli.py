@@ -56,6 +56,10 @@ def test_train_fine_tunes_a_family_checkpoint(finetuned: Path) -> None:
     assert config["model_type"] == "maxscore_llama_moe"
     assert (config["router"], config["source_family"]) == ("gshard", "mixtral")
     assert (checkpoint / "tokenizer.json").is_file()  # the checkpoint's own tokenizer
+    # The SoftTopk t schedule follows the run (1/6 of 3 steps), in the trained model too.
+    resolved = json.loads((finetuned / "config.json").read_text())["resolved"]
+    steps = resolved["temperature_schedule"]["steps"]
+    assert steps == round(3 / 6) and config["router_config"]["temperature"]["steps"] == steps
     summary = json.loads((finetuned / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["eval_loss"] > 0
     # The fine-tuned weights moved away from the original ones.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -88,21 +89,31 @@ def test_console_script_runs() -> None:
 def test_compare_writes_table_csv_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     argv = [
-        "compare", "--routers", "gshard,maxscore", "--output-dir", str(out),
+        "compare", "--routers", "gshard,maxscore", "--output-dir", str(out), "--seeds", "1,2",
         "--model-option", "hidden_size=32", "--model-option", "num_hidden_layers=1",
         "--model-option", "num_attention_heads=2", "--model-option", "num_experts=4",
         "--seq-len", "16", "--batch-size", "2", "--max-steps", "4", "--logging-steps", "1",
-        "--eval-steps", "2", "--save-steps", "0", "--no-save-final", "--max-eval-blocks", "2",
+        "--eval-steps", "2", "--save-steps", "0", "--no-save-final", "--max-eval-blocks", "4",
         "--quiet", "--report-to", "none",
     ]  # fmt: skip
     assert main(argv) == 0
     md = (out / "comparison.md").read_text()
-    assert "| gshard |" in md and "| maxscore |" in md
+    assert "val loss (mean ± std over seeds)" in md and "Δ vs gshard (mean ± std over seeds)" in md
+    assert "| gshard | 1 |" in md and "| maxscore | 2 |" in md  # the per-run rows
     with (out / "comparison.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert [r["router"] for r in rows] == ["gshard", "maxscore"]
-    assert all(float(r["eval_loss"]) > 0 for r in rows)
-    png = (out / "loss_curves.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    # same data and seed: both runs saw the same first batch, so their step-1 losses are close
-    assert (out / "gshard" / "metrics.jsonl").is_file()
+    assert [(r["router"], r["seed"]) for r in rows] == [
+        ("gshard", "1"), ("gshard", "2"), ("maxscore", "1"), ("maxscore", "2")
+    ]  # fmt: skip
+    assert all(float(r["eval_loss"]) > 0 and float(r["eval_loss_se"]) > 0 for r in rows)
+    # The delta is paired by validation document and seed: the reference's own is 0.
+    assert [float(r["delta"]) for r in rows[:2]] == [0.0, 0.0]
+    assert all(float(r["delta_se"]) >= 0 for r in rows[2:])
+    summary = json.loads((out / "comparison.json").read_text())["routers"]
+    mean = sum(float(r["eval_loss"]) for r in rows[2:]) / 2
+    assert summary[1]["router"] == "maxscore" and summary[1]["eval_loss"] == pytest.approx(mean)
+    for name in ("loss_curves.png", "loss_differences.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "gshard" / "seed-1" / "metrics.jsonl").is_file()
+    bad = ["compare", "--seeds", "1,x", "--output-dir", str(tmp_path / "bad")]
+    assert main(bad) == 2 and not (tmp_path / "bad").exists()  # a clear error, nothing run

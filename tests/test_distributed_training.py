@@ -32,7 +32,8 @@ SMALL_MODEL = {
 
 #: Routing statistics that are means over tokens / groups (so a global mean is well defined).
 MEAN_KEYS = (
-    "drop_rate_by_rank",
+    "dropped_by_rank",
+    "rerouted_by_rank",
     "load_imbalance",
     "unused_experts",
     "mean_affinity_by_rank",
@@ -134,7 +135,7 @@ def test_routing_statistics_are_averaged_over_ddp_processes(ddp_run: tuple[Path,
     local = [report["local"] for report in reports]
     # every process logs the same (global) values
     assert len(reports[0]["logged"]) == 2
-    for key in ("aux_loss", "drop_rate_rank1", "drop_rate_rank2", "load_imbalance"):
+    for key in ("aux_loss", "dropped_rank1", "dropped_rank2", "load_imbalance"):
         for mine, theirs in zip(reports[0]["logged"], reports[1]["logged"]):
             assert mine[key] == theirs[key], key
     assert len(local[0]) == len(local[1]) == 4  # steps
@@ -143,8 +144,8 @@ def test_routing_statistics_are_averaged_over_ddp_processes(ddp_run: tuple[Path,
     assert [r["step"] for r in train_logs] == [2, 4]
     for log, steps in zip(train_logs, ([0, 1], [2, 3])):
         # the processes' own statistics differ (different batches) ...
-        first = [local[0][s][0]["drop_rate_by_rank"] for s in steps]
-        second = [local[1][s][0]["drop_rate_by_rank"] for s in steps]
+        first = [local[0][s][0]["dropped_by_rank"] for s in steps]
+        second = [local[1][s][0]["dropped_by_rank"] for s in steps]
         affinity = [[local[r][s][0]["mean_affinity_by_rank"] for s in steps] for r in range(2)]
         assert first != second or affinity[0] != affinity[1]
         # ... and the logged value is the mean over both processes and the logged steps
@@ -152,7 +153,7 @@ def test_routing_statistics_are_averaged_over_ddp_processes(ddp_run: tuple[Path,
         for key in (*MEAN_KEYS, "aux_loss", "z_loss"):
             expected = _mean([local[r][s][0][key] for r in range(2) for s in steps])
             assert routing[key][0] == pytest.approx(expected, rel=1e-5, abs=1e-7), key
-        assert log["drop_rate_rank1"] == pytest.approx(routing["drop_rate_by_rank"][0][0])
+        assert log["dropped_rank1"] == pytest.approx(routing["dropped_by_rank"][0][0])
 
 
 def test_ddp_run_on_cpu_resumes_with_identical_weights(

@@ -301,6 +301,10 @@ BAD_OPTIONS = [
     (["--router-option", "min_capacity=null"], "min_capacity must be an integer"),
     (["--router-option", "capacity_facter=2"], "unknown router option 'capacity_facter'"),
     (["--router-option", "drop_policy=random"], "drop_policy must be one of"),
+    (["--router-option", 'temperature={"steps": -5}'], "steps must be >= 0"),
+    (["--temperature-steps", "-1"], "temperature_steps must be >= 0"),
+    (["--temperature-fraction", "1.5"], "temperature_fraction must be in [0, 1]"),
+    (["--seed", "-1"], "seed must be in [0, 2^32 - 1]"),
 ]
 
 
@@ -313,6 +317,26 @@ def test_bad_option_values_fail_before_the_run_directory_exists(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    ("seeds", "message"),
+    [
+        ("42,x", "--seeds expects comma-separated integers"),
+        (",", "--seeds is empty"),
+        ("42,42", "--seeds lists a seed twice"),
+        ("42,-1", "seed must be in [0, 2^32 - 1]"),
+    ],
+)
+def test_bad_compare_seeds_fail_before_the_output_dir_exists(
+    tmp_path: Path, seeds: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cmp"
+    argv = ["compare", *SMALL_FLAGS, "--routers", "gshard", "--seeds", seeds]
+    assert main([*argv, "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
 
 
 def test_unknown_model_option_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
@@ -329,6 +353,9 @@ def test_unknown_model_option_lists_the_valid_ones(capsys: pytest.CaptureFixture
         ("precision: fp8\n", "precision must be one of"),
         ("model_overrides: [1]\n", "model_overrides must be an object"),
         ("no_such_field: 1\n", "unknown training config field"),
+        ("temperature_steps: 1.5\n", "temperature_steps must be an integer"),
+        ("temperature_fraction: abc\n", "temperature_fraction must be a number"),
+        ("recipe: papr\n", "unknown recipe 'papr'"),
     ],
 )
 def test_bad_config_file_values(
@@ -391,7 +418,8 @@ def test_a_short_run_is_quiet_and_complete(
     future = [w for w in caught if issubclass(w.category, FutureWarning)]
     assert not future, [str(w.message) for w in future]
     printed = capsys.readouterr().out
-    for needle in ("validation loss:", "token drop rate:", "load imbalance:", "throughput:"):
+    needles = ("validation loss:", "dropped slots:", "rerouted slots:", "load imbalance:")
+    for needle in (*needles, "throughput:"):
         assert needle in printed, needle  # 2 steps < --logging-steps 10: still summarised
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["type"] == "eval"] == [2]  # evaluated once

@@ -128,7 +128,7 @@ def test_exact_many_small_instances() -> None:
 
 
 def test_exact_per_token_k_and_forbidden_pairs() -> None:
-    """The generalisation the two-stage-exact solver uses: k_i per token, some pairs forbidden."""
+    """The generalisation the exact-residual two-stage solvers use: k_i per token, pairs forbidden."""
     rng = np.random.default_rng(1)
     for _ in range(20):
         n, e = int(rng.integers(5, 120)), int(rng.integers(2, 17))
@@ -180,7 +180,7 @@ def test_exact_matches_ortools_sweep(e: int, k: int) -> None:
 
 
 def test_registry_has_the_solvers() -> None:
-    for name in ("exact", "two-stage-sinkhorn", "two-stage-exact"):
+    for name in ("exact", "two-stage-sinkhorn", "two-stage-score-exact", "two-stage-authors"):
         assert isinstance(FLOW_SOLVERS[name], FlowSolverSpec)
     assert FLOW_SOLVERS["exact"].exact and FLOW_SOLVERS["exact"].device == "cpu"
     assert FLOW_SOLVERS["two-stage-sinkhorn"].device == "any"
@@ -261,7 +261,9 @@ def test_public_api_rejects_bad_shapes_and_dtypes() -> None:
         min_cost_flow_assignment(np.ones((6, 4)), 1, 3)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("method", ["exact", "two-stage-sinkhorn", "two-stage-exact"])
+@pytest.mark.parametrize(
+    "method", ["exact", "two-stage-sinkhorn", "two-stage-score-exact", "two-stage-authors"]
+)
 def test_every_method_through_public_api_is_feasible_and_deterministic(method: str) -> None:
     torch.manual_seed(3)
     a = (torch.randn(4, 64, 8) + torch.randn(8)).softmax(-1)

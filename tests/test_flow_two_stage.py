@@ -9,10 +9,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from maxscore.routing.flow import FLOW_SOLVERS, assignment_mask, flow_objective
+from maxscore.routing.flow import (
+    FLOW_SOLVERS,
+    assignment_mask,
+    flow_objective,
+    mask_to_expert_index,
+)
+from maxscore.routing.flow.exact import solve_exact_numpy
 from maxscore.routing.flow.two_stage import solve_two_stage_sinkhorn
 
-TWO_STAGE = ["two-stage-sinkhorn", "two-stage-exact"]
+#: Every two-stage solver; ``FILLING`` leave no slot empty while capacity remains (the authors'
+#: procedure drops one slot of every token refused in stage 1).
+TWO_STAGE = ["two-stage-sinkhorn", "two-stage-score-exact", "two-stage-authors"]
+FILLING = ["two-stage-sinkhorn", "two-stage-score-exact"]
 
 
 def assert_feasible(idx: torch.Tensor, capacity: torch.Tensor, k: int) -> None:
@@ -80,7 +89,7 @@ def test_two_stage_feasible_and_below_optimum(
     assert torch.equal(idx, FLOW_SOLVERS[method].solve(affinities, k, cap)), "not deterministic"
 
 
-@pytest.mark.parametrize("method", TWO_STAGE)
+@pytest.mark.parametrize("method", FILLING)
 @pytest.mark.parametrize(("n", "e", "k"), [(512, 16, 2), (256, 64, 6), (300, 8, 3), (128, 16, 1)])
 @pytest.mark.parametrize("bias", [0.0, 1.0])
 def test_two_stage_fills_every_slot_at_paper_capacity(
@@ -124,7 +133,7 @@ def test_stage_one_respects_capacity() -> None:
     """Every token prefers expert 0 (capacity 3): only 3 tokens keep it, by affinity."""
     a = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.95, 0.05], [0.7, 0.3], [0.85, 0.15]]).unsqueeze(0)
     cap = torch.tensor([3, 5])
-    for method in TWO_STAGE:
+    for method in FILLING:
         idx = FLOW_SOLVERS[method].solve(a, 1, cap)
         assert sorted(idx[0, :, 0].tolist()) == [0, 0, 0, 1, 1]
         assert idx[0, :, 0].tolist() == [0, 1, 0, 1, 0]  # 0.95, 0.9, 0.85 keep expert 0
@@ -141,19 +150,78 @@ def test_two_stage_sinkhorn_batched_equals_per_group_and_iterations_option() -> 
         assert_feasible(solve_two_stage_sinkhorn(a, 2, cap, iterations=iterations), cap, 2)
 
 
-def test_two_stage_exact_matches_top1_plus_exact_residual() -> None:
-    """two-stage-exact = capacity-limited top-1 plus the exact optimum of the residual, so it is
-    at least as good as two-stage-sinkhorn on the same stage 1 (the residual is optimal)."""
+def test_two_stage_score_exact_matches_top1_plus_exact_residual() -> None:
+    """two-stage-score-exact = capacity-limited top-1 plus the exact optimum of the residual, so
+    it is at least as good as two-stage-sinkhorn on the same stage 1 (the residual is optimal)."""
     gen = torch.Generator().manual_seed(2)
     a = (torch.randn(8, 256, 16, generator=gen) + torch.randn(1, 1, 16, generator=gen)).softmax(-1)
     cap = torch.full((16,), 32)
-    ex = flow_objective(a, FLOW_SOLVERS["two-stage-exact"].solve(a, 2, cap))
+    ex = flow_objective(a, FLOW_SOLVERS["two-stage-score-exact"].solve(a, 2, cap))
     sk = flow_objective(a, FLOW_SOLVERS["two-stage-sinkhorn"].solve(a, 2, cap))
     assert (ex >= sk - 1e-9).all()
     first = a.argmax(-1)
-    idx = FLOW_SOLVERS["two-stage-exact"].solve(a, 2, cap)
+    idx = FLOW_SOLVERS["two-stage-score-exact"].solve(a, 2, cap)
     kept = (assignment_mask(idx, 16).gather(-1, first.unsqueeze(-1))).squeeze(-1)
     assert kept.float().mean() > 0.5  # most tokens keep their top-1 expert
+
+
+def authors_reference(a: torch.Tensor, k: int, cap: torch.Tensor) -> torch.Tensor:
+    """The authors' procedure written as a plain loop: tokens in order take their top-1 while
+    the expert has room; then every token gets k - 1 more experts, solved exactly."""
+    g, n, e = a.shape
+    assigned = torch.zeros(g, n, e, dtype=torch.bool)
+    for group in range(g):
+        left = cap.clone()
+        for i in range(n):
+            j = int(a[group, i].argmax())
+            if left[j] > 0:
+                assigned[group, i, j] = True
+                left[j] -= 1
+        residual = solve_exact_numpy(
+            a[group].double().numpy(),
+            np.full(n, k - 1),
+            left.numpy(),
+            allowed=~assigned[group].numpy(),
+        )
+        assigned[group] |= torch.from_numpy(residual)
+    return mask_to_expert_index(assigned, a, k)
+
+
+@pytest.mark.parametrize("bias", [0.0, 1.0, 3.0])
+def test_two_stage_authors_equals_the_token_order_loop(bias: float) -> None:
+    gen = torch.Generator().manual_seed(7)
+    a = (torch.randn(3, 96, 8, generator=gen) + bias * torch.randn(1, 1, 8, generator=gen)).softmax(
+        -1
+    )
+    cap = torch.full((8,), 24)
+    idx = FLOW_SOLVERS["two-stage-authors"].solve(a, 2, cap)
+    assert torch.equal(idx, authors_reference(a, 2, cap))
+    assert_feasible(idx, cap, 2)
+
+
+def test_two_stage_authors_serves_stage_one_by_position_and_drops_refused_slots() -> None:
+    """Every token prefers expert 0 (capacity 3): the first 3 tokens keep it, whatever their
+    affinity; the 2 refused tokens get one expert in all (k = 2), the others two."""
+    a = torch.tensor(
+        [[0.6, 0.3, 0.1], [0.7, 0.2, 0.1], [0.9, 0.05, 0.05], [0.95, 0.04, 0.01], [0.8, 0.15, 0.05]]
+    ).unsqueeze(0)
+    cap = torch.tensor([3, 5, 5])
+    idx = FLOW_SOLVERS["two-stage-authors"].solve(a, 2, cap)[0]
+    assert idx[:3, 0].tolist() == [0, 0, 0]
+    assert (idx[3:] >= 0).sum(-1).tolist() == [1, 1]
+    assert (idx[:3] >= 0).sum(-1).tolist() == [2, 2, 2]
+    # The score variant keeps the three best top-1 affinities (tokens 2, 3, 4) and fills all.
+    score = FLOW_SOLVERS["two-stage-score-exact"].solve(a, 2, cap)[0]
+    assert sorted(i for i in range(5) if score[i, 0] == 0) == [2, 3, 4]
+    assert (score >= 0).all()
+
+
+def test_deprecated_two_stage_exact_warns_and_equals_score_exact() -> None:
+    a = torch.randn(2, 32, 8, generator=torch.Generator().manual_seed(3)).softmax(-1)
+    cap = torch.full((8,), 8)
+    with pytest.warns(FutureWarning, match="two-stage-score-exact"):
+        old = FLOW_SOLVERS["two-stage-exact"].solve(a, 2, cap)
+    assert torch.equal(old, FLOW_SOLVERS["two-stage-score-exact"].solve(a, 2, cap))
 
 
 @pytest.mark.gpu

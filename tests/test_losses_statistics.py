@@ -10,7 +10,7 @@ import torch
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.groups import expert_capacity, split_into_groups
 from maxscore.routing.losses import assignment_matrix, load_balancing_loss, router_z_loss
-from maxscore.routing.statistics import STAT_KEYS, routing_statistics
+from maxscore.routing.statistics import STAT_KEYS, dropped_and_rerouted, routing_statistics
 
 # n = 2 tokens, e = 2 experts; both tokens' top-1 is expert 0
 A = torch.tensor([[[0.7, 0.3], [0.6, 0.4]]])
@@ -99,7 +99,8 @@ def test_statistics_by_hand() -> None:
     s = routing_statistics(SA, SIDX, torch.tensor([2, 3, 2]), k=2)
     assert set(s) == set(STAT_KEYS)
     # 1st choices all kept; 2nd choices of tokens 1 (expert 1) and 2 (expert 0) dropped
-    torch.testing.assert_close(s["drop_rate_by_rank"], torch.tensor([0.0, 0.5]))
+    torch.testing.assert_close(s["dropped_by_rank"], torch.tensor([0.0, 0.5]))
+    torch.testing.assert_close(s["rerouted_by_rank"], torch.tensor([0.0, 0.0]))
     torch.testing.assert_close(s["tokens_per_expert"], torch.tensor([2.0, 3.0, 1.0]))
     torch.testing.assert_close(s["load_over_capacity"], torch.tensor([1.0, 1.0, 0.5]))
     assert float(s["unused_experts"]) == 0.0
@@ -119,17 +120,36 @@ def test_statistics_dropless_reference_capacity_and_groups() -> None:
     torch.testing.assert_close(s["tokens_per_expert"], torch.tensor([3.0, 1.5, 0.5]))
     assert float(s["unused_experts"]) == pytest.approx(1.0)  # (0 + 2) / 2
     assert float(s["load_imbalance"]) == pytest.approx((1.5 + 3.0) / 2)
-    # group 2: 1st choices of tokens 2, 3 dropped; 2nd choices of tokens 0, 1, 3 dropped
-    torch.testing.assert_close(s["drop_rate_by_rank"], torch.tensor([2 / 8, 5 / 8]))
+    # group 2 (every token on expert 0 only): token 2 (choices 1, 0) keeps its 2nd choice and
+    # loses its 1st, a drop; token 3 (choices 2, 1) misses both and holds one substitute, so its
+    # 1st choice is rerouted and its 2nd dropped; tokens 0 and 1 lose their 2nd choice.
+    torch.testing.assert_close(s["dropped_by_rank"], torch.tensor([1 / 8, 5 / 8]))
+    torch.testing.assert_close(s["rerouted_by_rank"], torch.tensor([1 / 8, 0.0]))
 
 
 def test_statistics_expert_choice_slots_and_empty_group() -> None:
     # S = e slots (expert choice); a group where nothing is assigned must not give NaN
     idx = torch.full((1, 4, 3), -1)
     s = routing_statistics(SA, idx, torch.tensor([2, 2, 2]), k=2)
-    torch.testing.assert_close(s["drop_rate_by_rank"], torch.tensor([1.0, 1.0]))
+    torch.testing.assert_close(s["dropped_by_rank"], torch.tensor([1.0, 1.0]))
+    torch.testing.assert_close(s["rerouted_by_rank"], torch.tensor([0.0, 0.0]))
     assert float(s["unused_experts"]) == 3.0
     assert all(torch.isfinite(v).all() for v in s.values())
+
+
+def test_dropped_and_rerouted_split_the_missed_choices_in_rank_order() -> None:
+    """GShard-I style: a dropped 2nd choice re-served by the 3rd is a reroute, not a drop; a
+    token with more experts than k (expert choice) has every miss rerouted."""
+    # n = 3 tokens, e = 4, k = 2; choices by affinity: token 0: 0, 1; token 1: 1, 2; token 2: 3, 2
+    a = torch.tensor([[[0.5, 0.3, 0.15, 0.05], [0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.3, 0.5]]])
+    idx = torch.tensor([[[0, 2], [0, 3], [3, -1]]])  # token 1 holds two substitutes
+    s = routing_statistics(a, idx, None, k=2)
+    torch.testing.assert_close(s["dropped_by_rank"], torch.tensor([0.0, 1 / 3]))
+    torch.testing.assert_close(s["rerouted_by_rank"], torch.tensor([1 / 3, 2 / 3]))
+    kept = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]])
+    dropped, rerouted = dropped_and_rerouted(kept, torch.tensor([3.0, 1.0, 0.0]))
+    assert dropped.tolist() == [[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
+    assert rerouted.tolist() == [[0.0, 1.0], [1.0, 0.0], [0.0, 0.0]]
 
 
 def test_expert_capacity() -> None:

@@ -139,7 +139,9 @@ def test_routing_statistics_and_schedule() -> None:
     stats = model.routing_statistics()
     assert len(stats) == 4 and stats[0] == {}
     for layer_stats in stats[1:]:
-        assert {"drop_rate_by_rank", "tokens_per_expert", "aux_loss"} <= set(layer_stats)
+        assert {"dropped_by_rank", "rerouted_by_rank", "tokens_per_expert", "aux_loss"} <= set(
+            layer_stats
+        )
         assert all(not v.requires_grad for v in layer_stats.values())
     model.advance_router_schedule(3)
     steps = [b for name, b in model.named_buffers() if name.endswith("schedule.step")]

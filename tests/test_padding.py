@@ -19,6 +19,7 @@ from maxscore.moe import MoE
 from maxscore.routing import ROUTER_PRESETS
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.router import Router
+from maxscore.routing.statistics import routing_statistics
 from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES
 
 VOCAB = 64
@@ -90,6 +91,31 @@ def _model(router: str, **router_config: Any) -> LlamaMoEForCausalLM:
         router_z_loss_coef=1e-3,
     )
     return LlamaMoEForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "missed"), [("topk", "dropped"), ("topk-reroute", "rerouted")]
+)
+def test_statistics_count_real_tokens_only(strategy: str, missed: str) -> None:
+    """A padded group's statistics equal those of its real tokens alone: padding, which has no
+    expert, is neither a dropped nor a rerouted choice and adds to no mean."""
+    torch.manual_seed(0)
+    n, e, k = 24, 8, 2
+    scores = torch.softmax(torch.randn(1, n, e) * 2, dim=-1)
+    real = torch.ones(1, n, dtype=torch.bool)
+    real[0, [1, 4, 5, 9, 17, 22, 23]] = False
+    capacity = torch.full((e,), 3, dtype=torch.long)  # tight: some choices are missed
+    config = RouterConfig(strategy=strategy)
+    assign = ASSIGNMENT_STRATEGIES[strategy].assign
+    masked = routing_statistics(
+        scores, assign(scores, k, capacity, config, token_mask=real), capacity, k, token_mask=real
+    )
+    alone_scores = scores[:, real[0]]
+    alone = routing_statistics(alone_scores, assign(alone_scores, k, capacity, config), capacity, k)
+    assert set(masked) == set(alone)
+    for key in masked:
+        torch.testing.assert_close(masked[key], alone[key], rtol=0, atol=1e-6, msg=key)
+    assert float(masked[f"{missed}_by_rank"].sum()) > 0  # the case is not trivial
 
 
 def _batch(pad_seed: int) -> dict[str, Tensor]:

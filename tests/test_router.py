@@ -483,7 +483,8 @@ def test_softtopk_boost_shapes_weights_not_selection(preset: str) -> None:
     top = res.logits.argmax(dim=-1, keepdim=True)
     boost = torch.where(res.expert_index == top, 1.0, 1.0 + 3.0)  # t = 3 at step 0
     torch.testing.assert_close(res.combine_weights, probs.gather(-1, res.expert_index) * boost)
-    assert float(res.stats["drop_rate_by_rank"].sum()) == 0.0
+    assert float(res.stats["dropped_by_rank"].sum()) == 0.0
+    assert float(res.stats["rerouted_by_rank"].sum()) == 0.0
 
 
 def _bias_update_on_rank(rank: int, store_path: str, out_path: str) -> None:

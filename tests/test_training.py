@@ -268,7 +268,13 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_main_command_prints_loss_perplexity_and_routing(finished_run: tuple[Path, str]) -> None:
     _, printed = finished_run
-    for needle in ("validation loss:", "perplexity:", "token drop rate:", "load imbalance:"):
+    for needle in (
+        "validation loss:",
+        "perplexity:",
+        "dropped slots:",
+        "rerouted slots:",
+        "load imbalance:",
+    ):
         assert needle in printed
 
 
@@ -276,6 +282,9 @@ def test_run_directory_contents(finished_run: tuple[Path, str]) -> None:
     run, _ = finished_run
     stored = json.loads((run / "config.json").read_text())
     assert stored["train"]["router"] == "maxscore" and stored["resolved"]["total_steps"] == 6
+    schedule = stored["resolved"]["temperature_schedule"]
+    assert (schedule["steps"], schedule["source"], schedule["start"]) == (1, "fraction", 3.0)
+    assert stored["model"]["router_config"]["temperature"]["steps"] == 1
     assert [p.name for p in list_checkpoints(run)] == ["checkpoint-3", "checkpoint-6"]
     last = run / "checkpoint-6"
     for name in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt"):
@@ -284,6 +293,11 @@ def test_run_directory_contents(finished_run: tuple[Path, str]) -> None:
     assert not [p for p in run.iterdir() if p.name.startswith(".staging")]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["eval_loss"] > 0
+    # The loss over the validation documents, its standard error and the per-document sums.
+    validation = json.loads((run / "validation.json").read_text())
+    assert validation["loss"] == pytest.approx(summary["eval_loss"])
+    assert summary["eval_loss_se"] == pytest.approx(validation["se"]) and validation["se"] > 0
+    assert summary["eval_tokens"] == 2 * 15 and validation["se_unit"] == "document"
 
 
 def test_metrics_jsonl_has_losses_schedule_and_routing(finished_run: tuple[Path, str]) -> None:
@@ -297,13 +311,13 @@ def test_metrics_jsonl_has_losses_schedule_and_routing(finished_run: tuple[Path,
     for key in ("loss", "learning_rate", "aux_loss", "t", "tokens_per_s", "peak_memory_gb"):
         assert key in first, key
     routing = first["routing"]
-    assert len(routing["drop_rate_by_rank"]) == 2 and len(routing["drop_rate_by_rank"][0]) == 2
+    for name in ("dropped", "rerouted"):
+        per_layer = routing[f"{name}_by_rank"]
+        assert len(per_layer) == 2 and len(per_layer[0]) == 2
+        assert first[f"{name}_rank1"] == pytest.approx(sum(layer[0] for layer in per_layer) / 2)
     assert len(routing["load_imbalance"]) == 2
-    assert first["drop_rate_rank1"] == pytest.approx(
-        sum(layer[0] for layer in routing["drop_rate_by_rank"]) / 2
-    )
-    # t decays once per optimizer step (schedule 3 -> 0 over 30k steps by default)
-    assert train_logs[0]["t"] > train_logs[-1]["t"]
+    # t anneals over 1/6 of the run's 6 steps: 3 -> 0 after the first step
+    assert [r["t"] for r in train_logs] == [0.0, 0.0, 0.0]
     assert all(r["eval_ppl"] > 1 for r in evals)
 
 
@@ -535,7 +549,7 @@ def test_readme_main_command_exactly(tmp_path: Path) -> None:
         timeout=1800,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "perplexity:" in out.stdout and "token drop rate:" in out.stdout
+    assert "perplexity:" in out.stdout and "dropped slots:" in out.stdout
     assert (tmp_path / "runs" / "tiny-maxscore" / "summary.json").is_file()
 
 

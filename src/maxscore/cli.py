@@ -15,7 +15,7 @@ from dataclasses import fields
 from typing import Any
 
 from maxscore.training.checkpoint import CheckpointSaveError
-from maxscore.training.config import ConfigError, TrainConfig, apply_recipe
+from maxscore.training.config import RECIPES, ConfigError, TrainConfig, apply_recipe
 
 #: Failures that end a command with one line (what happened, what to do), not a traceback.
 _USER_ERRORS = (ConfigError, CheckpointSaveError)
@@ -28,6 +28,7 @@ examples:
   maxscore train --router-option capacity_factor=1.25 --model-option num_hidden_layers=2
   maxscore train --output-dir runs/gshard --resume   # continue after a crash or Ctrl-C
   maxscore train --recipe paper --router maxscore   # the paper's setup (Base, C4, 180k steps)
+  maxscore train --recipe paper-shape --max-steps 400  # its schedule proportions, a short run
   torchrun --nproc-per-node 8 -m maxscore.cli train --recipe paper --deepspeed zero2
 """
 
@@ -36,9 +37,12 @@ examples:
   maxscore compare                                  # gshard, maxscore, dropless on tiny (CPU)
   maxscore compare --routers gshard,gshard-i,maxscore-i,maxscore --max-steps 200
   maxscore compare --routers dense,gshard,maxscore --model base --output-dir runs/cmp-base
+  maxscore compare --routers gshard,maxscore --seeds 42,43,44   # mean +- std over seeds
 
-Every router trains with the same data, seed and budget; the output folder gets
-comparison.md, comparison.csv, loss_curves.png and one run directory per router.
+Every router trains with the same data, seed(s) and budget; the output folder gets
+comparison.md (validation loss with its standard error, differences to the first router),
+comparison.csv / .json, loss_curves.png, loss_differences.png and one run directory per
+router (per router and seed with --seeds).
 """
 
 
@@ -102,7 +106,9 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     )
     g.add_argument("--max-train-documents", type=int, help="use only the first N documents")
     g.add_argument(
-        "--max-eval-blocks", type=int, help=f"validation blocks (default {d.max_eval_blocks})"
+        "--max-eval-blocks",
+        type=int,
+        help="validation blocks, evenly spaced over the split (default: the whole split)",
     )
     g.add_argument(
         "--tokenizer", help="'default' (embedded 32k LLaMA-style) or a HF name / local path"
@@ -132,6 +138,18 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     g.add_argument("--decay-ratio", type=float, help=f"(default {d.decay_ratio})")
     g.add_argument("--decay-shape", choices=["linear", "cosine", "1-sqrt"])
     g.add_argument("--min-lr-ratio", type=float)
+    g.add_argument(
+        "--temperature-steps",
+        type=int,
+        help="optimizer steps over which the SoftTopk t anneals (default: "
+        "--temperature-fraction of the run; the paper recipe: 30000)",
+    )
+    g.add_argument(
+        "--temperature-fraction",
+        type=float,
+        help="share of the run's optimizer steps over which t anneals when --temperature-steps "
+        "is not given (default 1/6: the paper's 30k of 180k)",
+    )
     g.add_argument("--seed", type=int, help=f"(default {d.seed})")
     g.add_argument(
         "--precision",
@@ -188,7 +206,10 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     )
     parser.add_argument("--config", help="a JSON/YAML TrainConfig file (flags override it)")
     parser.add_argument(
-        "--recipe", choices=["paper"], help="fill in the paper's setup (flags override it)"
+        "--recipe",
+        choices=list(RECIPES),
+        help="paper: the paper's setup (Base, C4, 180k steps, t over 30k); paper-shape: its "
+        "optimizer and WSD / t schedule proportions scaled to this run (flags override both)",
     )
 
 
@@ -259,16 +280,35 @@ def run_compare(args: argparse.Namespace) -> int:
 
     try:
         routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+        seeds = _parse_seeds(args.seeds)
         config = config_from_args(args, router=routers[0] if routers else "maxscore")
         rows = compare(
-            routers, config, args.output_dir or "runs/compare", overwrite=bool(args.overwrite)
+            routers,
+            config,
+            args.output_dir or "runs/compare",
+            overwrite=bool(args.overwrite),
+            seeds=seeds,
         )
     except _USER_ERRORS as err:
         return _error(str(err))
-    from maxscore.training.compare import format_markdown
+    from maxscore.training.compare import format_summary_markdown
+    from maxscore.training.seed_stats import summarize_by_router
 
-    print(format_markdown(rows))
+    print(format_summary_markdown(summarize_by_router(rows), rows[0]["router"]))
     return 0
+
+
+def _parse_seeds(text: str | None) -> list[int] | None:
+    """``"42,43,44"`` -> ``[42, 43, 44]`` (``None``: the single ``--seed``)."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--seeds expects comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise ConfigError("--seeds is empty; give comma-separated integers, e.g. 42,43,44")
+    return seeds
 
 
 def run_presets(args: argparse.Namespace) -> int:
@@ -327,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--routers",
         default="gshard,maxscore,dropless",
         help="comma-separated router presets (default gshard,maxscore,dropless)",
+    )
+    compare_p.add_argument(
+        "--seeds",
+        default=None,
+        help="comma-separated seeds, e.g. 42,43,44: every router trains once per seed; the "
+        "table gives mean ± std over seeds and a plot the differences to the first router "
+        "(default: the single --seed)",
     )
     _add_train_options(compare_p, compare=True)
     compare_p.set_defaults(func=run_compare)

@@ -4,7 +4,7 @@
 data), draws the figures of :mod:`maxscore.analysis.plots` with all runs side by side, and
 writes into the output directory:
 
-* ``drop_rate_by_rank.png``, ``mean_affinity_by_rank.png``, ``expert_load_layer<N>.png``,
+* ``dropped_by_rank.png``, ``rerouted_by_rank.png``, ``mean_affinity_by_rank.png``, ``expert_load_layer<N>.png``,
   ``loss_curves.png``, ``throughput_memory.png``;
 * ``analysis.json``: every plotted number (per run: routing snapshot, sorted expert loads with
   mean / spread, loss curves, throughput and memory);
@@ -164,6 +164,7 @@ def analyze(
             "router": run.router,
             "train_loss": run.train_loss(),
             "eval_loss": run.eval_loss(),
+            "validation": run.final_validation(),
             "throughput": run.throughput(),
         }
         if run.name in snapshots:
@@ -171,9 +172,11 @@ def analyze(
         data["runs"][run.name] = entry
 
     if snapshots:
-        if any(s.stats.get("drop_rate_by_rank") for s in snapshots.values()):
-            fig = plots.drop_rate_figure(snapshots)
-            result.figures["drop_rate"] = plots.save_figure(fig, out / "drop_rate_by_rank.png")
+        by_rank_figures = (("dropped", plots.dropped_figure), ("rerouted", plots.rerouted_figure))
+        for name, figure in by_rank_figures:
+            if any(s.stats.get(f"{name}_by_rank") for s in snapshots.values()):
+                path = out / f"{name}_by_rank.png"
+                result.figures[name] = plots.save_figure(figure(snapshots), path)
         if any(s.stats.get("mean_affinity_by_rank") for s in snapshots.values()):
             fig = plots.mean_affinity_figure(snapshots)
             result.figures["mean_affinity"] = plots.save_figure(

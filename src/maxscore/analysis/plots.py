@@ -6,10 +6,12 @@ run name, so tests (and curious users) can read the plotted values back. :func:`
 writes a PNG and closes the figure.
 
 Figures:
-    * drop rate by choice rank per layer (paper Fig. 2a shows its complement, the kept share);
+    * dropped and rerouted share by choice rank per layer (paper Fig. 2a shows the complement of
+      the dropped share);
     * mean affinity of the r-th choice per layer (Fig. 2b);
     * sorted per-expert load / capacity of one layer, with mean and spread (Fig. 8);
-    * training and validation loss curves;
+    * training and validation loss curves (whole run and a zoom on its second half), and loss
+      differences to a reference router with a band over seeds;
     * training throughput (tokens/s) and peak memory per run (paper Table 9).
 """
 
@@ -90,13 +92,23 @@ def by_rank_figure(
     return fig
 
 
-def drop_rate_figure(snapshots: Mapping[str, RoutingSnapshot]) -> Figure:
-    """Per-layer share of tokens whose r-th choice expert was not assigned (Fig. 2a)."""
+def dropped_figure(snapshots: Mapping[str, RoutingSnapshot]) -> Figure:
+    """Per-layer share of tokens whose r-th choice was dropped: slot left empty (Fig. 2a)."""
     return by_rank_figure(
         snapshots,
-        "drop_rate_by_rank",
+        "dropped_by_rank",
         "share of tokens dropped",
-        "Token drop proportion by choice rank",
+        "Dropped: r-th choice not given, slot left empty",
+    )
+
+
+def rerouted_figure(snapshots: Mapping[str, RoutingSnapshot]) -> Figure:
+    """Per-layer share of tokens whose r-th choice was given to another expert instead."""
+    return by_rank_figure(
+        snapshots,
+        "rerouted_by_rank",
+        "share of tokens rerouted",
+        "Rerouted: r-th choice not given, slot filled by another expert",
     )
 
 
@@ -147,30 +159,136 @@ def expert_load_figure(snapshots: Mapping[str, RoutingSnapshot], layer: int) -> 
     return fig
 
 
+def mean_curve(curves: Sequence[Sequence[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The mean over runs (seeds) at the steps every run logged."""
+    if not curves:
+        return []
+    maps = [dict(c) for c in curves]
+    steps = sorted(set.intersection(*(set(m) for m in maps)))
+    return [(s, sum(m[s] for m in maps) / len(maps)) for s in steps]
+
+
+def _zoom_limits(
+    series: Sequence[Sequence[tuple[int, float]]], from_fraction: float
+) -> tuple[float, float] | None:
+    """y-limits covering the points after ``from_fraction`` of the last step (with a margin).
+
+    The first steps of a run sit at losses of 7-10 and differences of several tenths; scaling
+    the axis to them flattens the 0.01-0.1 differences of the end of training into one line.
+    """
+    last = max((step for curve in series for step, _ in curve), default=None)
+    if last is None:
+        return None
+    values = [v for curve in series for step, v in curve if step >= from_fraction * last]
+    if not values:
+        return None
+    low, high = min(values), max(values)
+    pad = max(high - low, 1e-3) * 0.1
+    return low - pad, high + pad
+
+
 def loss_curves_figure(
     train: Mapping[str, Sequence[tuple[int, float]]],
     validation: Mapping[str, Sequence[tuple[int, float]]],
 ) -> Figure:
-    """Training loss (solid) and validation loss (dashed, markers) against optimizer step."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    """Training loss (solid) and validation loss (dashed, markers) against optimizer step.
+
+    Two panels: the whole run, and its second half with the y-axis fitted to it (where the
+    routers' differences of hundredths of a nat are visible).
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     names = list(dict.fromkeys([*train, *validation]))
-    for i, name in enumerate(names):
-        if train.get(name):
-            steps, losses = zip(*train[name], strict=True)
-            line = ax.plot(steps, losses, "-", color=f"C{i}", label=f"{name} train")[0]
-            line.set_gid(f"{name}/train")
-        if validation.get(name):
-            steps, losses = zip(*validation[name], strict=True)
-            line = ax.plot(steps, losses, "o--", color=f"C{i}", markersize=4, label=f"{name} val")[
-                0
-            ]
-            line.set_gid(f"{name}/validation")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss")
-    ax.set_title("Training and validation loss")
-    ax.grid(alpha=0.3)
+    for ax in axes:
+        for i, name in enumerate(names):
+            if train.get(name):
+                steps, losses = zip(*train[name], strict=True)
+                line = ax.plot(steps, losses, "-", color=f"C{i}", label=f"{name} train")[0]
+                line.set_gid(f"{name}/train")
+            if validation.get(name):
+                steps, losses = zip(*validation[name], strict=True)
+                line = ax.plot(
+                    steps, losses, "o--", color=f"C{i}", markersize=4, label=f"{name} val"
+                )[0]
+                line.set_gid(f"{name}/validation")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+    axes[0].set_title("Training and validation loss")
+    axes[1].set_title("Second half (zoomed)")
+    limits = _zoom_limits([*train.values(), *validation.values()], 0.5)
+    if limits is not None:
+        last = max(step for curve in [*train.values(), *validation.values()] for step, _ in curve)
+        axes[1].set_xlim(0.5 * last, last * 1.02)
+        axes[1].set_ylim(*limits)
     if names:
-        ax.legend(fontsize=8)
+        axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _differences(
+    curves: Mapping[int, Sequence[tuple[int, float]]],
+    reference: Mapping[int, Sequence[tuple[int, float]]],
+) -> list[tuple[int, float, float]]:
+    """``(step, mean, std)`` over seeds of ``curve - reference`` at steps both logged."""
+    per_step: dict[int, list[float]] = {}
+    for seed, curve in curves.items():
+        ref = dict(reference.get(seed, ()))
+        for step, value in curve:
+            if step in ref:
+                per_step.setdefault(step, []).append(value - ref[step])
+    out = []
+    for step in sorted(per_step):
+        values = per_step[step]
+        mean = sum(values) / len(values)
+        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+        out.append((step, mean, var**0.5))
+    return out
+
+
+def loss_difference_figure(
+    curves: Mapping[str, Mapping[int, Mapping[str, Sequence[tuple[int, float]]]]],
+    reference: str,
+) -> Figure:
+    """Loss minus ``reference``'s at each step, per router: mean over seeds, band ± one std.
+
+    ``curves[router][seed]`` holds ``"validation"`` and ``"train"`` ``(step, loss)`` lists; a
+    router is compared with the reference run of the same seed. Left: validation loss; right:
+    training loss. The y-axis is fitted to the second half of the run (0.01-0.1 differences).
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, kind, title in (
+        (axes[0], "validation", "Validation loss"),
+        (axes[1], "train", "Training loss"),
+    ):
+        series = []
+        ref = {seed: c[kind] for seed, c in curves[reference].items()}
+        for i, (name, by_seed) in enumerate(curves.items()):
+            if name == reference:
+                continue
+            diff = _differences({seed: c[kind] for seed, c in by_seed.items()}, ref)
+            if not diff:
+                continue
+            steps, mean, std = zip(*diff, strict=True)
+            style = "o-" if kind == "validation" else "-"
+            line = ax.plot(steps, mean, style, color=f"C{i}", markersize=4, label=name)[0]
+            line.set_gid(f"{name}/{kind}")
+            if len(by_seed) > 1:
+                low = [m - s for m, s in zip(mean, std, strict=True)]
+                high = [m + s for m, s in zip(mean, std, strict=True)]
+                ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.2, linewidth=0)
+                series += [list(zip(steps, low, strict=True)), list(zip(steps, high, strict=True))]
+            series.append(list(zip(steps, mean, strict=True)))
+        ax.axhline(0.0, color="gray", linewidth=1)
+        limits = _zoom_limits(series, 0.5)
+        if limits is not None:
+            ax.set_ylim(min(limits[0], -0.005), max(limits[1], 0.005))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"loss − {reference} (nats)")
+        ax.set_title(f"{title} minus {reference} (band: ± 1 std over seeds)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

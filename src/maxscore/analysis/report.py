@@ -68,6 +68,22 @@ def _by_rank_table(runs: dict[str, Any], key: str, percent: bool) -> list[str]:
     return lines
 
 
+#: The by-rank routing sections of ``analysis.md``: (figure key, heading, what the share means).
+_BY_RANK_SECTIONS: tuple[tuple[str, str, str], ...] = (
+    (
+        "dropped",
+        "Dropped choices by rank",
+        "Share of tokens whose r-th choice was not given and whose slot stayed empty (the token "
+        "is processed by fewer than k experts; the paper's Fig. 2a shows one minus this)",
+    ),
+    (
+        "rerouted",
+        "Rerouted choices by rank",
+        "Share of tokens whose r-th choice was not given but whose slot another expert filled",
+    ),
+)
+
+
 def analysis_markdown(result: AnalysisResult) -> str:
     """The ``analysis.md`` page: figures side by side for all runs, numbers as tables."""
     data = result.data
@@ -75,28 +91,38 @@ def analysis_markdown(result: AnalysisResult) -> str:
     figures = data.get("figures", {})
     lines = ["# Routing analysis", ""]
     lines += [
-        "| Run | Router | Routing statistics from | Final train loss | Final val loss |",
+        "| Run | Router | Routing statistics from | Final train loss | Final val loss ± SE |",
         "|---|---|---|---:|---:|",
     ]
     for name, run in runs.items():
         train, val = run["train_loss"], run["eval_loss"]
+        loss = _fmt(val[-1][1] if val else None)
+        se = (run.get("validation") or {}).get("se")
+        if val and se is not None:
+            loss += f" ± {se:.4f}"
         lines.append(
             f"| {name} | {run.get('router') or '–'} | {run.get('routing', {}).get('source', '–')} | "
-            f"{_fmt(train[-1][1] if train else None)} | {_fmt(val[-1][1] if val else None)} |"
+            f"{_fmt(train[-1][1] if train else None)} | {loss} |"
         )
-    lines.append("")
-    if "drop_rate" in figures:
-        lines += [
-            "## Token drop proportion by choice rank",
-            "",
-            "Share of tokens whose r-th highest-affinity expert was not assigned to them, per "
-            f"layer (percent; {data.get('settings', {}).get('routing', 'train')} routing).",
-            "",
-            f"![drop rate by choice rank]({figures['drop_rate']})",
-            "",
-            *_by_rank_table(runs, "drop_rate_by_rank", percent=True),
-            "",
-        ]
+    lines += [
+        "",
+        "SE: standard error of the validation loss over validation documents (the split is a "
+        "random sample of documents).",
+        "",
+    ]
+    routing_mode = data.get("settings", {}).get("routing", "train")
+    for name, title, meaning in _BY_RANK_SECTIONS:
+        if name in figures:
+            lines += [
+                f"## {title}",
+                "",
+                f"{meaning}, per layer (percent; {routing_mode} routing).",
+                "",
+                f"![{name} by choice rank]({figures[name]})",
+                "",
+                *_by_rank_table(runs, f"{name}_by_rank", percent=True),
+                "",
+            ]
     if "mean_affinity" in figures:
         lines += [
             "## Mean affinity of the 1st and 2nd choice",

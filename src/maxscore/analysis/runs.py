@@ -4,7 +4,8 @@ A run directory (written by ``maxscore train``, see :mod:`maxscore.training.trai
 ``config.json`` (``{"train": ..., "resolved": ..., "model": ...}``), ``metrics.jsonl`` (one JSON
 object per log event with a ``type``: ``train``, ``eval``, ``end`` or ``final``) and
 ``checkpoint-N/`` / ``final/`` model directories. Training records carry a ``routing`` object
-with per-MoE-layer lists (``drop_rate_by_rank[L][k]``, ``mean_affinity_by_rank[L][k]``,
+with per-MoE-layer lists (``dropped_by_rank[L][k]``, ``rerouted_by_rank[L][k]``,
+``mean_affinity_by_rank[L][k]``,
 ``load_over_capacity[L][e]``, ``tokens_per_expert[L][e]``, ``load_imbalance[L]``,
 ``unused_experts[L]``, ``moe_layers[L]``).
 """
@@ -25,7 +26,8 @@ CONFIG_FILE = "config.json"
 
 #: Per-layer routing statistics the analysis uses (lists over MoE layers in ``routing``).
 LAYER_STAT_KEYS: tuple[str, ...] = (
-    "drop_rate_by_rank",
+    "dropped_by_rank",
+    "rerouted_by_rank",
     "mean_affinity_by_rank",
     "load_over_capacity",
     "tokens_per_expert",
@@ -114,6 +116,24 @@ class RunData:
             if r.get("type", "eval") == "eval" and _finite(r.get("eval_loss")):
                 seen.setdefault(int(r["step"]), float(r["eval_loss"]))
         return sorted(seen.items())
+
+    def final_validation(self) -> dict[str, float] | None:
+        """The last validation: ``{"step", "loss", "se", "tokens"}`` (``se``: standard error
+        over validation documents; missing in runs that predate it)."""
+        evals = [
+            r
+            for r in self.records
+            if r.get("type", "eval") == "eval" and _finite(r.get("eval_loss"))
+        ]
+        if not evals:
+            return None
+        last = evals[-1]
+        return {
+            "step": int(last["step"]),
+            "loss": float(last["eval_loss"]),
+            "se": last.get("eval_loss_se"),
+            "tokens": last.get("eval_tokens"),
+        }
 
     def throughput(self) -> dict[str, float | None]:
         """Mean training tokens/s, its last logged value, and peak memory (GiB, max over logs)."""

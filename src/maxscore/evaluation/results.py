@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,16 +56,59 @@ def paper_scores(model: dict[str, Any]) -> dict[str, float]:
     return scores
 
 
+def checkpoint_validation(run_dir: Path | None, checkpoint: Path) -> dict[str, Any] | None:
+    """The run's validation loss at ``checkpoint``'s step, with its standard error, if logged.
+
+    Read from the run's ``metrics.jsonl`` (the evaluation at the checkpoint's step:
+    ``eval_loss``, ``eval_loss_se`` over validation documents, ``eval_tokens``); ``None`` for
+    a checkpoint outside a run directory or a step without an evaluation.
+    """
+    if run_dir is None or not (run_dir / "metrics.jsonl").is_file():
+        return None
+    match = re.search(r"(\d+)$", checkpoint.name)
+    step = int(match.group(1)) if match else None
+    found: dict[str, Any] | None = None
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        is_eval = record.get("type") == "eval" and "eval_loss" in record
+        if is_eval and (step is None or record.get("step") == step):
+            found = record  # the last one at that step (or of the run)
+    if found is None:
+        return None
+    return {
+        "step": found.get("step"),
+        "loss": found["eval_loss"],
+        "se": found.get("eval_loss_se"),
+        "tokens": found.get("eval_tokens"),
+    }
+
+
+def _validation_cell(model: dict[str, Any]) -> str:
+    v = model.get("validation") or {}
+    if v.get("loss") is None:
+        return "–"
+    return f"{v['loss']:.4f}" + (f" ± {v['se']:.4f}" if v.get("se") is not None else "")
+
+
 def markdown_table(models: Sequence[dict[str, Any]], tasks: Sequence[str] | None = None) -> str:
     """The paper-layout table: ``| Model | ARC-c | ... | Avg. |`` with scores in percent.
 
     The average is over the columns shown; a model missing a column gets ``–`` there and its
-    average is taken over the tasks it has (marked with ``*``).
+    average is taken over the tasks it has (marked with ``*``). When any model comes from a
+    training run, a last column gives that run's validation loss at the checkpoint ± its
+    standard error over validation documents.
     """
     if tasks is None:
         tasks = ordered_tasks([t for m in models for t in m.get("metrics", {})])
+    with_loss = any((m.get("validation") or {}).get("loss") is not None for m in models)
     header = "| Model | " + " | ".join(_column(t) for t in tasks) + " | Avg. |"
     rule = "|---|" + "---:|" * (len(tasks) + 1)
+    if with_loss:
+        header += " Val loss ± SE |"
+        rule += "---:|"
     rows = [header, rule]
     for model in models:
         scores = paper_scores(model)
@@ -72,7 +116,10 @@ def markdown_table(models: Sequence[dict[str, Any]], tasks: Sequence[str] | None
         avg = sum(present) / len(present) if present else None
         partial = "*" if present and len(present) < len(tasks) else ""
         cells = [_fmt(scores.get(t)) for t in tasks]
-        rows.append(f"| {model['name']} | " + " | ".join(cells) + f" | {_fmt(avg)}{partial} |")
+        row = f"| {model['name']} | " + " | ".join(cells) + f" | {_fmt(avg)}{partial} |"
+        if with_loss:
+            row += f" {_validation_cell(model)} |"
+        rows.append(row)
     return "\n".join(rows)
 
 

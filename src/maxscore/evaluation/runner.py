@@ -26,6 +26,7 @@ from maxscore.evaluation.registry import (
     hub_offline,
     resolve_tasks,
 )
+from maxscore.evaluation.results import checkpoint_validation
 from maxscore.training.integrity import (
     describe_damage,
     is_training_state,
@@ -273,6 +274,8 @@ class ModelEvalResult:
         n_samples: ``{task: number of documents evaluated}``.
         task_info: ``{task: {"lm_eval_task", "bundled", "split", "num_fewshot"}}``.
         samples: per-document records (only when requested).
+        validation: the training run's validation loss at this checkpoint's step, with its
+            standard error (:func:`~maxscore.evaluation.results.checkpoint_validation`).
     """
 
     name: str
@@ -285,6 +288,7 @@ class ModelEvalResult:
     seconds: float = 0.0
     dtype: str = ""
     samples: dict[str, list[dict[str, Any]]] | None = None
+    validation: dict[str, Any] | None = None
 
     def to_dict(self, with_samples: bool = False) -> dict[str, Any]:
         out = {
@@ -297,6 +301,7 @@ class ModelEvalResult:
             "lm_eval_versions": self.lm_eval_versions,
             "seconds": self.seconds,
             "dtype": self.dtype,
+            "validation": self.validation,
         }
         if with_samples and self.samples is not None:
             out["samples"] = self.samples
@@ -492,6 +497,7 @@ def _collect(
         lm_eval_versions={k: v for k, v in out.get("versions", {}).items()},
         seconds=seconds,
         samples=samples,
+        validation=checkpoint_validation(resolved.run_dir, resolved.checkpoint),
     )
 
 

@@ -37,7 +37,8 @@ _DEEPSEEK_AUX = 1e-3
 def _presets() -> dict[str, RouterPreset]:
     # The flow presets keep RouterConfig's flow_method="auto": the GPU global solver on CUDA, the
     # exact solver on the CPU (strategies.resolve_flow_method); Algorithm 1 is
-    # flow_method="two-stage-sinkhorn", the authors' variant "two-stage-exact".
+    # flow_method="two-stage-sinkhorn"; the authors' two-stage code is "two-stage-authors", our
+    # capacity-limited variant of it "two-stage-score-exact" (routing/flow/two_stage.py).
 
     def preset(paper_name: str, description: str, **cfg: Any) -> RouterPreset:
         return RouterPreset(RouterConfig(**cfg), description, paper_name)

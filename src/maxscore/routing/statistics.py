@@ -1,8 +1,8 @@
 """Per-call routing statistics, computed on the device with no host synchronisation.
 
 These are the quantities the paper plots (Fig. 2: drop rate and mean affinity of the 1st / 2nd
-choice; Fig. 8: per-expert load over capacity) plus the metrics SPEC §3 asks for (unused experts,
-load imbalance). Every statistic is computed per routing group and averaged over groups; the
+choice, the missed choices split here into dropped and rerouted ones; Fig. 8: per-expert load
+over capacity) plus the metrics SPEC §3 asks for (unused experts, load imbalance). Every statistic is computed per routing group and averaged over groups; the
 result is a dict of device tensors, so reading one (``.item()``) is the caller's only sync.
 
 Off the hot path: the router does not compute them in its forward. It returns a
@@ -25,11 +25,18 @@ from maxscore.compiled import call_compiled
 from maxscore.routing.losses import assignment_matrix
 from maxscore.routing.ranking import top_experts
 
-__all__ = ["STAT_KEYS", "LazyRoutingStatistics", "routing_statistics", "with_extra_statistics"]
+__all__ = [
+    "STAT_KEYS",
+    "LazyRoutingStatistics",
+    "dropped_and_rerouted",
+    "routing_statistics",
+    "with_extra_statistics",
+]
 
 #: The keys of :func:`routing_statistics`' result.
 STAT_KEYS: tuple[str, ...] = (
-    "drop_rate_by_rank",
+    "dropped_by_rank",
+    "rerouted_by_rank",
     "tokens_per_expert",
     "load_over_capacity",
     "unused_experts",
@@ -63,9 +70,13 @@ def routing_statistics(
             adds to the loads either). ``None``: every token is real.
 
     Returns:
-        ``drop_rate_by_rank[k]``: for rank ``r``, the fraction of tokens whose r-th
-        highest-affinity expert is not among their assigned experts (strategy-independent;
-        Fig. 2a plots one minus this). ``tokens_per_expert[e]``: tokens assigned to each expert.
+        ``dropped_by_rank[k]`` and ``rerouted_by_rank[k]`` split the tokens whose r-th choice
+        (r-th highest selection score) is not among their assigned experts (see
+        :func:`dropped_and_rerouted`): *dropped* if the token is processed by fewer than ``k``
+        experts, the slot left empty; *rerouted* if another expert fills the slot. Their sum
+        is the share of tokens that lost their r-th choice (Fig. 2a plots one minus the
+        dropped share; with rerouting, "not dropped" and "got its r-th choice" differ).
+        ``tokens_per_expert[e]``: tokens assigned to each expert.
         ``load_over_capacity[e]``: tokens / capacity per expert (Fig. 8).
         ``unused_experts[]``: number of experts with no token. ``load_imbalance[]``: max / mean
         tokens per expert. ``mean_affinity_by_rank[k]``: mean of each token's r-th highest
@@ -84,14 +95,20 @@ def routing_statistics(
 
     top_idx = top_experts(rank_scores.detach().float(), k)
     kept = assigned.gather(-1, top_idx)  # 1 where the r-th choice was assigned
+    # Padding has no assigned expert, so it would count as dropped at every rank: the
+    # per-token statistics are means over real tokens only.
+    dropped, rerouted = dropped_and_rerouted(kept, assigned.sum(dim=-1))
+    top_affinity = a.gather(-1, top_idx)
     if token_mask is None:
-        drop_rate_by_rank = 1.0 - kept.mean(dim=(0, 1))
-        mean_affinity_by_rank = a.gather(-1, top_idx).mean(dim=(0, 1))
+        dropped_by_rank = dropped.mean(dim=(0, 1))
+        rerouted_by_rank = rerouted.mean(dim=(0, 1))
+        mean_affinity_by_rank = top_affinity.mean(dim=(0, 1))
     else:
         real = token_mask.to(torch.float32).unsqueeze(-1)  # [G, n, 1]
         count = real.sum().clamp_min(1.0)
-        drop_rate_by_rank = 1.0 - (kept * real).sum(dim=(0, 1)) / count
-        mean_affinity_by_rank = (a.gather(-1, top_idx) * real).sum(dim=(0, 1)) / count
+        dropped_by_rank = (dropped * real).sum(dim=(0, 1)) / count
+        rerouted_by_rank = (rerouted * real).sum(dim=(0, 1)) / count
+        mean_affinity_by_rank = (top_affinity * real).sum(dim=(0, 1)) / count
 
     load = assigned.sum(dim=1)  # [G, e] tokens per expert in each group
     if capacity is None:
@@ -101,13 +118,39 @@ def routing_statistics(
     mean_load = load.mean(dim=-1)  # [G]
     imbalance = load.amax(dim=-1) / mean_load.clamp_min(1e-9)
     return {
-        "drop_rate_by_rank": drop_rate_by_rank,
+        "dropped_by_rank": dropped_by_rank,
+        "rerouted_by_rank": rerouted_by_rank,
         "tokens_per_expert": load.mean(dim=0),
         "load_over_capacity": (load / cap).mean(dim=0),
         "unused_experts": (load == 0).float().sum(dim=-1).mean(),
         "load_imbalance": imbalance.mean(),
         "mean_affinity_by_rank": mean_affinity_by_rank,
     }
+
+
+def dropped_and_rerouted(kept: Tensor, experts_per_token: Tensor) -> tuple[Tensor, Tensor]:
+    """Split each token's missed choices into dropped and rerouted slots (0/1, by rank).
+
+    Args:
+        kept: ``[..., k]`` float, 1 where the token's r-th choice is among its assigned experts.
+        experts_per_token: ``[...]`` float, how many experts the token is processed by.
+
+    A token that misses ``m`` of its top-``k`` choices and holds ``s`` other experts (its
+    substitutes: ``experts_per_token - sum(kept)``) had ``min(s, m)`` of those choices
+    *rerouted* and the rest *dropped* (``k - experts_per_token`` empty slots). The substitutes
+    are credited to the missed choices in rank order, best first: iterative rerouting
+    (GShard-I) re-serves a token's dropped slots in rank order too. For GShard without
+    rerouting every miss is a drop; for min-cost flow, which leaves no slot empty while
+    capacity remains, every miss is a reroute. Elementwise on the device, no host sync.
+
+    Returns:
+        ``(dropped, rerouted)``, each ``[..., k]`` float 0/1 with ``dropped + rerouted = 1 - kept``.
+    """
+    missed = 1.0 - kept
+    substitutes = (experts_per_token - kept.sum(dim=-1)).clamp_min(0.0)
+    # The m-th missed choice (1-based, in rank order) is rerouted while m <= substitutes.
+    rerouted = missed * (missed.cumsum(dim=-1) <= substitutes.unsqueeze(-1)).to(missed.dtype)
+    return missed - rerouted, rerouted
 
 
 class _PendingStatistics:

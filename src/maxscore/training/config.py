@@ -4,10 +4,16 @@ A ``TrainConfig`` is plain data: the CLI fills one from its flags, the Python AP
 the run directory stores the *resolved* one (``config.json``) so a later ``--resume`` can check
 it is continuing the same experiment.
 
-``recipe="paper"`` fills in the paper's setup (SPEC section 2): context 512, global batch 688
-sequences, 180k steps, AdamW lr 3e-5, weight decay 0.1, betas (0.9, 0.95), eps 1e-6, a
-warmup-stable-decay schedule with 2k warmup steps and decay over the last 6k, bf16, activation
-checkpointing, C4 and a LLaMA tokenizer. Fields the user set explicitly win over the recipe.
+Recipes (:data:`RECIPES`; fields the user set explicitly win over a recipe):
+
+* ``"paper"``: the paper's setup: context 512, global batch 688 sequences, 180k steps, AdamW
+  lr 3e-5, weight decay 0.1, betas (0.9, 0.95), eps 1e-6, a warmup-stable-decay schedule with 2k
+  warmup steps and decay over the last 6k, the SoftTopk ``t`` annealed over 30k steps, bf16,
+  activation checkpointing, C4 and a LLaMA tokenizer.
+* ``"paper-shape"``: the paper's optimizer and schedule *shape* scaled to the run's length, for
+  short runs: the same AdamW betas / eps / weight decay, WSD with warmup over 2/180 and decay
+  over the last 6/180 of the run, ``t`` annealed over 1/6 of it (30k of 180k). Model, data,
+  batch, learning rate and budget stay the user's.
 """
 
 from __future__ import annotations
@@ -66,7 +72,14 @@ class TrainConfig:
         streaming: stream a HF dataset instead of downloading it (``None``: only for C4).
         validation_fraction: share of documents held out when the source has no validation split.
         max_train_documents: use only the first N (seed-shuffled) training documents.
-        max_eval_blocks: validation blocks used for each evaluation (keeps evaluation cheap).
+        max_eval_blocks: validation blocks per evaluation, evenly spaced over the split so every
+            source keeps its share; ``None`` (default): the whole split, up to 2^20 tokens
+            (:mod:`maxscore.training.validation_set`).
+        temperature_steps: optimizer steps over which the SoftTopk ``t`` goes from its start to
+            its end value; ``None``: ``temperature_fraction`` of the run's steps
+            (:mod:`maxscore.training.temperature`).
+        temperature_fraction: share of the run's optimizer steps over which ``t`` anneals when
+            ``temperature_steps`` is not given (default 1/6: the paper's 30k of 180k).
         tokenizer: ``"default"`` (the embedded 32k LLaMA-style tokenizer), or a HF tokenizer name
             or local path.
         seq_len: tokens per training sequence (documents are packed into blocks of this length).
@@ -103,7 +116,8 @@ class TrainConfig:
         report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, or a comma-separated list
             of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio`` (``maxscore.training.reporting``).
         quiet: no progress bar.
-        recipe: ``None`` or ``"paper"``; applied by :func:`apply_recipe`.
+        recipe: ``None``, ``"paper"`` or ``"paper-shape"`` (:data:`RECIPES`); applied by
+            :func:`apply_recipe`.
     """
 
     model: str = "tiny"
@@ -116,7 +130,9 @@ class TrainConfig:
     streaming: bool | None = None
     validation_fraction: float = 0.01
     max_train_documents: int | None = None
-    max_eval_blocks: int = 64
+    max_eval_blocks: int | None = None
+    temperature_steps: int | None = None
+    temperature_fraction: float = 1 / 6
     tokenizer: str = "default"
     seq_len: int = 128
     batch_size: int = 8
@@ -142,7 +158,9 @@ class TrainConfig:
     compile: bool = False
     compile_mode: CompileMode = "default"
     output_dir: str | None = None
-    eval_steps: int = 125
+    # Every 250 steps: one evaluation of the whole validation split (195k tokens) costs about a
+    # sixth of the default 250-step CPU run, so the default run evaluates once, at its end.
+    eval_steps: int = 250
     save_steps: int = 125
     logging_steps: int = 10
     save_total_limit: int = 2
@@ -170,8 +188,9 @@ class TrainConfig:
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "grad_accum": self.grad_accum,
-            "max_eval_blocks": self.max_eval_blocks,
         }
+        if self.max_eval_blocks is not None:
+            positive["max_eval_blocks"] = self.max_eval_blocks
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
@@ -199,7 +218,17 @@ class TrainConfig:
             raise ConfigError(
                 f"decay_shape must be linear, cosine or 1-sqrt, got {self.decay_shape!r}"
             )
-        for name in ("warmup_ratio", "decay_ratio", "validation_fraction", "min_lr_ratio"):
+        if not 0 <= self.seed < 2**32:  # numpy's seeding range (a negative seed fails there)
+            raise ConfigError(f"seed must be in [0, 2^32 - 1], got {self.seed}")
+        if self.temperature_steps is not None and self.temperature_steps < 0:
+            raise ConfigError(f"temperature_steps must be >= 0, got {self.temperature_steps}")
+        for name in (
+            "warmup_ratio",
+            "decay_ratio",
+            "validation_fraction",
+            "min_lr_ratio",
+            "temperature_fraction",
+        ):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ConfigError(f"{name} must be in [0, 1], got {value}")
@@ -211,8 +240,10 @@ class TrainConfig:
         from maxscore.training.reporting import parse_report_to
 
         parse_report_to(self.report_to)  # names only; installation is checked by prepare()
-        if self.recipe not in (None, "paper"):
-            raise ConfigError(f"unknown recipe {self.recipe!r}; known recipes: paper")
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ConfigError(
+                f"unknown recipe {self.recipe!r}; known recipes: {', '.join(RECIPES)}"
+            )
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -299,15 +330,35 @@ PAPER_RECIPE: dict[str, Any] = {
     "lr_schedule": "wsd",
     "warmup_steps": 2_000,
     "decay_steps": 6_000,
+    # The authors' t schedule: 3 -> 0 over the first 30k optimizer steps.
+    "temperature_steps": 30_000,
     "precision": "bf16",
     "gradient_checkpointing": True,
     "compile": True,
     "eval_steps": 2_000,
     "save_steps": 2_000,
     "logging_steps": 50,
-    "max_eval_blocks": 512,
     "save_total_limit": 3,
 }
+
+#: The paper's optimizer and schedule shape, scaled to a run of any length: its 2k warmup and
+#: 6k decay steps and 30k ``t`` steps as shares of its 180k steps.
+PAPER_SHAPE_RECIPE: dict[str, Any] = {
+    "weight_decay": 0.1,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "adam_eps": 1e-6,
+    "lr_schedule": "wsd",
+    "warmup_steps": 0,
+    "warmup_ratio": 2_000 / 180_000,
+    "decay_steps": 0,
+    "decay_ratio": 6_000 / 180_000,
+    "temperature_steps": None,
+    "temperature_fraction": 30_000 / 180_000,
+}
+
+#: Recipes by name (``--recipe``): the fields each one sets.
+RECIPES: dict[str, dict[str, Any]] = {"paper": PAPER_RECIPE, "paper-shape": PAPER_SHAPE_RECIPE}
 
 #: Global batch of the paper's recipe, in sequences.
 PAPER_GLOBAL_BATCH = 688
@@ -324,10 +375,10 @@ def apply_recipe(
     """
     if config.recipe is None:
         return config
-    if config.recipe != "paper":
-        raise ConfigError(f"unknown recipe {config.recipe!r}; known recipes: paper")
+    if config.recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {config.recipe!r}; known recipes: {', '.join(RECIPES)}")
     data = config.to_dict()
-    for key, value in PAPER_RECIPE.items():
+    for key, value in RECIPES[config.recipe].items():
         if key not in explicit:
             data[key] = value
     return TrainConfig.from_dict(data)

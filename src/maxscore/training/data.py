@@ -29,18 +29,24 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from maxscore.training.config import ConfigError, TrainConfig
 
+if TYPE_CHECKING:
+    from maxscore.training.validation_set import ValidationDataset
+
 #: Short names for well-known Hugging Face datasets: name -> (path, config, streaming default).
 DATASET_ALIASES: dict[str, tuple[str, str | None, bool]] = {
     "c4": ("allenai/c4", "en", True),
     "allenai/c4": ("allenai/c4", "en", True),
 }
+
+#: Validation blocks aimed at when streaming without ``max_eval_blocks`` (512 x 512 tokens).
+STREAMING_EVAL_BLOCKS = 512
 
 #: Documents tokenised per call of the fast tokenizer (bounds memory, keeps Rust threads busy).
 _TOKENIZE_BATCH = 64
@@ -388,10 +394,9 @@ def _hf_source(config: TrainConfig) -> TextSplits:
                 f"streaming dataset {config.dataset!r} has no 'validation' split; "
                 "use a non-streaming load (--no-streaming) to hold documents out"
             )
-        val_docs = [
-            str(row[field])
-            for _, row in zip(range(max(64, 4 * config.max_eval_blocks)), validation)
-        ]
+        # The first documents of the stream: four per block wanted (64 at least).
+        wanted = config.max_eval_blocks or STREAMING_EVAL_BLOCKS
+        val_docs = [str(row[field]) for _, row in zip(range(max(64, 4 * wanted)), validation)]
 
         def factory(seed: int) -> Iterable[str]:
             # A seeded shuffle buffer: same seed, same order.
@@ -443,7 +448,7 @@ class TrainingData:
     """Train and validation datasets plus what is needed to describe them."""
 
     train: PackedDataset | PackedStream
-    validation: PackedDataset
+    validation: ValidationDataset
     description: str
 
     @property
@@ -470,7 +475,9 @@ def build_training_data(
     splits = load_text_splits(config)
     if not splits.validation:
         raise DataError(f"dataset {config.dataset!r} gives no validation documents")
-    validation = pack_documents(
+    from maxscore.training.validation_set import pack_validation
+
+    validation = pack_validation(
         splits.validation, tokenizer, config.seq_len, max_blocks=config.max_eval_blocks
     )
     if len(validation) == 0:
@@ -499,4 +506,4 @@ def build_training_data(
                 f"than one global batch of {min_train_blocks} sequences"
             )
         train = PackedDataset(blocks)
-    return TrainingData(train, PackedDataset(validation), splits.description)
+    return TrainingData(train, validation, splits.description)

@@ -87,13 +87,21 @@ def pretrained_model_config(config: TrainConfig) -> Any:
         raise ConfigError(f"invalid model/router settings for {config.model!r}: {err}") from err
 
 
-def load_pretrained_model(config: TrainConfig, on_gpu: bool = False) -> Any:
-    """The checkpoint's weights in the model :func:`pretrained_model_config` describes."""
+def load_pretrained_model(
+    config: TrainConfig, on_gpu: bool = False, temperature: dict[str, Any] | None = None
+) -> Any:
+    """The checkpoint's weights in the model :func:`pretrained_model_config` describes.
+
+    ``temperature``: the run's resolved SoftTopk ``t`` schedule (start, end, steps, shape;
+    :mod:`maxscore.training.temperature`), which replaces the checkpoint's.
+    """
     import os
 
     from maxscore.models.convert import ConversionError, load_pretrained
 
     kwargs = _router_kwargs(config)
+    if temperature is not None:
+        kwargs["router_config"] = {**(kwargs["router_config"] or {}), "temperature": temperature}
     try:
         model = load_pretrained(config.model, **kwargs, **config.model_overrides)
     except ConversionError as err:

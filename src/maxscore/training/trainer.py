@@ -54,12 +54,23 @@ from maxscore.training.data import (
     load_tokenizer,
 )
 from maxscore.training.integrity import newest_intact, write_integrity_record
-from maxscore.training.reporting import check_report_to, trainer_report_to, wants_tensorboard
-from maxscore.training.run_dir import RunDirectory, RunDirPlan, check_run_dir
-from maxscore.training.validation import (
+from maxscore.training.option_checks import (
     validate_model_options,
     validate_router_options,
     validate_router_setup_of,
+)
+from maxscore.training.reporting import check_report_to, trainer_report_to, wants_tensorboard
+from maxscore.training.run_dir import RunDirectory, RunDirPlan, check_run_dir
+from maxscore.training.temperature import (
+    ResolvedTemperature,
+    apply_temperature,
+    resolve_temperature,
+)
+from maxscore.training.validation_set import (
+    DOCUMENT_KEY,
+    VALIDATION_FILE,
+    DocumentLosses,
+    ValidationSummary,
 )
 
 METRICS_FILE = "metrics.jsonl"
@@ -89,15 +100,24 @@ METRICS_SCHEMA: dict[str, str] = {
     "tokens_per_s": "training tokens per second since the last log (all processes; eval and "
     "checkpoint time excluded)",
     "peak_memory_gb": "peak CUDA memory allocated on this process (GiB), or peak RSS on CPU",
-    "drop_rate_rank{r}": "mean over MoE layers of the rank-r drop rate (1-based rank)",
+    "dropped_rank{r}": "mean over MoE layers of the share of tokens whose rank-r choice was "
+    "dropped: the token is processed by fewer than k experts (1-based rank)",
+    "rerouted_rank{r}": "mean over MoE layers of the share of tokens whose rank-r choice was not "
+    "given but the slot was filled by another expert (1-based rank)",
     "load_imbalance": "mean over MoE layers of max/mean expert load",
     "unused_experts": "mean over MoE layers of the number of experts given no token",
     "routing": "per-layer lists, averaged over the optimizer steps since the last log and over "
-    "all processes (last micro-batch of each step): drop_rate_by_rank[L][k], load_imbalance[L], "
+    "all processes (last micro-batch of each step): dropped_by_rank[L][k], rerouted_by_rank[L][k], "
+    "load_imbalance[L], "
     "unused_experts[L], tokens_per_expert[L][e], load_over_capacity[L][e], "
     "mean_affinity_by_rank[L][k], aux_loss[L], z_loss[L]; moe_layers[L] gives the decoder layer "
     "index of each entry (dense layers are left out)",
-    "eval_loss": "validation LM loss (eval routing, causal by default)",
+    "eval_loss": "validation LM loss (eval routing, causal by default): mean over the tokens of "
+    "the whole validation split (or --max-eval-blocks evenly spaced blocks)",
+    "eval_loss_se": "standard error of eval_loss over validation documents (the split is a random "
+    "sample of documents; see maxscore.training.validation_set)",
+    "eval_tokens": "validation tokens the loss is the mean over",
+    "eval_documents": "validation documents they come from",
     "eval_ppl": "exp(eval_loss)",
 }
 
@@ -388,8 +408,10 @@ def format_log_line(step: int, max_steps: int, logs: dict[str, Any]) -> str:
         "aux_loss": ("aux", "{:.4f}"),
         "learning_rate": ("lr", "{:.2e}"),
         "t": ("t", "{:.3f}"),
-        "drop_rate_rank1": ("drop r1", "{:.3f}"),
-        "drop_rate_rank2": ("drop r2", "{:.3f}"),
+        "dropped_rank1": ("drop r1", "{:.3f}"),
+        "dropped_rank2": ("drop r2", "{:.3f}"),
+        "rerouted_rank1": ("reroute r1", "{:.3f}"),
+        "rerouted_rank2": ("reroute r2", "{:.3f}"),
         "load_imbalance": ("imbalance", "{:.2f}"),
         "tokens_per_s": ("tok/s", "{:,.0f}"),
         "peak_memory_gb": ("mem GiB", "{:.2f}"),
@@ -421,6 +443,10 @@ class MaxScoreTrainer(Trainer):
         self._paused_s = 0.0
         self._schedule: Any = None
         self._moe_layers: list[int] = []
+        self._document_losses = DocumentLosses()
+        #: The last evaluation's loss, standard error and per-document sums (with its step).
+        self.last_validation: ValidationSummary | None = None
+        self.last_validation_step: int | None = None
         self.add_callback(_RoutingAccumulator(self))
 
     def get_train_dataloader(self) -> Any:
@@ -574,10 +600,10 @@ class MaxScoreTrainer(Trainer):
         routing = self._pop_routing()
         self.last_routing = routing
         if routing:
-            drop = routing.get("drop_rate_by_rank")
-            if drop:
-                for rank in range(len(drop[0])):
-                    logs[f"drop_rate_rank{rank + 1}"] = sum(d[rank] for d in drop) / len(drop)
+            for name in ("dropped", "rerouted"):
+                per_layer = routing.get(f"{name}_by_rank")
+                for rank, value in enumerate(_mean_over_layers(per_layer) if per_layer else []):
+                    logs[f"{name}_rank{rank + 1}"] = value
             for key in ("load_imbalance", "unused_experts"):
                 values = routing.get(key)
                 if values:
@@ -602,6 +628,38 @@ class MaxScoreTrainer(Trainer):
             return super().evaluate(*args, **kwargs)
         finally:
             self._paused_s += time.perf_counter() - begin
+
+    # -- validation by document (maxscore.training.validation_set) -------------------------------
+    def prediction_step(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Validation batches carry each token's document: sum the token losses by document."""
+        documents = inputs.pop(DOCUMENT_KEY, None)
+        if documents is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self._document_losses.add(model, inputs, documents)
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's loop, plus the loss over documents and its standard error."""
+        size = getattr(self.eval_dataset, "num_documents", None)
+        if size is None:
+            self._document_losses.clear()
+        else:
+            self._document_losses.reset(size, self.args.device)
+        output = super().evaluation_loop(*args, **kwargs)
+        sums, counts = self._document_losses.gather()
+        if any(counts):
+            summary = ValidationSummary.from_sums(sums, counts)
+            output.metrics.update(summary.metrics(kwargs.get("metric_key_prefix", "eval")))
+            self.last_validation, self.last_validation_step = summary, self.state.global_step
+        return output
 
     # -- atomic checkpoints -------------------------------------------------------------------
     def _get_output_dir(self, trial: Any) -> str:
@@ -722,6 +780,9 @@ class TrainResult:
     runtime_s: float
     interrupted: bool
     routing: dict[str, Any] = field(default_factory=dict)
+    eval_loss_se: float | None = None
+    eval_tokens: int | None = None
+    eval_documents: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -744,6 +805,7 @@ class PreparedRun:
     world_size: int
     total_steps: int
     run_dir_plan: RunDirPlan | None = None
+    temperature: ResolvedTemperature | None = None
 
 
 def prepare(config: TrainConfig) -> PreparedRun:
@@ -792,6 +854,11 @@ def prepare(config: TrainConfig) -> PreparedRun:
         )
     plan = check_run_dir(config) if is_main_process() else _follower_plan(config)
     total_steps = config.total_steps(ws)
+    # The SoftTopk t schedule follows the run (or a resumed run's stored length); resolved once.
+    temperature = resolve_temperature(
+        config, model_config.get_router_config(), total_steps, plan.resume_from
+    )
+    apply_temperature(model_config, temperature)
     global_batch = config.batch_size * config.grad_accum * ws
     if config.recipe == "paper" and global_batch != PAPER_GLOBAL_BATCH and is_main_process():
         print(
@@ -817,6 +884,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         ws,
         total_steps,
         plan,
+        temperature,
     )
 
 
@@ -997,6 +1065,7 @@ def write_resolved_config(run: PreparedRun) -> None:
             "world_size": run.world_size,
             "global_batch": run.config.batch_size * run.config.grad_accum * run.world_size,
             "tokens_per_step": run.config.tokens_per_step(run.world_size),
+            "temperature_schedule": run.temperature.to_dict() if run.temperature else None,
             "precision": run.precision,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "data": run.data.description,
@@ -1047,7 +1116,8 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
     from maxscore.training.pretrained import is_pretrained_model, load_pretrained_model
 
     if is_pretrained_model(cfg.model):
-        model = load_pretrained_model(cfg, on_gpu=cfg.deepspeed is None)
+        schedule = None if run.temperature is None else run.temperature.schedule()
+        model = load_pretrained_model(cfg, on_gpu=cfg.deepspeed is None, temperature=schedule)
     else:
         model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
@@ -1115,11 +1185,17 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
         runtime_s=runtime,
         interrupted=interrupted,
         routing=summarize_routing(routing),
+        eval_loss_se=metrics.get("eval_loss_se"),
+        eval_tokens=metrics.get("eval_tokens"),
+        eval_documents=metrics.get("eval_documents"),
     )
     if trainer.is_world_process_zero():
         (run.run_dir / SUMMARY_FILE).write_text(
             json.dumps(result.to_dict(), indent=2, default=str) + "\n"
         )
+        if metrics and trainer.last_validation is not None:
+            payload = {"step": result.steps, **trainer.last_validation.to_dict()}
+            (run.run_dir / VALIDATION_FILE).write_text(json.dumps(payload) + "\n")
         with (run.run_dir / METRICS_FILE).open("a") as handle:
             record = {"type": "final", "step": result.steps, **result.to_dict()}
             handle.write(json.dumps(record, default=str) + "\n")
@@ -1127,25 +1203,42 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
 
 
 def _final_evaluation(trainer: MaxScoreTrainer) -> dict[str, float]:
-    """The validation metrics at the last step: the ones the Trainer already logged there
-    (``--eval-steps`` dividing the run length), else a new evaluation."""
+    """The validation metrics at the last step: those of the evaluation the Trainer already ran
+    there (``--eval-steps`` dividing the run length), else of a new one. A validation set with
+    each token's document (:mod:`maxscore.training.validation_set`) gives the loss over
+    documents with its standard error."""
     step = trainer.state.global_step
-    for entry in reversed(trainer.state.log_history):
-        if entry.get("step") == step and "eval_loss" in entry:
-            return {k: v for k, v in entry.items() if k.startswith("eval_")}
-    return trainer.evaluate()
+    if trainer.last_validation is None or trainer.last_validation_step != step:
+        logged = [
+            entry
+            for entry in trainer.state.log_history
+            if entry.get("step") == step and "eval_loss" in entry
+        ]
+        if logged:
+            return {k: v for k, v in logged[-1].items() if k.startswith("eval_")}
+        metrics = trainer.evaluate()
+        if trainer.last_validation is None or trainer.last_validation_step != step:
+            return metrics
+    return trainer.last_validation.metrics()
+
+
+def _mean_over_layers(per_layer: list[list[float]]) -> list[float]:
+    """``[L][k]`` -> ``[k]``: the mean over MoE layers of a by-rank statistic."""
+    return [sum(layer[r] for layer in per_layer) / len(per_layer) for r in range(len(per_layer[0]))]
 
 
 def summarize_routing(routing: dict[str, Any]) -> dict[str, Any]:
-    """Means over layers of the last logged routing statistics (drop rate, load balance)."""
+    """Means over layers of the last logged routing statistics (dropped / rerouted, balance)."""
     if not routing:
         return {}
     out: dict[str, Any] = {}
-    drop = routing.get("drop_rate_by_rank")
-    if drop:
-        by_rank = [sum(layer[r] for layer in drop) / len(drop) for r in range(len(drop[0]))]
-        out["drop_rate_by_rank"] = by_rank
-        out["drop_rate"] = sum(by_rank) / len(by_rank)
+    for name in ("dropped", "rerouted"):
+        per_layer = routing.get(f"{name}_by_rank")
+        if per_layer:
+            by_rank = _mean_over_layers(per_layer)
+            out[f"{name}_by_rank"] = by_rank
+            # The share of all k slots of all tokens.
+            out[name] = sum(by_rank) / len(by_rank)
     for key in ("load_imbalance", "unused_experts"):
         values = routing.get(key)
         if values:
@@ -1162,14 +1255,21 @@ def format_summary(result: TrainResult) -> str:
         return "\n".join(lines)
     lines.append(f"steps / tokens:    {result.steps} / {result.tokens:,}")
     if result.eval_loss is not None:
-        lines.append(f"validation loss:   {result.eval_loss:.4f}")
+        loss = f"{result.eval_loss:.4f}"
+        if result.eval_loss_se is not None:
+            loss += (
+                f" ± {result.eval_loss_se:.4f} (standard error over {result.eval_documents} "
+                f"documents, {result.eval_tokens:,} tokens)"
+            )
+        lines.append(f"validation loss:   {loss}")
         lines.append(f"perplexity:        {result.perplexity:.2f}")
     r = result.routing
     if r:
-        ranks = ", ".join(
-            f"choice {i + 1}: {v:.1%}" for i, v in enumerate(r.get("drop_rate_by_rank", []))
-        )
-        lines.append(f"token drop rate:   {r.get('drop_rate', 0.0):.2%} ({ranks})")
+        for name, label in (("dropped", "dropped slots:"), ("rerouted", "rerouted slots:")):
+            ranks = ", ".join(
+                f"choice {i + 1}: {v:.1%}" for i, v in enumerate(r.get(f"{name}_by_rank", []))
+            )
+            lines.append(f"{label:<19}{r.get(name, 0.0):.2%} ({ranks})")
         if "load_imbalance" in r:
             lines.append(f"load imbalance:    {r['load_imbalance']:.3f} (max / mean expert load)")
         if "unused_experts" in r:

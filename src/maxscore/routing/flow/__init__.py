@@ -10,8 +10,14 @@ Solvers (:data:`FLOW_SOLVERS`, one signature, see :mod:`.registry`):
 - ``"exact"``: successive shortest paths, exact, CPU (:mod:`.exact`). The reference.
 - ``"two-stage-sinkhorn"``: Algorithm 1 — capacity-limited top-1, then Sinkhorn on the residual
   problem and a feasible rounding; batched, on any device, no host sync (:mod:`.two_stage`).
-- ``"two-stage-exact"``: top-1, then the residual problem solved exactly on the CPU (what the
-  authors' code does with a Hungarian matching) (:mod:`.two_stage`).
+- ``"two-stage-authors"``: the authors' code: top-1 in token order until the expert is full,
+  then ``k - 1`` more experts per token from the residual problem solved exactly on the CPU
+  (their Hungarian matching), so a token refused in stage 1 loses a slot (:mod:`.two_stage`).
+- ``"two-stage-score-exact"``: our variant: the capacity-limited top-1 of
+  ``"two-stage-sinkhorn"`` (each expert keeps its highest-affinity proposers), then the residual
+  solved exactly on the CPU, a refused token asking for all ``k`` experts (:mod:`.two_stage`).
+  ``"two-stage-exact"`` is its former name, a deprecated alias (it was documented as the
+  authors' variant, which it is not).
 - ``"global"``: the global solver (:mod:`.global_solver`): an auction from warm prices, then
   augmenting paths and cycle cancelling on the expert graph; one CUDA kernel per call on a GPU
   (no host sync), NumPy on the host otherwise.

@@ -71,10 +71,11 @@ def solve_exact_numpy(
     Args:
         affinities: ``[n, e]`` finite floats ``A``.
         k: experts per token, an int or an ``[n]`` int array (per-token ``k_i``, the paper's
-            edge table allows it; the two-stage solver uses it for the residual problem).
+            edge table allows it; the exact-residual two-stage solvers use it for the residual
+            problem).
         capacity: ``[e]`` non-negative ints ``c_j``.
         allowed: optional ``[n, e]`` bool; ``False`` removes the token->expert edge (the
-            two-stage solver forbids each token's first-stage expert this way).
+            two-stage solvers forbid each token's first-stage expert this way).
         sweeps: passes of the price warm start (0 = plain top-k start); any value gives the same
             optimum, it only moves work between the warm start and the shortest paths.
 

@@ -1,0 +1,585 @@
+"""``study.py report``: every number of the study in ``results.json``, and the README from it.
+
+Nothing here measures: it reads ``<results-dir>/raw/<router>/seed-<s>/`` (copied from the run
+directories by ``study.py run``) and states, claim by claim, what the runs say, with the number
+of seeds and tokens each claim rests on. A claim whose runs are missing is "pending".
+
+Verdicts compare a mean difference over seeds (paired by seed and validation document) with
+its error: the standard error over seeds (``sem = std / sqrt(n)``) combined with the paired
+validation standard error over documents. "reproduces" when the difference has the paper's sign
+and is more than two errors from 0, "opposite" when it is more than two errors the other way,
+"inconclusive" otherwise, and always with a single seed (the spread over seeds is unknown).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from study_plan import ROUTERS, StudyConfig
+
+from maxscore.evaluation.registry import PAPER_TASK_BY_NAME
+from maxscore.training.validation_set import paired_difference
+
+#: The paper's Table 2 / Table 3 average accuracy (%) over its ten tasks, Base size.
+PAPER_AVG: dict[str, float] = {
+    "dense": 38.57,
+    "gshard": 42.11,
+    "gshard-i": 42.10,
+    "sbase": 40.75,
+    "expert-choice": 41.80,
+    "dropless": 41.76,
+    "deepseek": 42.49,
+    "maxscore-i": 42.77,
+    "maxscore": 43.44,
+    "gshard-m": 42.16,
+    "gshard-s": 42.55,
+}
+#: The paper's Fig. 8: mean load / capacity of one layer's experts.
+PAPER_LOAD = {"gshard": 0.8237, "maxscore": 0.9996}
+#: Accuracy of guessing (%), per bundled task: uniform over the choices (BoolQ: the majority
+#: class of its validation split, 62.2%; LAMBADA: an open answer, 0).
+CHANCE: dict[str, float] = {
+    "arc_challenge": 25.0,
+    "arc_easy": 25.0,
+    "boolq": 62.2,
+    "hellaswag": 25.0,
+    "lambada_openai": 0.0,
+    "piqa": 50.0,
+    "sciq": 25.0,
+    "openbookqa": 25.0,
+}
+
+
+def _read(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _last_routing(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    routing = None
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("type") == "train" and record.get("routing"):
+            routing = record["routing"]
+    return routing
+
+
+def _layer_mean(per_layer: list[list[float]] | None) -> list[float] | None:
+    if not per_layer:
+        return None
+    return [sum(layer[r] for layer in per_layer) / len(per_layer) for r in range(len(per_layer[0]))]
+
+
+def load_run(results: Path, router: str, seed: int) -> dict[str, Any] | None:
+    """The numbers of one run from its raw files (``None`` until it is trained)."""
+    folder = results / "raw" / router / f"seed-{seed}"
+    summary, config = _read(folder / "summary.json"), _read(folder / "config.json")
+    if summary is None or config is None:
+        return None
+    resolved = config["resolved"]
+    routing = _last_routing(folder / "metrics.jsonl") or {}
+    loads = routing.get("load_over_capacity") or []
+    middle = loads[len(loads) // 2] if loads else None
+    train_tokens = (resolved.get("train_blocks") or 0) * config["train"]["seq_len"]
+    run: dict[str, Any] = {
+        "router": router,
+        "seed": seed,
+        "complete": summary.get("steps", 0) >= resolved["total_steps"],
+        "steps": summary.get("steps"),
+        "tokens": summary.get("tokens"),
+        "passes": summary["tokens"] / train_tokens if train_tokens else None,
+        "eval_loss": summary.get("eval_loss"),
+        "eval_loss_se": summary.get("eval_loss_se"),
+        "eval_tokens": summary.get("eval_tokens"),
+        "train_loss": summary.get("train_loss"),
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "peak_memory_gb": summary.get("peak_memory_gb"),
+        "device": resolved.get("device"),
+        "temperature_schedule": resolved.get("temperature_schedule"),
+        "dropped_by_rank": _layer_mean(routing.get("dropped_by_rank")),
+        "rerouted_by_rank": _layer_mean(routing.get("rerouted_by_rank")),
+        "mean_affinity_by_rank": _layer_mean(routing.get("mean_affinity_by_rank")),
+        "load_over_capacity_middle_layer": (
+            {"mean": sum(middle) / len(middle), "min": min(middle), "max": max(middle)}
+            if middle
+            else None
+        ),
+        "lm_eval": {},
+    }
+    for path in sorted(folder.glob("eval_*.json")):
+        payload = _read(path)
+        scores = {}
+        for task, metrics in payload.get("metrics", {}).items():
+            spec = PAPER_TASK_BY_NAME.get(task)
+            metric = spec.metric if spec else "acc"
+            if metric in metrics:
+                scores[task] = {
+                    "score": 100 * metrics[metric],
+                    "stderr": 100 * (metrics.get(f"{metric}_stderr") or 0.0),
+                    "n": payload.get("n_samples", {}).get(task),
+                }
+        run["lm_eval"][payload.get("eval_routing") or path.stem.removeprefix("eval_")] = scores
+    run["validation"] = _read(folder / "validation.json")
+    return run
+
+
+def _mean_std(values: list[float]) -> dict[str, Any] | None:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return None
+    std = statistics.stdev(values) if len(values) > 1 else None
+    return {
+        "mean": statistics.fmean(values),
+        "std": std,
+        "sem": std / math.sqrt(len(values)) if std is not None else None,
+        "n": len(values),
+    }
+
+
+def _paired(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, Any] | None:
+    """``loss(a) - loss(b)`` per common seed (paired by validation document), over seeds."""
+    by_seed = {r["seed"]: r for r in runs.get(b, [])}
+    diffs, ses = [], []
+    for run in runs.get(a, []):
+        other = by_seed.get(run["seed"])
+        if other is None or run["eval_loss"] is None or other["eval_loss"] is None:
+            continue
+        paired = (
+            paired_difference(run["validation"], other["validation"])
+            if run.get("validation") and other.get("validation")
+            else None
+        )
+        diffs.append(paired[0] if paired else run["eval_loss"] - other["eval_loss"])
+        ses.append(paired[1] if paired else None)
+    stats = _mean_std(diffs)
+    if stats is not None:
+        known = [s for s in ses if s is not None]
+        stats["validation_se"] = (
+            math.sqrt(sum(s * s for s in known)) / len(known) if known else None
+        )
+    return stats
+
+
+def verdict(diff: dict[str, Any] | None, expected_sign: int) -> str:
+    """``reproduces`` / ``opposite`` / ``inconclusive`` / ``pending`` (module docstring).
+
+    The error is the standard error over seeds combined with the validation standard error
+    (over documents, paired): with two or three seeds the spread over seeds is itself uncertain,
+    and the validation sample adds its own noise.
+    """
+    if diff is None:
+        return "pending"
+    if diff["sem"] is None:
+        return "inconclusive (one seed)"
+    error = math.hypot(diff["sem"], diff.get("validation_se") or 0.0)
+    if expected_sign * diff["mean"] > 2 * error:
+        return "reproduces"
+    if -expected_sign * diff["mean"] > 2 * error:
+        return "opposite"
+    return "inconclusive"
+
+
+def _spearman(a: list[float], b: list[float]) -> float | None:
+    if len(a) < 3:
+        return None
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb, strict=True)) / (n * (n * n - 1))
+
+
+def summarize(config: StudyConfig, results: Path) -> dict[str, Any]:
+    """Everything the README says, as data (written to ``results.json``)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for router, seed in config.runs():
+        run = load_run(results, router, seed)
+        if run is not None and run["complete"]:
+            runs.setdefault(router, []).append(run)
+    routers: dict[str, Any] = {}
+    for plan in config.plans():
+        done = runs.get(plan.router, [])
+        entry: dict[str, Any] = {
+            "paper_name": plan.paper_name,
+            "seeds_planned": list(plan.seeds),
+            "seeds_done": [r["seed"] for r in done],
+            "eval_loss": _mean_std([r["eval_loss"] for r in done]),
+            "eval_loss_se": _mean_std([r["eval_loss_se"] for r in done]),
+            "tokens_per_s": _mean_std([r["tokens_per_s"] for r in done]),
+            "delta_vs_gshard": _paired(runs, plan.router, "gshard")
+            if plan.router != "gshard"
+            else None,
+        }
+        for key in ("dropped_by_rank", "rerouted_by_rank", "mean_affinity_by_rank"):
+            values = [r[key] for r in done if r[key]]
+            entry[key] = (
+                [statistics.fmean(v[i] for v in values) for i in range(len(values[0]))]
+                if values
+                else None
+            )
+        loads = [
+            r["load_over_capacity_middle_layer"]
+            for r in done
+            if r["load_over_capacity_middle_layer"]
+        ]
+        entry["load_over_capacity_middle_layer"] = (
+            {k: statistics.fmean(x[k] for x in loads) for k in ("mean", "min", "max")}
+            if loads
+            else None
+        )
+        lm: dict[str, dict[str, Any]] = {}
+        for routing in ("causal", "train"):
+            per_task: dict[str, Any] = {}
+            for task in CHANCE:
+                scores = [
+                    r["lm_eval"][routing][task]
+                    for r in done
+                    if task in r["lm_eval"].get(routing, {})
+                ]
+                if scores:
+                    mean = statistics.fmean(s["score"] for s in scores)
+                    stderr = statistics.fmean(s["stderr"] for s in scores)
+                    per_task[task] = {
+                        "score": mean,
+                        "stderr": stderr,
+                        "at_chance": abs(mean - CHANCE[task]) < 2 * max(stderr, 1e-9),
+                    }
+            if per_task:
+                lm[routing] = per_task
+        entry["lm_eval"] = lm
+        routers[plan.router] = entry
+    tokens = next((r["tokens"] for rs in runs.values() for r in rs), None)
+    passes = next((r["passes"] for rs in runs.values() for r in rs), None)
+    claims = _claims(runs, routers)
+    return {
+        "settings": config.to_dict(),
+        "tokens_per_run": tokens,
+        "passes_over_corpus": passes,
+        "devices": sorted({r["device"] for rs in runs.values() for r in rs if r.get("device")}),
+        "routers": routers,
+        "claims": claims,
+        "runs": {
+            f"{r['router']}/{r['seed']}": {k: v for k, v in r.items() if k != "validation"}
+            for rs in runs.values()
+            for r in rs
+        },
+    }
+
+
+def _claims(runs: dict[str, list[dict[str, Any]]], routers: dict[str, Any]) -> dict[str, Any]:
+    """The paper's claims, each with its numbers and verdict."""
+    have = [r for r in PAPER_AVG if r in routers and routers[r]["eval_loss"]]
+    ours = [routers[r]["eval_loss"]["mean"] for r in have]
+    paper = [-PAPER_AVG[r] for r in have]  # a higher accuracy ranks like a lower loss
+    gain = {
+        name: _paired(runs, "gshard", name)
+        for name in ("gshard-s", "gshard-m", "gshard-i", "maxscore", "maxscore-i")
+    }
+    additive = None
+    if all(gain[n] for n in ("gshard-s", "gshard-m", "maxscore")):
+        sm, s, m = (gain[n]["mean"] for n in ("maxscore", "gshard-s", "gshard-m"))
+        additive = {"gain_sm": sm, "gain_s_plus_gain_m": s + m, "superadditive": sm > s + m}
+    return {
+        "ranking": {
+            "routers": have,
+            "our_order_by_loss": [r for _, r in sorted(zip(ours, have, strict=True))],
+            "paper_order_by_accuracy": [r for _, r in sorted(zip(paper, have, strict=True))],
+            "spearman": _spearman(ours, paper),
+        },
+        "maxscore_beats_gshard": {
+            "gain": gain["maxscore"],
+            "verdict": verdict(gain["maxscore"], 1),
+        },
+        "softtopk_alone_helps": {"gain": gain["gshard-s"], "verdict": verdict(gain["gshard-s"], 1)},
+        "flow_alone_negligible": {"gain": gain["gshard-m"]},
+        "rerouting_alone_negligible": {"gain": gain["gshard-i"]},
+        "maxscore_i_beats_gshard": {
+            "gain": gain["maxscore-i"],
+            "verdict": verdict(gain["maxscore-i"], 1),
+        },
+        "s_and_m_superadditive": additive,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# README
+# ------------------------------------------------------------------------------------------------
+def _f(value: float | None, fmt: str = "{:.4f}") -> str:
+    return "pending" if value is None else fmt.format(value)
+
+
+def _pm(stats: dict[str, Any] | None, fmt: str = "{:.4f}") -> str:
+    if not stats:
+        return "pending"
+    text = fmt.format(stats["mean"])
+    return (
+        text
+        + (f" ± {stats['std']:.4f}" if stats.get("std") is not None else "")
+        + f" (n={stats['n']})"
+    )
+
+
+def _gain(stats: dict[str, Any] | None) -> str:
+    if not stats:
+        return "pending"
+    sem = f" ± {stats['sem']:.4f} (sem)" if stats.get("sem") is not None else ""
+    vse = f"; validation SE {stats['validation_se']:.4f}" if stats.get("validation_se") else ""
+    return f"{stats['mean']:+.4f}{sem}, {stats['n']} seed(s){vse}"
+
+
+def render_readme(data: dict[str, Any], status: list[dict[str, Any]]) -> str:
+    """The README, generated from ``results.json`` (and the plan's status)."""
+    s = data["settings"]
+    routers = data["routers"]
+    claims = data["claims"]
+    done = sum(1 for r in status if r["trained"])
+    lines = [
+        "# Miniature reproduction of the paper's claims",
+        "",
+        "Generated by `python benchmarks/paper_reproduction/study.py report` from "
+        "`results/raw/` (every number is in `results/results.json`). Do not edit by hand.",
+        "",
+    ]
+    if done == 0:
+        lines += [
+            "**Status: no run has been made yet. Every number below is pending until the GPU runs "
+            "are made; nothing here is a result.**",
+            "",
+        ]
+    else:
+        lines += [
+            f"**Status: {done} of {len(status)} runs trained.** Claims on missing runs say pending.",
+            "",
+        ]
+    passes = data.get("passes_over_corpus")
+    lines += [
+        "## Setup",
+        "",
+        f"- Model preset `{s['model']}` (DeepSeek: `deepseek-base`), the embedded corpus, "
+        f"seq {s['seq_len']}, batch {s['batch_size']} x {s['grad_accum']}, "
+        f"{s['tokens']:,} training tokens per run (every run the same budget)"
+        + (f", {passes:.2f} passes over the training split" if passes else "")
+        + ".",
+        f"- Recipe `{s['recipe']}`: AdamW betas (0.9, 0.95), eps 1e-6, weight decay 0.1, lr "
+        f"{s['lr']}, WSD with warmup over 2/180 and decay over the last 6/180 of the run, SoftTopk "
+        "t annealed 3 -> 0 over 1/6 of it (the paper's 2k / 6k / 30k of 180k steps).",
+        "- Validation: the whole validation split of the embedded corpus (all five sources); "
+        "± is a standard error over validation documents, or a standard deviation over seeds "
+        "where marked (n = seeds).",
+        "- Devices: " + (", ".join(data["devices"]) or "pending") + ".",
+        "",
+        "## How to regenerate",
+        "",
+        "```bash",
+        "python benchmarks/paper_reproduction/study.py plan     # done / pending, per run",
+        "python benchmarks/paper_reproduction/study.py run --deadline-s 540   # what fits",
+        "python benchmarks/paper_reproduction/study.py run --only gshard:42,maxscore:42",
+        "python benchmarks/paper_reproduction/study.py report   # results.json, figures, README",
+        "```",
+        "",
+        "`run` trains each pending (router, seed) into `runs/paper_reproduction/`, runs lm-eval on "
+        "its final checkpoint (both routings for capacity / flow routers) and copies the small "
+        "result files to `results/raw/`; stages already there are skipped, and a run cut by the "
+        "deadline stops with a checkpoint and resumes in the next call while its machine is held. "
+        "`run_h100.sh` is one device call (lm-eval and its task data must be on the machine: "
+        "wheels, and `MAXSCORE_CACHE_DIR` pointing at a copy of `~/.cache/maxscore`).",
+        "",
+        "## Runs",
+        "",
+        "| router | paper name | seeds planned | seeds done | val loss (mean ± std over seeds) | "
+        "val SE (documents) | Δ vs GShard (paired) | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in routers.items():
+        lines.append(
+            f"| {name} | {r['paper_name']} | {len(r['seeds_planned'])} | {len(r['seeds_done'])} | "
+            f"{_pm(r['eval_loss'])} | {_f((r['eval_loss_se'] or {}).get('mean'))} | "
+            f"{_gain(r['delta_vs_gshard']) if name != 'gshard' else '0'} | "
+            f"{_f((r['tokens_per_s'] or {}).get('mean'), '{:,.0f}')} |"
+        )
+    ranking = claims["ranking"]
+    rho = ranking["spearman"]
+    lines += [
+        "",
+        "## Claims",
+        "",
+        "Gains are GShard's validation loss minus the router's (positive: better than GShard), "
+        "paired by seed and validation document; sem: standard error over seeds.",
+        "",
+        "| claim (paper) | ours | verdict |",
+        "|---|---|---|",
+        f"| Table 2 ranking (by average accuracy) | Spearman {_f(rho, '{:.2f}')} between our "
+        f"loss order and the paper's over {len(ranking['routers'])} routers | "
+        f"{'pending' if rho is None else 'see the orders below'} |",
+    ]
+    for key, label in (
+        ("maxscore_beats_gshard", "MaxScore beats GShard (Table 2)"),
+        ("maxscore_i_beats_gshard", "MaxScore-I beats GShard (Table 2)"),
+        ("softtopk_alone_helps", "SoftTopk alone helps: GShard-S (Table 3)"),
+    ):
+        lines.append(f"| {label} | {_gain(claims[key]['gain'])} | {claims[key]['verdict']} |")
+    for key, label in (
+        ("flow_alone_negligible", "Flow alone is negligible: GShard-M (Table 3)"),
+        ("rerouting_alone_negligible", "Rerouting alone is negligible: GShard-I (Table 3)"),
+    ):
+        lines.append(f"| {label} | {_gain(claims[key]['gain'])} | see the gain |")
+    add = claims["s_and_m_superadditive"]
+    lines.append(
+        "| S and M are superadditive (Table 3) | "
+        + (
+            "pending"
+            if add is None
+            else f"gain(SM) {add['gain_sm']:+.4f} vs gain(S) + gain(M) {add['gain_s_plus_gain_m']:+.4f}"
+        )
+        + f" | {'pending' if add is None else ('yes' if add['superadditive'] else 'no')} (means only) |"
+    )
+    lines += [
+        "",
+        f"Our order by validation loss: {', '.join(ranking['our_order_by_loss']) or 'pending'}.",
+        f"The paper's by average accuracy: {', '.join(ranking['paper_order_by_accuracy']) or 'pending'}.",
+        "",
+        "## Routing (the paper's Fig. 2, Fig. 7 and Fig. 8)",
+        "",
+        "Mean over MoE layers of the last training log (training routing), mean over seeds. Dropped: "
+        "the choice not given and the slot left empty; rerouted: given to another expert instead. "
+        "Load / capacity: experts of the middle MoE layer (paper: GShard 0.8237, MaxScore 0.9996, "
+        "DropLess 0.55-1.74).",
+        "",
+        "| router | dropped 1st / 2nd | rerouted 1st / 2nd | mean affinity 1st / 2nd | load / capacity mean (min-max) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in routers.items():
+
+        def pair(values: list[float] | None, fmt: str) -> str:
+            return "pending" if not values else " / ".join(fmt.format(v) for v in values[:2])
+
+        load = r["load_over_capacity_middle_layer"]
+        if name == "dense":
+            lines.append(f"| {name} | no router | no router | no router | no router |")
+            continue
+        lines.append(
+            f"| {name} | {pair(r['dropped_by_rank'], '{:.1%}')} | {pair(r['rerouted_by_rank'], '{:.1%}')} | "
+            f"{pair(r['mean_affinity_by_rank'], '{:.3f}')} | "
+            + (
+                "pending"
+                if not load
+                else f"{load['mean']:.4f} ({load['min']:.2f}-{load['max']:.2f})"
+            )
+            + " |"
+        )
+    if data.get("figures"):
+        lines += [
+            "",
+            "Figures (first seed of each router; `results/analysis/analysis.md` has the per-layer "
+            "tables):",
+            "",
+        ]
+        lines += [f"![{name}](results/analysis/{name})" for name in data["figures"]]
+    lines += [
+        "",
+        "## lm-eval (eight offline tasks, zero-shot)",
+        "",
+        "Accuracy in percent, mean over seeds; `*`: within two standard errors of chance "
+        "(uniform guessing; BoolQ: the majority class), where models this small are expected to "
+        "sit. Causal: the evaluation routing without capacity (no token's experts depend on later "
+        "tokens); train: the training routing, for the capacity / flow routers.",
+        "",
+        "| router | routing | " + " | ".join(CHANCE) + " |",
+        "|---|---|" + "---:|" * len(CHANCE),
+    ]
+    for name, r in routers.items():
+        if not r["lm_eval"]:
+            lines.append(f"| {name} | - | " + " | ".join("pending" for _ in CHANCE) + " |")
+        for routing, tasks in r["lm_eval"].items():
+            cells = [
+                "-"
+                if t not in tasks
+                else f"{tasks[t]['score']:.1f}{'*' if tasks[t]['at_chance'] else ''}"
+                for t in CHANCE
+            ]
+            lines.append(f"| {name} | {routing} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## What reproduces and what does not",
+        "",
+        f"Each verdict rests on the seeds it lists and on {s['tokens']:,} training tokens per run, "
+        f"1/{65e9 / s['tokens']:,.0f} of the paper's 65B.",
+        "",
+    ]
+    for key, label in (
+        ("maxscore_beats_gshard", "MaxScore ahead of GShard"),
+        ("maxscore_i_beats_gshard", "MaxScore-I ahead of GShard"),
+        ("softtopk_alone_helps", "SoftTopk alone (GShard-S) ahead of GShard"),
+    ):
+        claim = claims[key]
+        lines.append(f"- {label}: **{claim['verdict']}** ({_gain(claim['gain'])}).")
+    lines.append(
+        "- Superadditivity of S and M: "
+        + (
+            "pending."
+            if add is None
+            else f"{'yes' if add['superadditive'] else 'no'} on the means "
+            f"(gain(SM) {add['gain_sm']:+.4f}, gain(S) + gain(M) {add['gain_s_plus_gain_m']:+.4f})."
+        )
+    )
+    lines.append(
+        "- Table 2 ranking: "
+        + (
+            "pending."
+            if rho is None
+            else f"Spearman {rho:.2f} over {len(ranking['routers'])} routers."
+        )
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write_figures(config: StudyConfig, results: Path) -> list[str]:
+    """``maxscore analyze`` on the first trained seed of each router (figures in ``analysis/``).
+
+    The raw copies hold ``config.json`` and ``metrics.jsonl``, all the analysis reads: the
+    dropped / rerouted shares and mean affinity by choice rank per layer, the sorted expert load
+    over capacity, loss curves, tokens/s. Returns the figure file names.
+    """
+    from maxscore.analysis.analyze import analyze
+
+    dirs = []
+    for plan in config.plans():
+        for seed in plan.seeds:
+            folder = results / "raw" / plan.router / f"seed-{seed}"
+            if (folder / "metrics.jsonl").is_file():
+                dirs.append(folder)
+                break
+    if not dirs:
+        return []
+    names = [d.parent.name for d in dirs]
+    result = analyze(dirs, results / "analysis", names=names)
+    return sorted(p.name for p in result.figures.values())
+
+
+def write_report(
+    config: StudyConfig, results: Path, readme: Path, status: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Write ``results.json``, the analysis figures and the README; return the data."""
+    data = summarize(config, results)
+    data["figures"] = write_figures(config, results)
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    readme.write_text(render_readme(data, status))
+    return data
+
+
+__all__ = ["ROUTERS", "render_readme", "summarize", "verdict", "write_report"]

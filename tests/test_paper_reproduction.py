@@ -1,0 +1,148 @@
+"""The paper-reproduction study's tooling (benchmarks/paper_reproduction): the plan, the report
+from raw results (verdicts, pending claims), and, slow, a tiny study trained and evaluated on
+the CPU, resumed without retraining."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+STUDY_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "paper_reproduction"
+sys.path.insert(0, str(STUDY_DIR))
+
+import study  # noqa: E402
+import study_report  # noqa: E402
+from study_plan import ROUTERS, StudyConfig  # noqa: E402
+
+
+def test_plan_covers_the_papers_routers_with_three_seeds_for_the_ablation() -> None:
+    config = StudyConfig()
+    names = {p.router for p in ROUTERS}
+    assert names == set(study_report.PAPER_AVG)  # every Table 2 / 3 router, dense included
+    seeds = {p.router: len(p.seeds) for p in config.plans()}
+    for router in ("gshard", "gshard-i", "gshard-s", "gshard-m", "maxscore-i", "maxscore"):
+        assert seeds[router] >= 3
+    assert min(seeds.values()) >= 1
+    cfg = config.train_config("maxscore", 42, "/tmp/x")
+    assert cfg.total_steps() * cfg.tokens_per_step() >= 25_000_000
+    assert (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps, cfg.weight_decay) == (
+        0.9,
+        0.95,
+        1e-6,
+        0.1,
+    )
+    assert cfg.lr_schedule == "wsd" and cfg.temperature_fraction == pytest.approx(1 / 6)
+    assert cfg.warmup_ratio == pytest.approx(2 / 180) and cfg.decay_ratio == pytest.approx(6 / 180)
+    assert config.train_config("deepseek", 42, "/tmp/x").model == "deepseek-base"
+
+
+def _write_run(results: Path, router: str, seed: int, doc_losses: list[float]) -> None:
+    folder = results / "raw" / router / f"seed-{seed}"
+    folder.mkdir(parents=True)
+    tokens = [10.0] * len(doc_losses)
+    sums = [loss * t for loss, t in zip(doc_losses, tokens, strict=True)]
+    loss = sum(sums) / sum(tokens)
+    config = {
+        "train": {"seq_len": 16},
+        "resolved": {"total_steps": 10, "train_blocks": 100, "device": "cpu"},
+    }
+    summary = {"steps": 10, "tokens": 3200, "eval_loss": loss, "eval_loss_se": 0.01}
+    summary["tokens_per_s"] = 1000.0
+    validation = {"loss": loss, "se": 0.01, "loss_sum": sums, "tokens": tokens}
+    routing = {
+        "dropped_by_rank": [[0.0, 0.3], [0.0, 0.1]],
+        "rerouted_by_rank": [[0.1, 0.0], [0.1, 0.0]],
+        "mean_affinity_by_rank": [[0.5, 0.2], [0.5, 0.2]],
+        "load_over_capacity": [[0.8, 0.9], [1.0, 1.0]],
+        "moe_layers": [0, 1],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "validation.json").write_text(json.dumps(validation))
+    (folder / "metrics.jsonl").write_text(
+        json.dumps({"type": "train", "step": 10, "loss": 3.5, "routing": routing}) + "\n"
+    )
+    scores = {
+        "piqa": {"acc": 0.51, "acc_stderr": 0.02},
+        "arc_easy": {"acc": 0.40, "acc_stderr": 0.01},
+    }
+    payload = {"eval_routing": "causal", "metrics": scores, "n_samples": {"piqa": 100}}
+    (folder / "eval_causal.json").write_text(json.dumps(payload))
+
+
+def test_report_verdicts_from_raw_results_and_pending_claims(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    config = StudyConfig(routers=("gshard", "gshard-s", "gshard-m", "maxscore", "dense"))
+    base = [3.0, 3.2, 2.8, 3.1]
+    for seed, shift in zip((42, 43, 44), (0.0, 0.01, -0.01), strict=True):
+        _write_run(results, "gshard", seed, [x + shift for x in base])
+        # MaxScore: 0.02 lower on every document and seed; GShard-S 0.01; GShard-M the same
+        _write_run(results, "maxscore", seed, [x + shift - 0.02 for x in base])
+        _write_run(
+            results, "gshard-s", seed, [x + shift - 0.01 + 0.001 * (seed - 43) for x in base]
+        )
+        _write_run(
+            results, "gshard-m", seed, [x + shift + (0.002 if seed == 43 else -0.001) for x in base]
+        )
+    readme = tmp_path / "README.md"
+    rows = study.status(config, results)
+    data = study_report.write_report(config, results, readme, rows)
+    claims = data["claims"]
+    gain = claims["maxscore_beats_gshard"]["gain"]
+    assert gain["mean"] == pytest.approx(0.02) and gain["n"] == 3
+    assert claims["maxscore_beats_gshard"]["verdict"] == "reproduces"
+    assert claims["s_and_m_superadditive"]["superadditive"] is True
+    assert data["passes_over_corpus"] == pytest.approx(3200 / 1600)
+    assert data["routers"]["dense"]["eval_loss"] is None  # no run: pending
+    maxscore = data["routers"]["maxscore"]
+    assert maxscore["dropped_by_rank"] == pytest.approx([0.0, 0.2])
+    assert maxscore["load_over_capacity_middle_layer"]["mean"] == pytest.approx(1.0)
+    piqa = maxscore["lm_eval"]["causal"]["piqa"]
+    assert piqa["score"] == pytest.approx(51.0) and piqa["at_chance"]  # 51 ± 2 vs chance 50
+    assert not maxscore["lm_eval"]["causal"]["arc_easy"]["at_chance"]
+    text = readme.read_text()
+    assert "MaxScore ahead of GShard: **reproduces**" in text
+    assert "| dense | Dense | 1 | 0 | pending |" in text
+    assert json.loads((results / "results.json").read_text())["claims"]["ranking"]["routers"]
+
+
+def test_empty_results_say_every_number_is_pending(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    config = StudyConfig()
+    study_report.write_report(
+        config, tmp_path / "results", readme, study.status(config, tmp_path / "results")
+    )
+    text = readme.read_text()
+    assert "no run has been made yet" in text and "pending" in text
+    assert "reproduces**" not in text
+
+
+@pytest.mark.slow
+def test_tiny_study_trains_evaluates_resumes_and_reports(tmp_path: Path) -> None:
+    """Two routers, one seed each, tiny model and budget, one lm-eval task with 4 documents."""
+    argv = [
+        "--results-dir", str(tmp_path / "results"), "--runs-dir", str(tmp_path / "runs"),
+        "--readme", str(tmp_path / "README.md"), "--routers", "gshard,maxscore", "--seeds", "7",
+        "--model", "tiny", "--model-option", "hidden_size=32", "--model-option", "num_hidden_layers=1",
+        "--model-option", "num_attention_heads=2", "--model-option", "num_experts=4",
+        "--tokens", "1024", "--seq-len", "32", "--batch-size", "8", "--eval-steps", "2",
+        "--save-steps", "2", "--max-eval-blocks", "4", "--eval-limit", "4", "--eval-tasks", "piqa",
+        "--no-compile",
+    ]  # fmt: skip
+    assert study.main(["run", *argv]) == 0
+    raw = tmp_path / "results" / "raw"
+    for router in ("gshard", "maxscore"):
+        for name in ("summary.json", "metrics.jsonl", "validation.json", "eval_causal.json"):
+            assert (raw / router / "seed-7" / name).is_file(), (router, name)
+    assert (raw / "maxscore" / "seed-7" / "eval_train.json").is_file()  # both routings
+    stamp = (raw / "gshard" / "seed-7" / "summary.json").stat().st_mtime_ns
+    assert study.main(["run", *argv]) == 0  # everything done: nothing retrained
+    assert (raw / "gshard" / "seed-7" / "summary.json").stat().st_mtime_ns == stamp
+    assert study.main(["report", *argv]) == 0
+    data = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert data["routers"]["maxscore"]["delta_vs_gshard"]["n"] == 1
+    assert "piqa" in data["routers"]["gshard"]["lm_eval"]["causal"]
+    assert "2 of 2 runs trained" in (tmp_path / "README.md").read_text()
