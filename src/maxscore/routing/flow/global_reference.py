@@ -2,45 +2,52 @@
 
 Eq. (8) asks for the 0/1 matrix ``P`` (``n x e``) that maximises ``sum_ij P_ij A_ij`` subject to
 Eq. (7): each token takes ``k`` distinct experts, expert ``j`` takes at most ``c_j`` tokens. The
-solver has three phases, all of them exact in what they guarantee, whatever the input:
+solver has three phases:
 
 1. **Auction** (a Jacobi forward auction, Bertsekas; tokens bid, experts are the objects, each
    with ``c_j`` slots). Every token missing ``m`` slots looks at the reduced values
    ``A_ij - p_j`` of the experts it does not hold, takes its best ``m`` and bids for each
-   ``p_j + (A_ij - p_j) - w + eps``, ``w`` being its ``(m+1)``-th best reduced value; each expert
-   keeps the ``c_j`` highest offers among its holders and the new bids, and its price ``p_j``
-   becomes the lowest slot price it keeps. A token's held experts then stay within ``eps`` of
-   its best alternatives (eps-complementary slackness), so a finished auction is within
-   ``n k eps`` of the optimum. The prices start at the experts' mean affinities (shifted so the
-   lowest is 0): a router early in training gives every token nearly the same row, and from
-   zero prices the auction would spend thousands of rounds raising the popular experts' prices
-   by ``eps`` at a time. The auction stops after ``auction_rounds`` rounds or when every token
-   holds ``k`` experts, whichever comes first; the few slots still open go to phase 2.
+   ``A_ij - w + eps``, ``w`` being its ``(m+1)``-th best reduced value; each expert keeps the
+   ``c_j`` highest offers among its slots' prices and the new bids, and its price ``p_j`` is its
+   cheapest slot's. A slot won this way is within ``eps`` of the token's best alternative
+   (eps-complementary slackness), and a finished auction is within ``n k eps`` of the optimum.
+   The prices start at the experts' mean affinities (shifted so the lowest is 0): a router early
+   in training gives every token nearly the same row, and from zero prices the auction would
+   spend thousands of rounds raising the popular experts' prices by ``eps`` at a time. The
+   auction stops after ``auction_rounds`` rounds, once at most ``stop_open`` of the slots are
+   open, or once its last ``STALL_ROUNDS`` rounds filled fewer than ``STALL_FILL`` slots: its
+   tail fills slowly, and phase 2 fills those slots in far fewer steps. A token evicted from one
+   expert may then prefer it to a slot it still holds by more than ``eps`` (that slot was won
+   against other prices); such slots are given up, so eps-complementary slackness holds for
+   every held slot when phase 2 starts.
 2. **Augmenting paths** on the *expert graph*: ``e + 2`` nodes (the experts, a node ``S`` for
    spare capacity and a node ``D`` for open slots). Edge ``a -> b`` carries the best move
    "a token on ``a`` that is not on ``b`` leaves ``a`` for ``b``", of gain ``A_tb - A_ta``;
-   ``D -> b`` the best token with an open slot taking ``b`` (gain ``A_tb``). Bellman-Ford from
-   ``D`` finds the best way to fill an open slot, through any chain of moves, into an expert
-   with spare capacity; each round applies every such path that shares no node with a better
-   one (so the moves of one round never conflict). This is successive shortest paths on the
-   flow network with its token nodes contracted: it gives every token ``k`` experts whenever
-   ``sum_j min(c_j, n) >= n k`` (a maximum flow otherwise).
+   ``D -> b`` the best token with an open slot taking ``b`` (gain ``A_tb``). The best path from
+   ``D`` to an expert with spare capacity fills an open slot through any chain of moves; each
+   round applies every such path of the shortest-path tree that shares no node with a better one
+   (so the moves of one round never conflict). This is successive shortest paths on the flow
+   network with its token nodes contracted: it gives every token ``k`` experts whenever
+   ``sum_j min(c_j, n) >= n k`` (a maximum flow otherwise), and keeps the assignment optimal
+   for its loads. Here the paths come from Bellman-Ford with every edge charged ``tol + eps``
+   (the auction leaves no cycle above that); the CUDA kernel runs Dijkstra on reduced costs
+   whose potentials start at the auction's prices (the same paths).
 3. **Cycle cancelling** on the same graph, now also with ``b -> S`` (``b`` has spare capacity),
    ``S -> a`` (any expert may lose a token) and ``a -> D`` (a token gives up its slot at ``a``
    when the flow is not full, gain ``-A_ta``): a feasible assignment is optimal iff this graph
    has no cycle of positive gain (the residual graph of the flow network with the token nodes
    contracted). Each round finds, by Bellman-Ford from a virtual source joined to every node,
-   all cycles of its predecessor graph (they are node-disjoint, so their moves are compatible)
-   and applies them. Every edge is charged ``tol`` (a relative 1e-7 of the affinities' spread)
-   so float rounding cannot create a cycle; the result is optimal up to that tolerance.
+   the cycles of its predecessor graph (they are node-disjoint, so their moves are compatible)
+   and applies them, at most ``cancel_rounds`` rounds. With no spare capacity phases 1-2 leave
+   nothing for it (measured: 0-1 rounds); spare capacity, where a slot left free should end at
+   price 0 while the warm prices are above 0, and capacity short of ``n k`` need it. Every edge
+   is charged ``tol`` (a relative 1e-6 of the affinities' spread, about 16 float32 rounding
+   steps) so rounding cannot create a cycle.
 
-Phases 2 and 3 share a round budget (``max_rounds``, far above what any measured input needed:
-see ``benchmarks/flow_solver/README.md``); if it ran out with a slot still open, the open slots
-are filled greedily with each token's best expert of spare capacity, so Eq. 7 holds whatever the
-budget. The CUDA kernel (:mod:`.global_cuda`) runs the same three phases on the GPU.
-
-This module computes on the host in float64, one group after another; it is the solver's CPU
-path and its reference in the tests.
+The CUDA kernel (:mod:`.global_cuda`, ``kernels/global_auction.cu``) runs the same three phases
+on the GPU. This module computes on the host in float64, one group after another; it is the
+solver's CPU path and its reference in the tests. Measured gaps and times:
+``benchmarks/flow_solver/README.md``.
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ class GlobalBudget:
             makes a cycle look positive).
     """
 
-    auction_rounds: int = 64
+    auction_rounds: int = 96
     stop_open: float = 0.005
     epsilon: float = 1e-5
     cancel_rounds: int = 16
@@ -145,7 +152,6 @@ def solve_group(
         if not _cancel(_expert_graph(a, held, cap, k, cycles=True), held, tol, budget.relaxations):
             break
         stats["cancel_rounds"] += 1
-    _fill_open_slots(a, held, k, cap)
     return held
 
 
@@ -158,7 +164,10 @@ def auction_epsilon(a: np.ndarray, budget: GlobalBudget) -> float:
     return max(budget.epsilon * float(a.max(axis=1).mean()), 1e-12 * spread)
 
 
-STALL_ROUNDS = 4  # the auction stops once this many rounds filled fewer than this many slots
+# The auction stops once STALL_ROUNDS rounds filled fewer than STALL_FILL slots: its tail, where
+# bidders raise prices by eps at a time (a round of phase 2 costs as much as several).
+STALL_ROUNDS = 8
+STALL_FILL = 2
 
 
 def stop_open_slots(n: int, k: int, budget: GlobalBudget) -> int:
@@ -194,8 +203,8 @@ def _auction(a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget) -> np
         open_now = int(missing.sum())
         if open_now <= (0 if round_ == 0 else stop):
             break
-        # ... or when the last STALL_ROUNDS rounds filled fewer than STALL_ROUNDS slots
-        if round_ >= STALL_ROUNDS and history[-STALL_ROUNDS] - open_now < STALL_ROUNDS:
+        # ... or when the last STALL_ROUNDS rounds filled fewer than STALL_FILL slots
+        if round_ >= STALL_ROUNDS and history[-STALL_ROUNDS] - open_now < STALL_FILL:
             break
         history.append(open_now)
         price = np.array([sp.min() if sp.size else np.inf for sp in slot_price])
@@ -433,14 +442,3 @@ def _cancel(graph: _Graph, held: np.ndarray, tol: float, relaxations: int) -> bo
         cycle.reverse()  # pred[v] -> v order
         _apply(held, graph, cycle)
     return True
-
-
-def _fill_open_slots(a: np.ndarray, held: np.ndarray, k: int, cap: np.ndarray) -> None:
-    """Give each open slot the best expert of spare capacity its token does not hold (only
-    reached if the round budget ran out; keeps Eq. 7 whatever the budget)."""
-    for t in np.flatnonzero(held.sum(axis=1) < k):
-        while held[t].sum() < k:
-            spare = (held.sum(axis=0) < cap) & ~held[t]
-            if not spare.any():
-                return
-            held[t, int(np.argmax(np.where(spare, a[t], -np.inf)))] = True

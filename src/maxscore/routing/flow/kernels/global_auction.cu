@@ -1,15 +1,20 @@
 // The global solver of Eq. (8) on the GPU: one thread block per routing group.
 //
-// Same three phases as maxscore/routing/flow/global_reference.py (read its docstring first):
+// The phases of maxscore/routing/flow/global_reference.py (read its docstring first):
 //   1. a Jacobi forward auction from warm prices (every expert's mean affinity), until at most
-//      STOP_OPEN slots are open or AUCTION rounds have run (its last slots fill slowly: the
-//      bidders raise prices by eps at a time, so graph search finishes them faster);
+//      STOP_OPEN slots are open, or its last STALL rounds filled fewer than STALL_FILL slots (the
+//      tail, where bidders raise prices by eps at a time), or AUCTION rounds have run; then every
+//      held slot more than eps below its token's best alternative is given up, so that
+//      eps-complementary slackness holds for every held slot;
 //   2. augmenting paths on the expert graph (E experts + S + D) from D, the open slots, to experts
-//      with spare capacity, node-disjoint paths applied together, until no slot is open or no
-//      path exists (a maximum flow);
+//      with spare capacity: Dijkstra in one warp on reduced costs whose potentials start at the
+//      auction's prices (successive shortest paths), the node-disjoint paths of its tree applied
+//      together, until no slot is open or no path exists (a maximum flow);
 //   3. at most CANCELS rounds of cycle cancelling on the expert graph (all cycles of the
-//      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left.
+//      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left (on
+//      capacities with no spare slot phase 2 leaves none: measured, 0-1 rounds).
 // Then each token's experts are written by decreasing affinity (ties: lower index), -1 last.
+// Only the rows of the expert graph that a round's moves touched are computed again.
 //
 // Memory. The per-group state (each token's K held experts (-1 = open) and held set as a bit
 // mask, each expert's holders with the prices they paid (ascending during phase 1), the bids an
@@ -21,9 +26,10 @@
 //
 // Compile-time constants (prepended by maxscore.routing.flow.global_cuda): N, E, K, THREADS,
 // CB (holders per expert: the largest capacity, clamped to N), BUF (bids an expert takes per
-// round), AUCTION, STOP_OPEN, CANCELS, RELAX_CANCEL (Bellman-Ford relaxations per cancelling
-// round: positive cycles are short, so their predecessor cycles show up within a few), EPS_REL, TOL_REL, WARP_BIDS (1: a warp per bidding token,
-// for large E; 0: a thread per token), A_SMEM, GRAPH_SMEM.
+// round; more wait a round), AUCTION, STOP_OPEN, CANCELS, RELAX_CANCEL (Bellman-Ford
+// relaxations per cancelling round: positive cycles are short, so their predecessor cycles
+// show up within a few), EPS_REL, TOL_REL, WARP_BIDS (1: a warp per bidding token, for large E;
+// 0: a thread per token), A_SMEM, GRAPH_SMEM.
 
 #define WARPS (THREADS / 32)
 #define V (E + 2)
@@ -33,14 +39,8 @@
 #define LANE_E ((E + 31) / 32)  // experts per lane in warp-wide scans
 #define NEG (-3.0e38f)
 #define FULL_MASK 0xffffffffu
-#define MAX_ESCALATIONS 16
-#define STALL 4  // the auction stops once STALL rounds have filled fewer than STALL slots
-#ifndef NO_STALL_STOP
-#define NO_STALL_STOP 0
-#endif
-#ifndef PATHS_PER_ROUND
-#define PATHS_PER_ROUND 0
-#endif
+#define STALL 8       // the auction stops once STALL rounds have filled fewer than
+#define STALL_FILL 2  // STALL_FILL slots (its tail: a round of phase 2 costs several)
 
 #ifndef DYNAMIC_SHARED  // the CPU emulator of the tests defines its own
 #define DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
@@ -78,6 +78,8 @@ struct Block {
   float dist[V], dist_next[V], pot[V];
   int pred[V], pred_next[V], jump[V], jump_next[V], on_cycle[V], claimed[V], looked[V];
   int drop_token[V];  // the open token realising each edge D -> v
+  int dirty[E];       // rows of the expert graph to recompute (their holders or holders' sets changed)
+  float worst[E];     // -(lowest affinity among each expert's holders): the edge u -> D
   int lo_ord, hi_ord, real_rows;
   float lo, hi, eps, tol;
   int open_count, open_tokens, moves;
@@ -392,12 +394,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
     const long long t_listed = clock64();
     const int open_tokens = b.open_tokens;
-    // Stop when few slots are open, or when the last STALL rounds filled fewer than STALL of
-    // them (the tail, where bidders raise prices by eps at a time: a round of phase 2 fills
-    // several slots for the cost of a few auction rounds).
+    // Stop when few slots are open, or when the last STALL rounds filled fewer than STALL_FILL
+    // of them (the tail, where bidders raise prices by eps at a time: a round of phase 2 costs
+    // as much as several auction rounds).
     const int open_now = b.open_count;
     if (open_now <= (rounds == 0 ? 0 : STOP_OPEN)) break;
-    if (!NO_STALL_STOP && rounds >= STALL && open_history[rounds % STALL] - open_now < STALL) break;
+    if (rounds >= STALL && open_history[rounds % STALL] - open_now < STALL_FILL) break;
     open_history[rounds % STALL] = open_now;
 #if WARP_BIDS
     for (int q = warp; q < open_tokens; q += WARPS) {
@@ -691,6 +693,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const long long t_auction = clock64();
 
   // ---- phases 2 and 3: the expert graph ----
+  for (int u = tid; u < E; u += THREADS) b.dirty[u] = 1;
   int open_after_auction = 0, augment_rounds = 0, cancel_rounds = 0;
   long long t_augment = t_auction;
   for (int phase = 2; phase <= 3; ++phase) {
@@ -711,34 +714,45 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (!cycles && round == 0) open_after_auction = b.open_count;
       if (!cycles && b.open_count == 0) break;
       const int open_tokens = b.open_tokens;
-      // Rows of the experts: the best move of one of their holders to every other expert.
+      // Rows of the experts: the best move of one of their holders to every other expert. Only
+      // the rows whose holders, or whose holders' expert sets, the last round changed are
+      // computed again (all of them the first time).
       for (int u = warp; u < E; u += WARPS) {
-        const int h = b.held[u];
-        const int* ht = hold_t + u * CB;
-        float best[LANE_E];
+        if (b.dirty[u]) {
+          const int h = b.held[u];
+          const int* ht = hold_t + u * CB;
+          float best[LANE_E];
 #pragma unroll
-        for (int c = 0; c < LANE_E; ++c) best[c] = NEG;
-        float worst = NEG;
-        for (int q = 0; q < h; ++q) {
-          const int t = ht[q];
-          const u32* mt = mask + t * MW;
-          const float from = a[t * E + u];
+          for (int c = 0; c < LANE_E; ++c) best[c] = NEG;
+          float worst = NEG;
+#pragma unroll 4
+          for (int q = 0; q < h; ++q) {
+            const int t = ht[q];
+            const u32* mt = mask + t * MW;
+            const float from = a[t * E + u];
+#pragma unroll
+            for (int c = 0; c < LANE_E; ++c) {
+              const int v = lane + 32 * c;
+              if (v < E && b.cap[v] > 0 && !has_bit(mt, v))
+                best[c] = fmaxf(best[c], a[t * E + v] - from);
+            }
+            worst = fmaxf(worst, -from);
+          }
 #pragma unroll
           for (int c = 0; c < LANE_E; ++c) {
             const int v = lane + 32 * c;
-            if (v < E && b.cap[v] > 0 && !has_bit(mt, v)) best[c] = fmaxf(best[c], a[t * E + v] - from);
+            if (v < E) gain[u * V + v] = best[c];
           }
-          worst = fmaxf(worst, -from);
-        }
-#pragma unroll
-        for (int c = 0; c < LANE_E; ++c) {
-          const int v = lane + 32 * c;
-          if (v < E) gain[u * V + v] = best[c];
+          __syncwarp();
+          if (lane == 0) {
+            b.worst[u] = h > 0 ? worst : NEG;
+            b.dirty[u] = 0;
+          }
         }
         if (lane == 0) {
           // u -> S (u may take one more), u -> D (its worst holder gives up its slot)
-          gain[u * V + SINK] = (cycles && h < b.cap[u]) ? 0.0f : NEG;
-          gain[u * V + DROP] = (cycles && open_tokens > 0 && h > 0) ? worst : NEG;
+          gain[u * V + SINK] = (cycles && b.held[u] < b.cap[u]) ? 0.0f : NEG;
+          gain[u * V + DROP] = (cycles && open_tokens > 0) ? b.worst[u] : NEG;
         }
       }
       // Rows of S (an expert may lose a token) and D (an open slot takes an expert).
@@ -816,54 +830,64 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       }
       if (!cycles) {
-        // Node-disjoint augmenting paths, best target first (one thread: few targets). A path's
+        // Node-disjoint augmenting paths, best target first, in warp 0: the lanes find the next
+        // target (an argmax over the spare experts), lane 0 walks its path back to D. A path's
         // D edge takes the best open token for its first expert, if that token still has an
         // open slot this round; its other edges' tokens are looked up below.
-        if (tid == 0) {
-          for (int v = 0; v < V; ++v) {
+        if (warp == 0) {
+          for (int v = lane; v < V; v += 32) {
             b.claimed[v] = 0;
             b.looked[v] = 0;
           }
+          __syncwarp();
           int nm = 0, filled = 0;
           while (filled < b.open_count) {
             float best = NEG;
-            int tgt = -1;
-            for (int v = 0; v < E; ++v) {
+            int tgt = 0x7fffffff;
+            for (int v = lane; v < E; v += 32) {
               if (b.looked[v] || b.held[v] >= b.cap[v] || b.dist[v] <= NEG) continue;
               if (b.dist[v] > best) {
                 best = b.dist[v];
                 tgt = v;
               }
             }
-            if (tgt < 0) break;
-            b.looked[tgt] = 1;
-            int x = tgt, first = tgt, steps = 0, ok = 1;
-            while (x != DROP) {
-              if (b.claimed[x] || b.pred[x] < 0 || ++steps > V) {
-                ok = 0;
-                break;
+            warp_argmax(best, tgt);
+            if (!(best > NEG)) break;
+            int accepted = 0;
+            if (lane == 0) {
+              b.looked[tgt] = 1;
+              int x = tgt, first = tgt, steps = 0, ok = 1;
+              while (x != DROP) {
+                if (b.claimed[x] || b.pred[x] < 0 || ++steps > V) {
+                  ok = 0;
+                  break;
+                }
+                first = x;
+                x = b.pred[x];
               }
-              first = x;
-              x = b.pred[x];
+              const int tok = ok ? b.drop_token[first] : -1;
+              if (tok >= 0) {
+                int uses = 0;
+                for (int p = 0; p < nm; ++p) uses += move[3 * p + 1] == DROP && move[3 * p] == tok;
+                if (uses < DEMAND(tok) - held_count(tok_e, tok)) {
+                  x = tgt;
+                  while (x != DROP) {
+                    b.claimed[x] = 1;
+                    move[3 * nm] = b.pred[x] == DROP ? tok : -1;  // -1: looked up below
+                    move[3 * nm + 1] = b.pred[x];
+                    move[3 * nm + 2] = x;
+                    ++nm;
+                    x = b.pred[x];
+                  }
+                  accepted = 1;
+                }
+              }
             }
-            if (!ok) continue;
-            const int tok = b.drop_token[first];
-            int uses = 0;
-            for (int p = 0; p < nm; ++p) uses += move[3 * p + 1] == DROP && move[3 * p] == tok;
-            if (tok < 0 || uses >= DEMAND(tok) - held_count(tok_e, tok)) continue;
-            x = tgt;
-            while (x != DROP) {
-              b.claimed[x] = 1;
-              move[3 * nm] = b.pred[x] == DROP ? tok : -1;  // -1: looked up below
-              move[3 * nm + 1] = b.pred[x];
-              move[3 * nm + 2] = x;
-              ++nm;
-              x = b.pred[x];
-            }
-            ++filled;
-            if (PATHS_PER_ROUND > 0 && filled >= PATHS_PER_ROUND) break;
+            nm = __shfl_sync(FULL_MASK, nm, 0);
+            filled += __shfl_sync(FULL_MASK, accepted, 0);
+            __syncwarp();
           }
-          b.moves = nm;
+          if (lane == 0) b.moves = nm;
         }
       }
       __syncthreads();
@@ -965,6 +989,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int s = 0; s < K; ++s)
           if (atomicCAS(&tok_e[t * K + s], -1, v) == -1) break;
         atomicOr(&mask[t * MW + (v >> 5)], 1u << (v & 31));
+      }
+      __syncthreads();
+      // Rows to compute again: the experts a token left or joined, and every expert a moved
+      // token now holds (its set changed, so its best moves from there did).
+      for (int q = tid; q < nm; q += THREADS) {
+        const int t = move[3 * q], u = move[3 * q + 1], v = move[3 * q + 2];
+        if (u < E) b.dirty[u] = 1;
+        if (v < E) b.dirty[v] = 1;
+        if (t < 0) continue;
+        for (int s = 0; s < K; ++s) {
+          const int w = tok_e[t * K + s];
+          if (w >= 0) b.dirty[w] = 1;
+        }
       }
       __syncthreads();
       if (tid == 0) b.prof[5 + 3 * cycles] += clock64() - t_part;
