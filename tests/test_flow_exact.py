@@ -235,6 +235,16 @@ def test_flow_objective_hand_computed() -> None:
         ({"capacity": torch.full((5,), 2)}, "one entry per expert"),
         ({"capacity": torch.full((4,), 2.0)}, "integer dtype"),
         ({"capacity": [2, 2, 2, 2.5]}, "ints"),
+        ({"capacity": 2.5}, "integer tensor, got 2.5"),
+        ({"capacity": 3, "token_mask": torch.ones(5, dtype=torch.bool)}, "token_mask must have"),
+        (
+            {
+                "capacity": 3,
+                "method": "two-stage-sinkhorn",
+                "token_mask": torch.ones(6, dtype=torch.bool),
+            },
+            "does not take",
+        ),
         ({"method": "nope"}, "unknown min-cost-flow method"),
     ],
 )
