@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from maxscore.training.data import PackedDataset, _tokenize_iter
+from maxscore.training.packing import PackedDataset, _tokenize_iter
 
 __all__ = [
     "DEFAULT_MAX_EVAL_TOKENS",
