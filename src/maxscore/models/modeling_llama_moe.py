@@ -550,9 +550,8 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         Shapes are static by default (``dynamic=False``): a new batch or sequence size compiles
         a graph of its own instead of turning the first one into a shape-generic graph, which
         is what CUDA graphs and the autotuned kernels want. (A shape-generic graph is correct
-        too since the capacity rule is exact integer arithmetic: with a symbolic group size the
-        former float formula gave GShard a capacity one above its buffers' and the layer wrote
-        out of bounds; ``benchmarks/train_throughput.md``, fifth session.)
+        too: the capacity rule is exact integer arithmetic, so a symbolic group size gives the
+        same capacity as eager mode; ``benchmarks/compile/README.md``.)
         """
         compile_kwargs.setdefault("dynamic", False)
         for layer in self.model.layers:

@@ -62,10 +62,10 @@ def expert_capacity(
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     # Exact integer arithmetic on the factor as a fraction (1.2 -> 6/5), so 1.2 * 5 = 6 is not
     # rounded up to 7, and so that under torch.compile with a symbolic n (a shape-generic
-    # graph) the capacity is the same integer: the former float expression
-    # ceil(round(f * k * n / e, 9)) traced to 1,921 instead of 1,920 for n = 15,360, and the
-    # router's capacity then disagreed with the expert buffers (wrong routing, writes out of
-    # bounds; benchmarks/train_throughput.md, fifth session).
+    # graph) the capacity is the same integer: a float expression such as
+    # ceil(round(f * k * n / e, 9)) traces to 1,921 instead of 1,920 for n = 15,360, and the
+    # router's capacity then disagrees with the expert buffers (wrong routing, writes out of
+    # bounds; benchmarks/compile/README.md).
     factor = Fraction(capacity_factor).limit_denominator(10**9)
     c = -(-(factor.numerator * k * n) // (factor.denominator * e))
     return min(max(c, min_capacity), n)

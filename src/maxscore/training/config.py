@@ -97,7 +97,7 @@ class TrainConfig:
         gradient_checkpointing: recompute activations in the backward pass.
         compile: ``torch.compile`` every decoder layer and the LM loss
             (:meth:`LlamaMoEForCausalLM.compile_layers`): on a GPU the Base preset trains
-            1.7x faster (benchmarks/train_throughput.md); the first steps pay ~1 min of
+            1.7x faster (benchmarks/train_throughput/README.md); the first steps pay ~1 min of
             compilation. Checkpoints are the same as without it.
         compile_mode: ``torch.compile`` mode for ``compile``: ``"default"`` or
             ``"max-autotune-no-cudagraphs"``. (``"reduce-overhead"``, CUDA graphs per layer, is

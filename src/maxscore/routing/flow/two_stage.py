@@ -56,7 +56,7 @@ deprecated alias (it was documented as the authors' variant, which it is not).
 Both copy to the host, so they synchronise and cannot run inside a CUDA graph.
 
 None of them is an exact solver of Eq. (8): stage 1 fixes the top-1 experts before looking at
-capacity for the rest. ``benchmarks/flow_gap.md`` measures the gap.
+capacity for the rest. ``benchmarks/flow_gap/README.md`` measures the gap.
 """
 
 from __future__ import annotations
