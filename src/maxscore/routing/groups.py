@@ -1,6 +1,6 @@
 """Routing groups and expert capacity.
 
-Capacity is defined per *routing group* (SPEC §3): one sequence, a fixed number of tokens, or the
+Capacity is defined per *routing group*: one sequence, a fixed number of tokens, or the
 whole micro-batch. The authors' code used one 512-token sequence for MaxScore and the micro-batch
 for the baselines. Groups are contiguous runs of tokens in the input's flattened ``[B*L]`` order,
 so tokens ``g*n .. (g+1)*n - 1`` form group ``g`` and flattening the groups restores the input

@@ -306,7 +306,7 @@ class TrainConfig:
         }
 
 
-#: The paper's setup (SPEC section 2). ``dataset="c4"`` streams allenai/c4 ``en``.
+#: The paper's training setup. ``dataset="c4"`` streams allenai/c4 ``en``.
 PAPER_RECIPE: dict[str, Any] = {
     "model": "base",
     "dataset": "c4",

@@ -1023,7 +1023,7 @@ def _zero_stage(deepspeed: str) -> int | None:
 
 
 def _mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
-    """ZeRO-3 must not hook inside an MoE block (experts run data-dependently), see SPEC §5."""
+    """ZeRO-3 must not hook inside an MoE block: its experts run data-dependently."""
     if deepspeed is None or _zero_stage(deepspeed) != 3:
         return
     try:
