@@ -306,7 +306,7 @@ def test_deepspeed_stage_trains_and_resumes_exactly(tmp_path: Path, stage: str) 
     """``maxscore train --deepspeed zero2/zero3`` (no launcher) trains, saves and resumes.
 
     Runs wherever deepspeed is installed (on the CPU it uses DeepSpeed's CPU accelerator and
-    gloo; benchmarks/deepspeed.md has the GPU run).
+    gloo; benchmarks/deepspeed/README.md has the GPU run).
     """
     pytest.importorskip("deepspeed")
     full = tmp_path / "full"

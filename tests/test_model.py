@@ -1,4 +1,4 @@
-"""Tests of the Llama-MoE model (issue 4, items 2, 3 and 5) on the tiny preset, CPU, fp32."""
+"""Tests of the Llama-MoE model on the tiny preset, CPU, fp32."""
 
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def test_default_positions_skip_the_packed_sequence_check(monkeypatch: pytest.Mo
 
 
 # --------------------------------------------------------------------------------------------------
-# causal evaluation (SPEC §3)
+# causal evaluation: no token's output depends on later tokens
 # --------------------------------------------------------------------------------------------------
 
 

@@ -264,7 +264,7 @@ def run_train(args: argparse.Namespace) -> int:
             if prepared.precision != "fp32" and not config.compile:
                 print(
                     "maxscore: tip: --compile trains ~1.7x faster on a GPU "
-                    "(benchmarks/train_throughput.md)",
+                    "(benchmarks/train_throughput/README.md)",
                     file=sys.stderr,
                 )
         result = train(config, prepared=prepared)

@@ -1,4 +1,4 @@
-"""Configuration of the Llama-MoE causal language model (the paper's model family, SPEC §2 "Model").
+"""Configuration of the Llama-MoE causal language model (the paper's model family).
 
 The configuration is a Hugging Face :class:`~transformers.PreTrainedConfig`, so it saves to / loads
 from ``config.json`` and is found by ``AutoConfig`` (``model_type = "maxscore_llama_moe"``).
@@ -53,7 +53,7 @@ class LlamaMoEConfig(PreTrainedConfig):
             When given it wins over ``router_config["aux_loss_coef"]``.
         router_z_loss_coef: router z-loss coefficient; ``None`` keeps the preset's.
         output_router_logits: return every MoE layer's gate logits by default.
-        eval_routing: routing used in ``eval()`` mode: ``"causal"`` (default, SPEC §3: no token's
+        eval_routing: routing used in ``eval()`` mode: ``"causal"`` (default: no token's
             experts depend on later tokens) or ``"train"`` (the training routing, which may leak).
         first_k_dense: the first ``first_k_dense`` layers use a dense MLP (DeepSeek-style).
         moe_layer_freq: after ``first_k_dense``, every ``moe_layer_freq``-th layer is MoE (the

@@ -22,7 +22,7 @@ __all__ = ["MoE", "default_intermediate_size", "dispatch_plan"]
 
 
 def default_intermediate_size(hidden_size: int, top_k: int) -> int:
-    """Expert width ``4 * hidden / k`` (SPEC section 2), so k experts cost one dense MLP."""
+    """Expert width ``4 * hidden / k`` (the paper's), so k experts cost one dense MLP."""
     return 4 * hidden_size // top_k
 
 

@@ -1,10 +1,10 @@
-"""Every router variant of the paper, by name (paper Tables 3-5; SPEC §2 and §4).
+"""Every router variant of the paper, by name (paper Tables 3-5).
 
 A preset is plain data: a :class:`~maxscore.routing.config.RouterConfig` (operator, strategy,
 capacity, routing group, loss, options) plus a description and the name the paper uses. The
 router builds itself from the config; nothing branches on the preset name.
 
-Routing groups follow the authors' code (SPEC §4): capacity per 512-token *sequence* for the
+Routing groups follow the authors' public code: capacity per 512-token *sequence* for the
 MaxScore family (MaxScore, MaxScore-I and the flow ablation GShard-M, whose solver works per
 sequence), per *micro-batch* for the baselines. Override ``group`` to compare like with like.
 See ``docs/routing.md`` for the table.

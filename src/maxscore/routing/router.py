@@ -217,7 +217,7 @@ class Router(nn.Module):
 
     # ----------------------------------------------------------------------------------------
     # dtype handling: the balancing bias is accumulated in tiny steps and must stay fp32
-    # (SPEC §5 pitfall: "an fp32 bias must not silently become bf16").
+    # (``model.to(torch.bfloat16)`` must not silently round it away; ``_apply`` keeps it fp32).
     _FP32_BUFFERS = ("expert_bias", "expert_load", "aux_load")
 
     def _apply(self, fn: Any, recurse: bool = True) -> Router:
@@ -236,7 +236,7 @@ class Router(nn.Module):
 
         In ``eval()`` mode with ``eval_routing="causal"`` a non-causal strategy (capacity,
         Sinkhorn, flow, expert choice) is replaced by dropless top-k, so no token's experts
-        depend on later tokens (SPEC §3).
+        depend on later tokens.
         """
         name = self.config.strategy
         spec = ASSIGNMENT_STRATEGIES[name]

@@ -167,7 +167,7 @@ def keep_half_precision_outputs(model: Any) -> bool:
     is cast to fp32. The loss is already computed in fp32 inside ``forward``; the other outputs
     are the logits, ``[B, L, vocab]``, whose fp32 copy took 6.5 ms per Base micro-batch of
     128 x 512 tokens on an H100 (4% of the step; peak memory 47.1 -> 43.2 GiB without it,
-    ``benchmarks/train_throughput.md``). The autocast wrapper stays; only the conversion is
+    ``benchmarks/train_throughput/README.md``). The autocast wrapper stays; only the conversion is
     removed. Accelerate wraps the model before DDP does, so the wrapper sits on the inner module;
     the outer one is checked too. Returns whether a conversion was removed.
     """
@@ -1023,7 +1023,7 @@ def _zero_stage(deepspeed: str) -> int | None:
 
 
 def _mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
-    """ZeRO-3 must not hook inside an MoE block (experts run data-dependently), see SPEC §5."""
+    """ZeRO-3 must not hook inside an MoE block: its experts run data-dependently."""
     if deepspeed is None or _zero_stage(deepspeed) != 3:
         return
     try:
