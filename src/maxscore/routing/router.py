@@ -56,11 +56,11 @@ from maxscore.routing.losses import (
     masked_load_balancing_loss,
     router_z_loss,
 )
-from maxscore.routing.operators import AFFINITY_OPERATORS, TEMPERATURE_BOOSTS
+from maxscore.routing.operators import get_operator_spec
 from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
 from maxscore.routing.schedule import TemperatureSchedule
 from maxscore.routing.statistics import LazyRoutingStatistics
-from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec
+from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec, get_strategy
 from maxscore.routing.types import RoutingResult
 
 __all__ = ["LOGIT_BOUND", "Router", "build_router", "validate_router_setup"]
@@ -77,9 +77,10 @@ def validate_router_setup(
 ) -> None:
     """Raise a ValueError naming the problem if this router cannot be built.
 
-    Checks sizes (``1 <= k <= e``), that the config names a real router (not ``"dense"``), a
-    known operator, strategy and flow solver, and the group-limited layout (``e`` divisible by the number of
-    expert groups, enough experts in the kept groups for ``k``).
+    Checks what depends on the layer's sizes: ``1 <= k <= e``, that the config names a real
+    router (not ``"dense"``) and the strategy's own checks of its settings
+    (:meth:`StrategySpec.validate`, e.g. the group-limited layout). The config's fields on their
+    own (ranges, known operator / strategy / flow solver) were checked when it was built.
     """
     for name, value in (
         ("hidden_size", hidden_size),
@@ -98,38 +99,7 @@ def validate_router_setup(
             "the 'dense' preset has no router: build a dense MLP instead (the MoE layer does this "
             "for router='dense')"
         )
-    if config.operator not in AFFINITY_OPERATORS:
-        raise ValueError(
-            f"unknown affinity operator {config.operator!r}; known: {sorted(AFFINITY_OPERATORS)}"
-        )
-    if config.strategy not in ASSIGNMENT_STRATEGIES:
-        raise ValueError(
-            f"unknown assignment strategy {config.strategy!r}; known: "
-            f"{sorted(ASSIGNMENT_STRATEGIES)}"
-        )
-    if config.strategy == "group-limited":
-        groups = config.num_expert_groups
-        if num_experts % groups != 0:
-            raise ValueError(
-                f"group-limited routing: num_experts={num_experts} is not divisible by "
-                f"num_expert_groups={groups}"
-            )
-        if config.topk_groups * (num_experts // groups) < top_k:
-            raise ValueError(
-                f"group-limited routing: the best topk_groups={config.topk_groups} of {groups} "
-                f"expert groups hold {config.topk_groups * (num_experts // groups)} experts, "
-                f"fewer than top_k={top_k}"
-            )
-    if config.flow_method != "auto":
-        from maxscore.routing.flow import FLOW_SOLVERS
-
-        if config.flow_method not in FLOW_SOLVERS:
-            raise ValueError(
-                f"unknown flow_method {config.flow_method!r}; known: "
-                f"{['auto', *sorted(FLOW_SOLVERS)]}"
-            )
-    if config.bias_update_rate < 0:
-        raise ValueError(f"bias_update_rate must be >= 0, got {config.bias_update_rate}")
+    get_strategy(config.strategy).validate(config, num_experts, top_k)
 
 
 class Router(nn.Module):
@@ -197,8 +167,7 @@ class Router(nn.Module):
         self.router_dtype = router_dtype
         self.check_finite = check_finite
         self.compute_stats = compute_stats
-        self.operator = AFFINITY_OPERATORS[config.operator]
-        self.temperature_boost = TEMPERATURE_BOOSTS.get(config.operator)
+        self.operator = get_operator_spec(config.operator)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.schedule = TemperatureSchedule(config.temperature)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
@@ -350,10 +319,10 @@ class Router(nn.Module):
         # ranked like the logits). The boost t only reshapes the combine weights: boosted
         # scores would rank every non-top-1 expert (x(1+t)) above the top-1 early in training,
         # and the authors' code selects on the softmax and scales only the weights.
-        selection = self.operator(logits, k, 0.0)
+        selection = self.operator.fn(logits, k, 0.0)
         affinities = selection
-        if self.temperature_boost is not None:
-            affinities = self.temperature_boost(selection, logits, k, self._temperature())
+        if self.operator.boost is not None:
+            affinities = self.operator.boost(selection, logits, k, self._temperature())
 
         # Selection scores, plus the DeepSeek-V3 bias, which steers selection only and never
         # enters the weights. Strategies only pick, so they get a detached copy.

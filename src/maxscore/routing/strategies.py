@@ -77,6 +77,7 @@ AssignFn = Callable[..., Tensor]
 __all__ = [
     "ASSIGNMENT_STRATEGIES",
     "AssignFn",
+    "SetupCheck",
     "StrategySpec",
     "assign_dropless",
     "assign_expert_choice",
@@ -85,6 +86,7 @@ __all__ = [
     "assign_sinkhorn",
     "assign_topk",
     "assign_topk_reroute",
+    "check_group_limited_layout",
     "cumsum_last",
     "get_strategy",
     "keep_within_capacity",
@@ -93,6 +95,11 @@ __all__ = [
     "sinkhorn_log_plan",
     "without_padding",
 ]
+
+
+#: ``check(config, num_experts, top_k)``: raise a ValueError if a strategy cannot route a layer
+#: of ``num_experts`` experts with ``top_k`` experts per token under ``config``'s settings.
+SetupCheck = Callable[[RouterConfig, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,9 @@ class StrategySpec:
         log_scores: True when the strategy reads its scores as a log-kernel (Sinkhorn
             transports ``exp(scores)``); the router then passes ``log A`` instead of ``A``, which
             for softmax affinities is the logits up to a per-token shift (SBASE's kernel).
+        check_setup: the strategy's own check of the settings it reads against the layer's
+            sizes (:data:`SetupCheck`), or ``None`` when any valid config works; run by
+            :meth:`validate` before a router is built.
     """
 
     assign: AssignFn
@@ -119,10 +129,17 @@ class StrategySpec:
     uses_capacity: bool
     description: str
     log_scores: bool = False
+    check_setup: SetupCheck | None = None
 
     def num_slots(self, k: int, num_experts: int) -> int:
         """``S``, the size of the last dimension of ``assign``'s result."""
         return k if self.token_choice else num_experts
+
+    def validate(self, config: RouterConfig, num_experts: int, top_k: int) -> None:
+        """Raise a ValueError naming the problem if this strategy cannot route ``num_experts``
+        experts, ``top_k`` per token, with ``config``'s settings."""
+        if self.check_setup is not None:
+            self.check_setup(config, num_experts, top_k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,6 +569,23 @@ def assign_dropless(
     return without_padding(top_experts(scores, k), _check_mask("dropless", scores, token_mask))
 
 
+def check_group_limited_layout(config: RouterConfig, num_experts: int, top_k: int) -> None:
+    """The group-limited layout: ``e`` splits into ``num_expert_groups`` equal groups and the
+    ``topk_groups`` kept groups hold at least ``k`` experts (ValueError naming the problem)."""
+    groups, keep_groups = config.num_expert_groups, config.topk_groups
+    if num_experts % groups != 0:
+        raise ValueError(
+            f"group-limited routing: num_experts={num_experts} is not divisible by "
+            f"num_expert_groups={groups} (the experts cannot be split into equal groups)"
+        )
+    held = keep_groups * (num_experts // groups)
+    if held < top_k:
+        raise ValueError(
+            f"group-limited routing: the best topk_groups={keep_groups} of {groups} expert "
+            f"groups hold {held} experts, fewer than top_k={top_k}"
+        )
+
+
 @torch.no_grad()
 def assign_group_limited(
     scores: Tensor,
@@ -572,18 +606,9 @@ def assign_group_limited(
     """
     _validate("group-limited", scores, k, capacity, needs_capacity=False)
     g, n, e = scores.shape
+    check_group_limited_layout(config, e, k)
     groups, keep_groups = config.num_expert_groups, config.topk_groups
-    if e % groups != 0:
-        raise ValueError(
-            f"group-limited: e={e} experts cannot be split into num_expert_groups={groups} "
-            "equal groups"
-        )
     per_group = e // groups
-    if keep_groups * per_group < k:
-        raise ValueError(
-            f"group-limited: topk_groups={keep_groups} groups of {per_group} experts hold "
-            f"{keep_groups * per_group} experts, fewer than k={k}"
-        )
     group_score = scores.reshape(g, n, groups, per_group).amax(dim=-1)  # [G, n, groups]
     best_groups = top_experts(group_score, keep_groups)
     allowed_group = torch.zeros(g, n, groups, dtype=torch.bool, device=scores.device)
@@ -765,6 +790,7 @@ ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
         causal=True,
         uses_capacity=False,
         description="DeepSeek group-limited top-k (best topk_groups expert groups), dropless",
+        check_setup=check_group_limited_layout,
     ),
     "min-cost-flow": StrategySpec(
         assign=assign_min_cost_flow,
