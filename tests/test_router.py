@@ -240,6 +240,12 @@ def test_bad_input_errors() -> None:
         build_router("gshard", 8, 4, 2, capacity_factor=0.0)
     with pytest.raises(ValueError, match="router_dtype"):
         build_router("gshard", 8, 4, 2, router_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bias_update_rate"):
+        build_router("deepseek-v3", 8, 4, 2, bias_update_rate=-1.0)
+    with pytest.raises(ValueError, match="unknown flow_method"):
+        build_router("maxscore", 8, 4, 2, flow_method="nope")
+    with pytest.raises(TypeError, match="build_router"):
+        Router(8, 4, 2, "gshard")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------

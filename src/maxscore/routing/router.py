@@ -57,7 +57,7 @@ from maxscore.routing.losses import (
     router_z_loss,
 )
 from maxscore.routing.operators import get_operator_spec
-from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
+from maxscore.routing.presets import get_router_config
 from maxscore.routing.schedule import TemperatureSchedule
 from maxscore.routing.statistics import LazyRoutingStatistics
 from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec, get_strategy
@@ -109,7 +109,8 @@ class Router(nn.Module):
         hidden_size: ``D``.
         num_experts: ``e``.
         top_k: ``k``, experts per token.
-        config: a :class:`RouterConfig` or a preset name (``ROUTER_PRESETS``).
+        config: the :class:`RouterConfig` (resolve a preset name with
+            :func:`~maxscore.routing.presets.get_router_config`, or use :func:`build_router`).
         router_dtype: dtype of the router math, ``torch.float32`` (default) or ``torch.float64``
             (for gradcheck-style tests); assignment always ranks fp32 scores.
         check_finite: debug aid: raise ValueError on NaN/inf logits (a host sync per call)
@@ -144,18 +145,17 @@ class Router(nn.Module):
         hidden_size: int,
         num_experts: int,
         top_k: int,
-        config: RouterConfig | str = "maxscore",
+        config: RouterConfig,
         *,
         router_dtype: torch.dtype = torch.float32,
         check_finite: bool = False,
         compute_stats: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(config, str):
-            config = get_router_config(config)
         if not isinstance(config, RouterConfig):
             raise TypeError(
-                f"config must be a RouterConfig or a preset name, got {type(config).__name__}"
+                f"config must be a RouterConfig, got {type(config).__name__}; for a preset name "
+                "use build_router(name, ...) or get_router_config(name)"
             )
         validate_router_setup(hidden_size, num_experts, top_k, config)
         if router_dtype not in _ROUTER_DTYPES:
@@ -494,8 +494,9 @@ def build_router(
 
     ``overrides`` are :class:`RouterConfig` fields (e.g. ``capacity_factor=1.25``,
     ``group="tokens", group_size=1024``) or the Router options ``router_dtype``,
-    ``check_finite``, ``compute_stats``. Unknown names, ``top_k > num_experts`` and other
-    impossible setups raise a ValueError that names the problem.
+    ``check_finite``, ``compute_stats``. The name and overrides are resolved by
+    :func:`~maxscore.routing.presets.get_router_config`. Unknown names, ``top_k > num_experts``
+    and other impossible setups raise a ValueError that names the problem.
 
     Example::
 
@@ -503,18 +504,5 @@ def build_router(
         result = router(hidden)          # hidden: [B, L, 768]
     """
     router_kwargs = {name: overrides.pop(name) for name in _ROUTER_KWARGS if name in overrides}
-    if isinstance(preset_or_config, str):
-        if preset_or_config not in ROUTER_PRESETS:
-            raise ValueError(
-                f"unknown router preset {preset_or_config!r}; known presets: "
-                f"{sorted(ROUTER_PRESETS)}"
-            )
-        config = get_router_config(preset_or_config, **overrides)
-    elif isinstance(preset_or_config, RouterConfig):
-        config = preset_or_config.with_overrides(**overrides)
-    else:
-        raise TypeError(
-            "build_router needs a preset name or a RouterConfig, got "
-            f"{type(preset_or_config).__name__}"
-        )
+    config = get_router_config(preset_or_config, **overrides)
     return Router(hidden_size, num_experts, top_k, config, **router_kwargs)

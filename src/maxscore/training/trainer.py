@@ -203,19 +203,16 @@ def build_model_config(
 ) -> Any:
     """The :class:`LlamaMoEConfig` of a model preset + router preset + overrides.
 
-    Raises ConfigError for unknown presets or invalid overrides (before any training).
+    The router preset is resolved by the model config (``LlamaMoEConfig``, through
+    ``maxscore.routing.presets.get_router_config``). Raises ConfigError for unknown presets or
+    invalid overrides (before any training).
     """
     from maxscore.models.presets import get_model_config
-    from maxscore.routing.presets import ROUTER_PRESETS
     from maxscore.training.pretrained import is_pretrained_model, pretrained_model_config
 
     if is_pretrained_model(config.model):
         # A checkpoint directory or hub name (its own vocabulary and special tokens).
         return _check_seq_len(config, pretrained_model_config(config))
-    if config.router not in ROUTER_PRESETS:
-        raise ConfigError(
-            f"unknown router preset {config.router!r}; available: {sorted(ROUTER_PRESETS)}"
-        )
     validate_model_options(config.model_overrides)
     validate_router_options(config.router_overrides)
     overrides = dict(config.model_overrides)
