@@ -157,6 +157,17 @@ def test_loss_includes_router_losses_and_router_logits() -> None:
     assert out.router_logits is None
 
 
+def test_advancing_the_model_moves_deepseek_v3_biases_once_per_step() -> None:
+    model = tiny("deepseek-v3").train()
+    routers = [layer.mlp.router for layer in model.model.layers if layer.is_moe]
+    model(tokens())
+    assert all((r.expert_bias == 0).all() and r.expert_load.sum() > 0 for r in routers)
+    model.advance_router_schedule()
+    for router in routers:
+        assert router.expert_bias.abs().sum() > 0 and (router.expert_load == 0).all()
+        assert int(router.schedule.step) == 1
+
+
 def test_routing_statistics_and_schedule() -> None:
     model = tiny(router="maxscore", first_k_dense=1)
     model(tokens())

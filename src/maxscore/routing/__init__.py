@@ -32,7 +32,12 @@ from maxscore.routing.operators import (
     softtopk_affinity,
 )
 from maxscore.routing.presets import ROUTER_PRESETS, RouterPreset, get_router_config
-from maxscore.routing.router import Router, build_router
+from maxscore.routing.router import (
+    Router,
+    advance_routers,
+    build_router,
+    register_router_step_hook,
+)
 from maxscore.routing.schedule import TemperatureSchedule
 from maxscore.routing.statistics import routing_statistics
 from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec, get_strategy
@@ -53,6 +58,7 @@ __all__ = [
     "StrategySpec",
     "TemperatureSchedule",
     "TemperatureScheduleConfig",
+    "advance_routers",
     "build_router",
     "expert_capacity",
     "flow_objective",
@@ -64,6 +70,7 @@ __all__ = [
     "itertopk_affinity",
     "load_balancing_loss",
     "min_cost_flow_assignment",
+    "register_router_step_hook",
     "relu_affinity",
     "router_z_loss",
     "routing_statistics",

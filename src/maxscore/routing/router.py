@@ -63,7 +63,14 @@ from maxscore.routing.statistics import LazyRoutingStatistics
 from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec, get_strategy
 from maxscore.routing.types import RoutingResult
 
-__all__ = ["LOGIT_BOUND", "Router", "build_router", "validate_router_setup"]
+__all__ = [
+    "LOGIT_BOUND",
+    "Router",
+    "advance_routers",
+    "build_router",
+    "register_router_step_hook",
+    "validate_router_setup",
+]
 
 #: Magnitude that ±inf logits are replaced with (large enough to dominate, small enough that
 #: softmax, sigmoid and the z-loss stay finite in fp32).
@@ -128,12 +135,15 @@ class Router(nn.Module):
     to). All are always present, so state-dict keys do not depend on the preset.
 
     DeepSeek-V3 bias updates (``bias_update_rate > 0``) happen once per optimizer step, like
-    DeepSeek-V3 and Megatron: training forwards add their loads to ``expert_load``; the first
-    training forward after the schedule's step counter moved (``advance_schedule``, which the
-    trainer calls once per optimizer step) applies ``b_j -= rate · sign(load_j - mean load)`` and
-    starts a new accumulation. The bias is therefore constant within a step, so activation
-    checkpointing recomputes exactly the routing of the original forward. All of this runs on
-    the device with no host sync. :meth:`update_expert_bias` applies the pending update at once.
+    DeepSeek-V3, Megatron and torchtitan, and never inside ``forward``: training forwards only
+    record their loads in ``expert_load`` (``forward`` is a function of its inputs, the gate and
+    the bias); :meth:`advance_schedule`, which counts a finished optimizer step, applies
+    ``b_j -= rate · sign(load_j - mean load)`` through :meth:`update_expert_bias` and starts a
+    new accumulation. The trainer calls it after every optimizer step (a callback); a plain loop
+    calls ``router.advance_schedule()`` (or ``router.update_expert_bias()`` alone) after
+    ``optimizer.step()``, or registers :func:`register_router_step_hook` on its optimizer. The
+    bias is therefore constant within a step, so activation checkpointing recomputes exactly the
+    routing of the original forward. All of this runs on the device with no host sync.
     """
 
     expert_bias: Tensor
@@ -172,6 +182,7 @@ class Router(nn.Module):
         self.schedule = TemperatureSchedule(config.temperature)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float32))
+        # The schedule step at which the bias last moved (see update_expert_bias).
         self.register_buffer("expert_load_step", torch.zeros((), dtype=torch.long))
         # Global-batch aux loss: expert loads and token count of the current optimizer step
         # (summed over data-parallel ranks), and the step they belong to. Not checkpointed: they
@@ -215,8 +226,15 @@ class Router(nn.Module):
         return name, spec
 
     def advance_schedule(self, n: int = 1) -> None:
-        """Count ``n`` optimizer steps on the SoftTopk ``t`` schedule."""
+        """Count ``n`` finished optimizer steps; call it after ``optimizer.step()``.
+
+        Advances the SoftTopk ``t`` schedule by ``n`` and, with DeepSeek-V3 balancing
+        (``bias_update_rate > 0``), applies the bias update of the loads recorded since the last
+        update (:meth:`update_expert_bias`; once, whatever ``n``).
+        """
         self.schedule.advance(n)
+        if self.config.bias_update_rate > 0:
+            self.update_expert_bias()
 
     def temperature(self) -> Tensor:
         """The current SoftTopk ``t`` (0-dim fp32 device tensor)."""
@@ -325,10 +343,8 @@ class Router(nn.Module):
             affinities = self.operator.boost(selection, logits, k, self._temperature())
 
         # Selection scores, plus the DeepSeek-V3 bias, which steers selection only and never
-        # enters the weights. Strategies only pick, so they get a detached copy.
-        balancing = cfg.bias_update_rate > 0 and self.training
-        if balancing:
-            self._apply_pending_bias_update(only_if_new_step=True)
+        # enters the weights (it moves between optimizer steps, in update_expert_bias).
+        # Strategies only pick, so they get a detached copy.
         scores = selection.detach().float()
         if cfg.bias_update_rate > 0:
             scores = scores + self.expert_bias
@@ -353,10 +369,8 @@ class Router(nn.Module):
             aux = self._aux_loss(selection, expert_index, mask, batch, seq)
         z = cfg.z_loss_coef * router_z_loss(logits, mask) if cfg.z_loss_coef != 0 else zero
 
-        if balancing:
-            with torch.no_grad():
-                load = assignment_matrix(expert_index, e, torch.float32).sum(dim=(0, 1))
-                self.expert_load.add_(load)
+        if cfg.bias_update_rate > 0 and self.training:
+            self._record_expert_load(expert_index)
 
         # Statistics are evaluated when first read (no kernels here).
         stats: Mapping[str, Tensor] = {}
@@ -441,36 +455,35 @@ class Router(nn.Module):
         return total
 
     @torch.no_grad()
-    def _apply_pending_bias_update(self, only_if_new_step: bool) -> None:
+    def _record_expert_load(self, expert_index: Tensor) -> None:
+        """Add this training forward's tokens per expert to ``expert_load`` (the bias update's
+        input). The recomputation of a checkpointed layer inside the backward pass does not add
+        its micro-batch a second time."""
+        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward
+            return
+        load = assignment_matrix(expert_index, self.num_experts, torch.float32).sum(dim=(0, 1))
+        self.expert_load.add_(load)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
         """DeepSeek-V3 auxiliary-loss-free balancing: ``b_j -= rate · sign(load_j - mean load)``.
 
-        Overloaded experts get a LOWER bias (so they are picked less); the authors' code has the
-        sign inverted. ``load`` is ``expert_load``, the tokens per expert accumulated since the
-        last update. With ``only_if_new_step`` the update (and the reset of the accumulator)
-        happens only when the schedule's step differs from ``expert_load_step``; the test is a
-        device-side ``where``, not a host branch. Under data parallelism the loads are summed
-        over all ranks first (one ``e``-long all-reduce), so every rank applies the same update
-        and the replicas' biases stay equal.
+        Called once per optimizer step (by :meth:`advance_schedule`, or directly by a loop that
+        does not use the schedule). Overloaded experts get a LOWER bias (so they are picked
+        less); the authors' code has the sign inverted. ``load`` is ``expert_load``, the tokens
+        per expert recorded by the training forwards since the last update; it is consumed
+        (reset to 0). Under data parallelism the loads are summed over all ranks first (one
+        ``e``-long all-reduce, so every rank must call this at the same point), so every rank
+        applies the same update and the replicas' biases stay equal. No host sync.
         """
         load = self.expert_load
         total = load
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             total = load.clone()
             torch.distributed.all_reduce(total)
-        update = self.config.bias_update_rate * torch.sign(total - total.mean())
-        if only_if_new_step:
-            new_step = self.schedule.step != self.expert_load_step
-            update = torch.where(new_step, update, torch.zeros_like(update))
-            load.mul_((~new_step).to(load.dtype))
-        else:
-            load.zero_()
-        self.expert_bias.sub_(update)
+        self.expert_bias.sub_(self.config.bias_update_rate * torch.sign(total - total.mean()))
+        load.zero_()
         self.expert_load_step.copy_(self.schedule.step)
-
-    def update_expert_bias(self) -> None:
-        """Apply the pending DeepSeek-V3 bias update now (for loops that do not advance the
-        schedule); the loads accumulated so far are consumed."""
-        self._apply_pending_bias_update(only_if_new_step=False)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -506,3 +519,22 @@ def build_router(
     router_kwargs = {name: overrides.pop(name) for name in _ROUTER_KWARGS if name in overrides}
     config = get_router_config(preset_or_config, **overrides)
     return Router(hidden_size, num_experts, top_k, config, **router_kwargs)
+
+
+def advance_routers(module: nn.Module, n: int = 1) -> None:
+    """:meth:`Router.advance_schedule` of every router in ``module``: count ``n`` finished
+    optimizer steps (the SoftTopk ``t`` schedule, the DeepSeek-V3 bias update)."""
+    for router in module.modules():
+        if isinstance(router, Router):
+            router.advance_schedule(n)
+
+
+def register_router_step_hook(optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
+    """Advance ``module``'s routers after every ``optimizer.step()`` (:func:`advance_routers`).
+
+    For training loops of one's own (maxscore's trainer does the same with a callback); torchtitan
+    updates its balancing biases from an optimizer-step hook in the same way. Returns the hook's
+    handle (``handle.remove()`` detaches it). A step skipped by a ``GradScaler`` (inf gradients)
+    does not call the hook.
+    """
+    return optimizer.register_step_post_hook(lambda *_: advance_routers(module))
