@@ -94,7 +94,7 @@ def test_mixed_precision_outputs_stay_half_precision() -> None:
     from accelerate.state import AcceleratorState
 
     from maxscore.models import LlamaMoEForCausalLM, get_model_config
-    from maxscore.training.trainer import keep_half_precision_outputs
+    from maxscore.training.precision import keep_half_precision_outputs
 
     torch.manual_seed(0)
     model = LlamaMoEForCausalLM(get_model_config("tiny", router="gshard", vocab_size=128))
@@ -532,7 +532,7 @@ def test_deepspeed_configs_and_zero3_leaf_marking(monkeypatch: pytest.MonkeyPatc
     import types
 
     from maxscore.moe import MoE
-    from maxscore.training.trainer import DEEPSPEED_CONFIGS, _mark_zero3_leaf_modules
+    from maxscore.training.distributed import DEEPSPEED_CONFIGS, mark_zero3_leaf_modules
 
     stages = {
         name: json.loads(path.read_text())["zero_optimization"]["stage"]
@@ -545,9 +545,9 @@ def test_deepspeed_configs_and_zero3_leaf_marking(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     monkeypatch.setitem(sys.modules, "deepspeed.utils", fake)
     model = torch.nn.Linear(2, 2)
-    _mark_zero3_leaf_modules(model, "zero2")
+    mark_zero3_leaf_modules(model, "zero2")
     assert marked == []
-    _mark_zero3_leaf_modules(model, "zero3")
+    mark_zero3_leaf_modules(model, "zero3")
     assert marked == [(model, [MoE])]
 
 
