@@ -457,10 +457,13 @@ class Router(nn.Module):
     @torch.no_grad()
     def _record_expert_load(self, expert_index: Tensor) -> None:
         """Add this training forward's tokens per expert to ``expert_load`` (the bias update's
-        input). The recomputation of a checkpointed layer inside the backward pass does not add
-        its micro-batch a second time."""
-        if torch._C._current_graph_task_id() != -1:  # recomputation inside backward
-            return
+        input).
+
+        Under activation checkpointing the recomputation in the backward pass adds its
+        micro-batch again. Every micro-batch of a checkpointed layer is recomputed, so every load
+        doubles and the update, which depends on the sign of each load's difference to the mean,
+        is unchanged (telling a recomputation apart would split a compiled graph).
+        """
         load = assignment_matrix(expert_index, self.num_experts, torch.float32).sum(dim=(0, 1))
         self.expert_load.add_(load)
 
