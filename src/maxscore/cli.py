@@ -250,7 +250,8 @@ def _error(message: str) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from maxscore.training.trainer import format_summary, is_main_process, prepare, train
+    from maxscore.training.distributed import is_main_process
+    from maxscore.training.run import format_summary, prepare, train
 
     try:
         config = config_from_args(args)

@@ -637,12 +637,13 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         return [dict(layer.last_routing_stats) for layer in self.model.layers]
 
     def advance_router_schedule(self, n: int = 1) -> None:
-        """Advance every router's SoftTopk ``t`` schedule by ``n`` optimizer steps."""
-        from maxscore.routing.schedule import TemperatureSchedule
+        """Count ``n`` finished optimizer steps in every router: the SoftTopk ``t`` schedule
+        advances and DeepSeek-V3 balancing biases move (``Router.advance_schedule``). The
+        trainer calls it after every optimizer step; a loop of one's own calls it after
+        ``optimizer.step()`` (or registers ``maxscore.routing.register_router_step_hook``)."""
+        from maxscore.routing.router import advance_routers
 
-        for module in self.modules():
-            if isinstance(module, TemperatureSchedule):
-                module.advance(n)
+        advance_routers(self, n)
 
     def parameter_counts(self) -> dict[str, int]:
         """Total and activated parameter counts (works on the meta device).

@@ -19,10 +19,11 @@ _OWN_FLAGS = {"router": "--router", "router_config": "--router-option KEY=VALUE"
 
 
 def model_option_types() -> dict[str, Any]:
-    """``--model-option`` keys (the Llama-MoE config's own fields) and their types."""
-    from maxscore.models.configuration_llama_moe import LlamaMoEConfig
+    """``--model-option`` keys (the Llama-MoE config's own fields and the top-level names of
+    router settings, such as ``eval_routing``) and their types."""
+    from maxscore.models.configuration_llama_moe import ROUTER_SETTING_TYPES, LlamaMoEConfig
 
-    hints = annotations_of(LlamaMoEConfig, own_only=True)
+    hints = {**annotations_of(LlamaMoEConfig, own_only=True), **ROUTER_SETTING_TYPES}
     return {name: hint for name, hint in hints.items() if name not in _OWN_FLAGS}
 
 
