@@ -253,6 +253,7 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
                 "kcycles_auction_list_bid_merge": [int(x) for x in s[:, 8:11].max(0).values],
                 "kcycles_augment_graph_bf_moves": [int(x) for x in s[:, 11:14].max(0).values],
                 "kcycles_cancel_graph_bf_moves": [int(x) for x in s[:, 14:17].max(0).values],
+                "kcycles_augment_select": int(s[:, 17].max()),
             }
             rows.append(row)
             print(

@@ -249,8 +249,9 @@ def solve_cuda(
     lower expert), ``-1`` last. ``stats`` (``[G, 20]`` int32), if given, receives per group the
     auction rounds used, the slots open after the auction, the augmenting and cancelling rounds,
     then thousands of SM cycles: setup, auction, phase 2, phase 3, the auction's parts (open
-    list, bids, merges) and each graph phase's parts (graph, Bellman-Ford, moves). ``token_mask`` (``[G, n]`` bool), if given, marks the real tokens; padded ones take
-    no expert.
+    list, bids, merges), each graph phase's parts (graph, search, moves) and phase 2's path
+    selection. ``token_mask`` (``[G, n]`` bool), if given, marks the real tokens; padded ones
+    take no expert.
     """
     if not supported(affinities, k):
         raise ValueError(

@@ -7,9 +7,10 @@
 //      held slot more than eps below its token's best alternative is given up, so that
 //      eps-complementary slackness holds for every held slot;
 //   2. augmenting paths on the expert graph (E experts + S + D) from D, the open slots, to experts
-//      with spare capacity: Dijkstra in one warp on reduced costs whose potentials start at the
-//      auction's prices (successive shortest paths), the node-disjoint paths of its tree applied
-//      together, until no slot is open or no path exists (a maximum flow);
+//      with spare capacity: shortest paths (Bellman-Ford passes over a frontier, every thread) on
+//      reduced costs whose potentials start at the auction's prices (successive shortest paths),
+//      the node-disjoint paths of their tree (one per subtree of D) applied together, until no
+//      slot is open or no path exists (a maximum flow);
 //   3. at most CANCELS rounds of cycle cancelling on the expert graph (all cycles of the
 //      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left (on
 //      capacities with no spare slot phase 2 leaves none: measured, 0-1 rounds).
@@ -76,7 +77,10 @@ struct Block {
   int held[E];       // holders
   int nbid[E];       // bids posted this round
   float dist[V], dist_next[V], pot[V];
-  int pred[V], pred_next[V], jump[V], jump_next[V], on_cycle[V], claimed[V], looked[V];
+  int pred[V], jump[V], jump_next[V], on_cycle[V], path_len[V], path_pos[V];
+  u32 frontier[3][(V + 31) / 32];       // phase 2's Bellman-Ford passes: nodes lowered
+  unsigned long long tree_best[E];      // phase 2: each tree's best target (gain, -index)
+  int open_best_ord, reach_ord;
   int drop_token[V];  // the open token realising each edge D -> v
   int dirty[E];       // rows of the expert graph to recompute (their holders or holders' sets changed)
   float worst[E];     // -(lowest affinity among each expert's holders): the edge u -> D
@@ -148,90 +152,197 @@ __device__ __forceinline__ int held_count(const int* tok_e, int t) {
   return h;
 }
 
-// Phase 2's search (warp 0 alone, no block barrier): Dijkstra from D over the expert graph on
-// reduced costs rc(u, v) = max(0, -gain(u, v) + P(v) - P(u) + charge). Leaves in b.dist[v] the gain
-// of the best augmenting path D -> ... -> v (NEG if v is unreachable) and its tree in b.pred;
-// then moves the potentials to P - distance. `first`: start P from the auction's prices.
+// Phase 2's search (every thread): shortest paths from D over the expert graph on reduced costs
+// rc(u, v) = max(0, -gain(u, v) + P(v) - P(u) + charge), by Bellman-Ford passes that relax only
+// from the nodes the last pass lowered (a frontier, as bits; each thread owns some nodes v). The
+// costs are non-negative, so the passes end within V and give Dijkstra's distances; a pass is one
+// block barrier, and paths are a few edges long, so a handful of passes replace Dijkstra's V
+// sequential steps in one warp. Leaves in b.dist[v] the gain of the best augmenting path
+// D -> ... -> v (NEG if v is unreachable) and its tree in b.pred; then moves the potentials to
+// P - distance (successive shortest paths). `first`: start P from the auction's prices.
 __device__ void shortest_paths_from_drop(Block& b, const float* gain, float charge, bool first) {
-  constexpr int R = (V + 31) / 32;
-  const int lane = threadIdx.x & 31;
+  constexpr int FW = (V + 31) / 32;
+  const int tid = threadIdx.x, lane = tid & 31;
   const float INF = 3.0e38f;
   if (first) {
-    for (int v = lane; v < E; v += 32) b.pot[v] = b.price[v];
+    for (int v = tid; v < E; v += THREADS) b.pot[v] = b.price[v];
   }
-  __syncwarp();
+  if (tid == 0) {
+    b.open_best_ord = ord_float(NEG);
+    b.reach_ord = 0;  // 0.0f: D's distance
+  }
+  for (int i = tid; i < 3 * FW; i += THREADS) b.frontier[i / FW][i % FW] = 0u;
+  __syncthreads();
   // P(D) = -(the largest reduced value an open slot can take), so that every edge out of D has
   // rc = -gain + P(v) - P(D) >= 0.
   float best_open = NEG;
-  for (int v = lane; v < E; v += 32) {
+  for (int v = tid; v < E; v += THREADS) {
     const float g = gain[DROP * V + v];
     if (g > NEG) best_open = fmaxf(best_open, g - b.pot[v]);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1)
     best_open = fmaxf(best_open, __shfl_xor_sync(FULL_MASK, best_open, o));
-  const float pd = -best_open;
-  float dist[R];
-  int pred[R];
-  bool done[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int v = lane + 32 * r;
-    dist[r] = v == DROP ? 0.0f : INF;
-    pred[r] = -1;
-    done[r] = v >= E && v != DROP;  // S is not used in phase 2
+  if (lane == 0) atomicMax(&b.open_best_ord, ord_float(best_open));
+  for (int v = tid; v < V; v += THREADS) {
+    b.dist[v] = v == DROP ? 0.0f : INF;
+    b.pred[v] = -1;
   }
-  float reached_max = 0.0f;
-  for (int step = 0; step < V; ++step) {
-    float best = INF;
-    int bu = 0x7fffffff;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int v = lane + 32 * r;
-      if (v < V && !done[r] && dist[r] < best) {
-        best = dist[r];
-        bu = v;
+  if (tid == 0) b.frontier[0][DROP >> 5] = 1u << (DROP & 31);
+  __syncthreads();
+  const float pd = -unord_float(b.open_best_ord);
+  float* cur = b.dist;
+  float* nxt = b.dist_next;
+  for (int pass = 0; pass < V; ++pass) {
+    const u32* front = b.frontier[pass % 3];
+    u32* lowered_next = b.frontier[(pass + 1) % 3];
+    int lowered = 0;
+    for (int v = tid; v < V; v += THREADS) {
+      float best = cur[v];
+      int bp = b.pred[v];
+      if (v < E) {
+        const float pv = b.pot[v];
+        for (int w = 0; w < FW; ++w) {
+          u32 bits = front[w];
+          while (bits) {  // ascending u: among equal distances the lower node is kept
+            const int u = 32 * w + __ffs(bits) - 1;
+            bits &= bits - 1;
+            const float g = gain[u * V + v];
+            if (g <= NEG) continue;
+            const float pu = u == DROP ? pd : b.pot[u];
+            const float x = cur[u] + fmaxf(0.0f, -g + pv - pu + charge);
+            if (x < best) {
+              best = x;
+              bp = u;
+            }
+          }
+        }
+      }
+      nxt[v] = best;
+      b.pred[v] = bp;  // only this thread reads or writes pred[v] during the passes
+      if (best < cur[v]) {
+        atomicOr(&lowered_next[v >> 5], 1u << (v & 31));
+        lowered = 1;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {  // argmin, ties to the lower node
-      const float ob = __shfl_xor_sync(FULL_MASK, best, o);
-      const int ou = __shfl_xor_sync(FULL_MASK, bu, o);
-      if (ob < best || (ob == best && ou < bu)) {
-        best = ob;
-        bu = ou;
+    // The frontier read in the last pass is free again (every thread is past it).
+    for (int i = tid; i < FW; i += THREADS) b.frontier[(pass + 2) % 3][i] = 0u;
+    const int any = __syncthreads_or(lowered);
+    float* t = cur;
+    cur = nxt;
+    nxt = t;
+    if (!any) break;
+  }
+  // Path gains for the selection, then the new potentials (the unreached move by the largest
+  // distance, as Dijkstra's last settled node would).
+  for (int v = tid; v < E; v += THREADS)
+    if (cur[v] < INF) atomicMax(&b.reach_ord, __float_as_int(cur[v]));  // >= 0: ints order them
+  __syncthreads();
+  const float reached_max = __int_as_float(b.reach_ord);
+  for (int v = tid; v < V; v += THREADS) {
+    const float d = cur[v];
+    const bool reached = d < INF;
+    const float path_gain = (v < E && reached) ? b.pot[v] - pd - d : NEG;
+    if (v < E) b.pot[v] -= reached ? d : reached_max;
+    b.dist_next[v] = path_gain;  // cur may be either buffer: every thread writes its own v
+  }
+  __syncthreads();
+  for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
+  __syncthreads();
+}
+
+// Phase 2's paths of one round (every thread): the paths of one shortest-path tree that share no
+// node. Two paths share a node exactly when they share their first expert (the child of D they
+// hang from), so each subtree gives its best target (largest path gain, ties to the lower
+// expert), and those are taken in order of gain while the D edge's open token has open slots left
+// (a token may be the best open token of several first experts). The same choice as walking
+// every target by decreasing gain and keeping the paths that touch no claimed node, found with a
+// few barriers instead of one serial walk per target. Writes the moves (token or -1, from, to)
+// into `move` and their number into b.moves.
+__device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
+                                      const unsigned char* real) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Each reached expert's root (the first expert of its path) by pointer jumping.
+  for (int v = tid; v < E; v += THREADS) {
+    const int p = b.pred[v];
+    b.jump[v] = p == DROP ? v : (p >= 0 && p < E ? p : -1);
+    b.tree_best[v] = 0ull;
+  }
+  int* src = b.jump;
+  int* dst = b.jump_next;
+  __syncthreads();
+  for (int step = 1; step < 2 * V; step *= 2) {
+    int moved = 0;
+    for (int v = tid; v < E; v += THREADS) {
+      const int j = src[v];
+      const int jj = j >= 0 ? src[j] : -1;
+      dst[v] = jj;
+      moved |= jj != j;
+    }
+    int* t = src;
+    src = dst;
+    dst = t;
+    if (!__syncthreads_or(moved)) break;
+  }
+  // Each tree's best target with spare capacity.
+  for (int v = tid; v < E; v += THREADS) {
+    const int r = src[v];
+    if (r < 0 || b.pred[r] != DROP || b.held[v] >= b.cap[v] || !(b.dist[v] > NEG)) continue;
+    const unsigned long long key =
+        ((unsigned long long)((u32)ord_float(b.dist[v]) ^ 0x80000000u) << 32) | (u32)(E - v);
+    atomicMax(&b.tree_best[r], key);
+  }
+  __syncthreads();
+  // Accept a tree's path while its open token has slots: its rank among the better trees of the
+  // same token (the keys are distinct: one target each).
+  for (int r = tid; r < E; r += THREADS) {
+    const unsigned long long key = b.tree_best[r];
+    const int tok = key ? b.drop_token[r] : -1;
+    int len = 0;
+    if (tok >= 0) {
+      int rank = 0;
+      for (int q = 0; q < E; ++q)
+        rank += b.tree_best[q] > key && b.drop_token[q] == tok;
+      const int open = (real == nullptr || real[tok] ? K : 0) - held_count(tok_e, tok);
+      if (rank < open) {
+        for (int x = E - (int)(u32)key; x != DROP; x = b.pred[x]) {
+          if (x < 0 || ++len > V) {  // not a path to D (never expected)
+            len = 0;
+            break;
+          }
+        }
       }
     }
-    if (!(best < INF)) break;
-    reached_max = best;
+    b.path_len[r] = len;
+  }
+  __syncthreads();
+  if (warp == 0) {  // each path's first move: an exclusive scan of the lengths
+    int base = 0;
+    for (int r0 = 0; r0 < E; r0 += 32) {
+      const int r = r0 + lane;
+      const int len = r < E ? b.path_len[r] : 0;
+      int incl = len;
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (lane + 32 * r == bu) done[r] = true;
-    const float pu = bu == DROP ? pd : b.pot[bu];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int v = lane + 32 * r;
-      if (v >= E || done[r]) continue;
-      const float g = gain[bu * V + v];
-      if (g <= NEG) continue;
-      const float rc = fmaxf(0.0f, -g + b.pot[v] - pu + charge);
-      if (best + rc < dist[r]) {
-        dist[r] = best + rc;
-        pred[r] = bu;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += y;
       }
+      if (r < E) b.path_pos[r] = base + incl - len;
+      base += __shfl_sync(FULL_MASK, incl, 31);
+    }
+    if (lane == 0) b.moves = base;
+  }
+  __syncthreads();
+  for (int r = tid; r < E; r += THREADS) {
+    if (b.path_len[r] == 0) continue;
+    const int tok = b.drop_token[r];
+    int q = b.path_pos[r];
+    for (int x = E - (int)(u32)b.tree_best[r]; x != DROP; x = b.pred[x], ++q) {
+      move[3 * q] = b.pred[x] == DROP ? tok : -1;  // -1: looked up by the caller
+      move[3 * q + 1] = b.pred[x];
+      move[3 * q + 2] = x;
     }
   }
-  // Path gains for the selection, then the new potentials.
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int v = lane + 32 * r;
-    if (v >= V) continue;
-    const bool reached = dist[r] < INF;
-    b.dist[v] = (v < E && reached) ? b.pot[v] - pd - dist[r] : NEG;
-    b.pred[v] = pred[r];
-    if (v < E) b.pot[v] -= reached ? dist[r] : reached_max;
-  }
-  __syncwarp();
 }
 
 // Every token with an open slot into `open_list`; their number into b.open_tokens and the open
@@ -782,112 +893,63 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       int changed = 0;
       if (!cycles) {
-        // Phase 2: Dijkstra from D on reduced costs, in warp 0. The potentials P (the auction's
-        // prices to start with) keep every reduced cost -gain(u, v) + P(v) - P(u) above -eps
-        // (eps-complementary slackness; P(D) is set so that D's edges are >= 0); the few
-        // negative ones count as 0, so the paths are the best augmenting paths up to eps each.
-        // Afterwards P -= distance keeps the costs non-negative for the next round (successive
-        // shortest paths).
-        if (warp == 0) shortest_paths_from_drop(b, gain, charge, round == 0);
-        __syncthreads();
+        // Phase 2: shortest paths from D on reduced costs (every thread). The potentials P
+        // (the auction's prices to start with) keep every reduced cost -gain(u, v) + P(v) - P(u)
+        // above -eps (eps-complementary slackness; P(D) is set so that D's edges are >= 0); the
+        // few negative ones count as 0, so the paths are the best augmenting paths up to eps
+        // each. Afterwards P -= distance keeps the costs non-negative for the next round
+        // (successive shortest paths).
+        shortest_paths_from_drop(b, gain, charge, round == 0);
       } else {
         // Phase 3: Bellman-Ford (longest paths, every edge charged `charge`, at most
         // RELAX_CANCEL relaxations) from a virtual source joined to every node; the cycles of its
         // predecessor graph have positive gain.
-      for (int v = tid; v < V; v += THREADS) {
-        b.dist[v] = 0.0f;
-        b.pred[v] = -1;
-      }
-      __syncthreads();
-      changed = 1;
-      for (int it = 0; it < RELAX_CANCEL && changed; ++it) {
-        // Jacobi relaxation into the other buffer: one barrier per relaxation
-        float* cur = (it & 1) ? b.dist_next : b.dist;
-        float* nxt = (it & 1) ? b.dist : b.dist_next;
-        int mine = 0;
         for (int v = tid; v < V; v += THREADS) {
-          float best = cur[v];
-          int bp = b.pred[v];
-          for (int u = 0; u < V; ++u) {
-            const float du = cur[u];
-            const float w = gain[u * V + v];
-            if (du <= NEG || w <= NEG) continue;
-            const float x = du + w - charge;
-            if (x > best) {
-              best = x;
-              bp = u;
+          b.dist[v] = 0.0f;
+          b.pred[v] = -1;
+        }
+        __syncthreads();
+        changed = 1;
+        for (int it = 0; it < RELAX_CANCEL && changed; ++it) {
+          // Jacobi relaxation into the other buffer: one barrier per relaxation
+          float* cur = (it & 1) ? b.dist_next : b.dist;
+          float* nxt = (it & 1) ? b.dist : b.dist_next;
+          int mine = 0;
+          for (int v = tid; v < V; v += THREADS) {
+            float best = cur[v];
+            int bp = b.pred[v];
+            for (int u = 0; u < V; ++u) {
+              const float du = cur[u];
+              const float w = gain[u * V + v];
+              if (du <= NEG || w <= NEG) continue;
+              const float x = du + w - charge;
+              if (x > best) {
+                best = x;
+                bp = u;
+              }
             }
+            nxt[v] = best;
+            mine |= best != cur[v];
+            b.pred[v] = bp;  // only this thread reads or writes pred[v] during the loop
           }
-          nxt[v] = best;
-          mine |= best != cur[v];
-          b.pred[v] = bp;  // only this thread reads or writes pred[v] during the loop
+          changed = __syncthreads_or(mine);
+          if ((it & 1) == 0 && (!changed || it + 1 == RELAX_CANCEL)) {
+            for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
+            __syncthreads();
+          }
         }
-        changed = __syncthreads_or(mine);
-        if ((it & 1) == 0 && (!changed || it + 1 == RELAX_CANCEL)) {
-          for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
-          __syncthreads();
-        }
-      }
       }
       if (!cycles) {
-        // Node-disjoint augmenting paths, best target first, in warp 0: the lanes find the next
-        // target (an argmax over the spare experts), lane 0 walks its path back to D. A path's
-        // D edge takes the best open token for its first expert, if that token still has an
-        // open slot this round; its other edges' tokens are looked up below.
-        if (warp == 0) {
-          for (int v = lane; v < V; v += 32) {
-            b.claimed[v] = 0;
-            b.looked[v] = 0;
-          }
-          __syncwarp();
-          int nm = 0, filled = 0;
-          while (filled < b.open_count) {
-            float best = NEG;
-            int tgt = 0x7fffffff;
-            for (int v = lane; v < E; v += 32) {
-              if (b.looked[v] || b.held[v] >= b.cap[v] || b.dist[v] <= NEG) continue;
-              if (b.dist[v] > best) {
-                best = b.dist[v];
-                tgt = v;
-              }
-            }
-            warp_argmax(best, tgt);
-            if (!(best > NEG)) break;
-            int accepted = 0;
-            if (lane == 0) {
-              b.looked[tgt] = 1;
-              int x = tgt, first = tgt, steps = 0, ok = 1;
-              while (x != DROP) {
-                if (b.claimed[x] || b.pred[x] < 0 || ++steps > V) {
-                  ok = 0;
-                  break;
-                }
-                first = x;
-                x = b.pred[x];
-              }
-              const int tok = ok ? b.drop_token[first] : -1;
-              if (tok >= 0) {
-                int uses = 0;
-                for (int p = 0; p < nm; ++p) uses += move[3 * p + 1] == DROP && move[3 * p] == tok;
-                if (uses < DEMAND(tok) - held_count(tok_e, tok)) {
-                  x = tgt;
-                  while (x != DROP) {
-                    b.claimed[x] = 1;
-                    move[3 * nm] = b.pred[x] == DROP ? tok : -1;  // -1: looked up below
-                    move[3 * nm + 1] = b.pred[x];
-                    move[3 * nm + 2] = x;
-                    ++nm;
-                    x = b.pred[x];
-                  }
-                  accepted = 1;
-                }
-              }
-            }
-            nm = __shfl_sync(FULL_MASK, nm, 0);
-            filled += __shfl_sync(FULL_MASK, accepted, 0);
-            __syncwarp();
-          }
-          if (lane == 0) b.moves = nm;
+        if (tid == 0) {
+          const long long now = clock64();
+          b.prof[4] += now - t_part;
+          t_part = now;
+        }
+        select_disjoint_paths(b, move, tok_e, real);
+        if (tid == 0) {
+          const long long now = clock64();
+          b.prof[9] += now - t_part;
+          t_part = now;
         }
       }
       __syncthreads();
@@ -1016,12 +1078,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     st[2] = augment_rounds;
     st[3] = cancel_rounds;
     // thousands of SM cycles: setup, auction, phase 2, phase 3; then the auction's list / bid /
-    // merge parts and each graph phase's build / Bellman-Ford / moves parts
+    // merge parts, each graph phase's graph / search / moves parts, and phase 2's path selection
     st[4] = (int)((t_setup - t_start) / 1000);
     st[5] = (int)((t_auction - t_setup) / 1000);
     st[6] = (int)((t_augment - t_auction) / 1000);
     st[7] = (int)((t_end - t_augment) / 1000);
-    for (int i = 0; i < 9; ++i) st[8 + i] = (int)(b.prof[i] / 1000);
+    for (int i = 0; i < 10; ++i) st[8 + i] = (int)(b.prof[i] / 1000);
   }
 
   // ---- output: each token's experts by decreasing affinity, ties to the lower index ----
