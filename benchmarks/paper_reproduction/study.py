@@ -4,8 +4,13 @@
     python benchmarks/paper_reproduction/study.py run --deadline-s 540 # train + evaluate what fits
     python benchmarks/paper_reproduction/study.py run --only gshard:42,maxscore:42
     python benchmarks/paper_reproduction/study.py report               # results.json + README.md
+    python benchmarks/paper_reproduction/study.py --profile one-call run --devices cuda:0,cuda:1
 
-``run`` works through the plan (:mod:`study_plan`) in order. For each (router, seed) it
+``run`` works through the plan (:mod:`study_plan`) in queue order (:func:`study_plan.priority`:
+the claims first). With ``--devices`` it starts one worker process per device (``cpu`` entries
+simulate devices on the CPU); each worker takes the next pending (router, seed) that no other
+worker has claimed, runs it in-process, and starts a run only while the time it expects the run
+to take (its slowest run so far) is left before the deadline. For each (router, seed) it
 
 1. trains into ``<runs-dir>/<router>/seed-<seed>`` (resuming from the last checkpoint when the
    run directory exists; a run is stopped cleanly, with a checkpoint, when the deadline comes);
@@ -19,22 +24,30 @@ A stage whose result file is already in ``<results-dir>`` is skipped, so a call 
 between calls; run directories only help while the machine that holds them is kept).
 ``report`` needs only ``<results-dir>``: it writes ``results.json`` (every number) and
 ``README.md`` (generated from it; a claim without its runs says "pending").
+
+``--profile`` picks the study's settings (:data:`study_plan.PROFILES`); ``run`` records them in
+``<results-dir>/study.json``, which ``plan`` and ``report`` use when no profile is given.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
+import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from study_plan import BOTH_ROUTINGS, StudyConfig  # noqa: E402
+from study_plan import BOTH_ROUTINGS, PROFILES, StudyConfig  # noqa: E402
 
 RESULT_FILES = ("config.json", "summary.json", "metrics.jsonl", "validation.json")
 
@@ -59,9 +72,9 @@ def _trained(results: Path, router: str, seed: int) -> bool:
 
 
 def status(config: StudyConfig, results: Path) -> list[dict[str, Any]]:
-    """Per run: trained, and which evaluation routings are done."""
+    """Per run, in queue order: trained, and which evaluation routings are done."""
     rows = []
-    for router, seed in config.runs():
+    for router, seed in config.queue():
         folder = raw_dir(results, router, seed)
         rows.append(
             {
@@ -71,22 +84,23 @@ def status(config: StudyConfig, results: Path) -> list[dict[str, Any]]:
                 "evaluated": [
                     r for r in routings_for(router) if (folder / f"eval_{r}.json").is_file()
                 ],
-                "routings": routings_for(router),
+                "routings": routings_for(router) if config.lm_eval else [],
             }
         )
     return rows
 
 
 class _Deadline:
-    """A Trainer callback that saves a checkpoint and stops when the deadline passes."""
+    """A Trainer callback that stops when the deadline (``time.time()``) passes, saving a
+    checkpoint to resume from when the study keeps checkpoints."""
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, save: bool = True) -> None:
         from transformers import TrainerCallback
 
         class Callback(TrainerCallback):
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
-                if time.monotonic() > deadline:
-                    control.should_save = True
+                if time.time() > deadline:
+                    control.should_save = save
                     control.should_training_stop = True
                 return control
 
@@ -104,7 +118,7 @@ def train_run(
     if (run_dir / "config.json").is_file():
         cfg = type(cfg)(**{**cfg.to_dict(), "resume": True})
     print(f"study: training {router} seed {seed} -> {run_dir}", flush=True)
-    train(cfg, callbacks=[_Deadline(deadline).callback])
+    train(cfg, callbacks=[_Deadline(deadline, save=config.save_steps > 0).callback])
     out = raw_dir(results, router, seed)
     out.mkdir(parents=True, exist_ok=True)
     for name in RESULT_FILES:
@@ -149,17 +163,162 @@ def run_study(
 
     A stage starts only while time is left; training stops at the deadline with a checkpoint.
     """
-    deadline = time.monotonic() + deadline_s
+    deadline = time.time() + deadline_s
+    evaluate = evaluate and config.lm_eval
     for row in status(config, results):
         key = (row["router"], row["seed"])
         if only is not None and key not in only:
             continue
-        if time.monotonic() >= deadline:
+        if time.time() >= deadline:
             break
         if not row["trained"] and not train_run(config, *key, runs, results, deadline):
             break  # cut by the deadline: the next call resumes it
-        if evaluate and time.monotonic() < deadline:
+        if evaluate and time.time() < deadline:
             evaluate_run(config, *key, runs, results)
+    return status(config, results)
+
+
+# ------------------------------------------------------------------------------------------------
+# Several devices: one worker process per device, a queue of claim files
+# ------------------------------------------------------------------------------------------------
+def _claim(queue: Path, router: str, seed: int, worker: str) -> bool:
+    """Claim a run for ``worker`` (atomic: exactly one worker gets each run)."""
+    try:
+        fd = os.open(queue / f"{router}@{seed}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{worker} {time.time():.0f}\n")
+    return True
+
+
+def _free_memory() -> float:
+    """Collect what the last run left; the GiB still allocated on the GPU (0 on a CPU)."""
+    gc.collect()
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated() / 2**30
+
+
+def work(
+    config: StudyConfig,
+    runs: Path,
+    results: Path,
+    queue: Path,
+    deadline: float,
+    worker: str,
+    only: set[tuple[str, int]] | None = None,
+    evaluate: bool = True,
+) -> int:
+    """One worker: take the next unclaimed pending run, train (and evaluate) it, repeat.
+
+    A run starts only while its expected duration (the slowest run of any worker so far, 10%
+    more; each finished run leaves ``<queue>/<router>@<seed>.took``) is left before ``deadline``. Returns 0, or 3 when the GPU memory of finished runs was not
+    freed (the caller starts a fresh worker).
+    """
+    evaluate = evaluate and config.lm_eval
+    for row in status(config, results):
+        key = (row["router"], row["seed"])
+        if only is not None and key not in only:
+            continue
+        if row["trained"] and (not evaluate or row["evaluated"] == row["routings"]):
+            continue
+        left = deadline - time.time()
+        slowest = max([float(p.read_text()) for p in queue.glob("*.took")] or [0.0])
+        if left < 1.1 * slowest or left <= 0:
+            print(f"study[{worker}]: {left:.0f} s left, a run takes ~{slowest:.0f} s: stopping")
+            break
+        if not _claim(queue, *key, worker):
+            continue
+        start = time.time()
+        print(
+            f"study[{worker}]: {key[0]} seed {key[1]}, {left:.0f} s before the deadline", flush=True
+        )
+        try:
+            done = row["trained"] or train_run(config, *key, runs, results, deadline)
+            if done and evaluate and time.time() < deadline:
+                evaluate_run(config, *key, runs, results)
+        except Exception:  # one failing run must not end the others
+            traceback.print_exc()
+            (queue / f"{key[0]}@{key[1]}.failed").write_text(traceback.format_exc())
+            done = False
+        took = time.time() - start
+        (queue / f"{key[0]}@{key[1]}.took").write_text(f"{took:.1f}\n")
+        print(
+            f"study[{worker}]: {key[0]} seed {key[1]} {'done' if done else 'NOT done'} "
+            f"in {took:.0f} s",
+            flush=True,
+        )
+        if not config.save_steps and not config.save_final and (runs / key[0]).is_dir():
+            shutil.rmtree(runs / key[0] / f"seed-{key[1]}", ignore_errors=True)
+        leftover = _free_memory()
+        if leftover > 1.0:
+            print(f"study[{worker}]: {leftover:.1f} GiB still allocated: a fresh worker follows")
+            return 3
+    return 0
+
+
+def run_parallel(
+    config: StudyConfig,
+    devices: list[str],
+    runs: Path,
+    results: Path,
+    deadline_s: float,
+    only: str | None = None,
+    evaluate: bool = True,
+) -> list[dict[str, Any]]:
+    """One worker process per device (``cuda:N`` or ``cpu``) until the queue is empty or the
+    deadline passes; a worker that dies is replaced while time is left (its run is not retried).
+    Worker logs: ``<runs>/worker-<i>.log``."""
+    deadline = time.time() + deadline_s
+    queue = runs / "queue"
+    shutil.rmtree(queue, ignore_errors=True)
+    queue.mkdir(parents=True)
+    (queue / "study.json").write_text(json.dumps(config.to_dict()))
+    base = [sys.executable, str(Path(__file__).resolve()), "worker", "--results-dir", str(results)]
+    base += ["--runs-dir", str(runs), "--deadline-at", f"{deadline:.3f}"]
+    base += ["--study-config", str(queue / "study.json")] + (["--no-eval"] if not evaluate else [])
+    base += ["--only", only] if only else []
+
+    def start(i: int, generation: int) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        device = devices[i]
+        env["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] if device.startswith("cuda") else ""
+        log = open(runs / f"worker-{i}.log", "ab")  # noqa: SIM115 (closed with the process)
+        cmd = [*base, "--worker-name", f"{i}.{generation}"]
+        print(f"study: worker {i}.{generation} on {device}", flush=True)
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    workers = {i: start(i, 0) for i in range(len(devices))}
+    generations = dict.fromkeys(workers, 0)
+    crashes = dict.fromkeys(workers, 0)
+    while workers:
+        time.sleep(1.0)
+        for i, proc in list(workers.items()):
+            rc = proc.poll()
+            if rc is None:
+                late = time.time() - deadline
+                if 30 < late < 31.5:
+                    print(f"study: worker {i} past the deadline: terminating it", flush=True)
+                    proc.terminate()
+                elif late > 40:
+                    proc.kill()
+                continue
+            del workers[i]
+            # rc 3: the worker left GPU memory behind and asks for a fresh process; any other
+            # non-zero rc is a crash (at most three restarts per device).
+            crashes[i] += rc not in (0, 3)
+            pending = [r for r in status(config, results) if not r["trained"]]
+            if rc != 0 and crashes[i] <= 3 and pending and deadline - time.time() > 30:
+                print(f"study: worker {i} exited with {rc}; starting a fresh one", flush=True)
+                generations[i] += 1
+                workers[i] = start(i, generations[i])
+    for failed in sorted(queue.glob("*.failed")):
+        print(f"study: FAILED {failed.stem}: {failed.read_text().strip().splitlines()[-1]}")
     return status(config, results)
 
 
@@ -175,8 +334,20 @@ def _parse_only(text: str | None) -> set[tuple[str, int]] | None:
     return out
 
 
+def _base_config(args: argparse.Namespace) -> StudyConfig:
+    """The named profile; else the settings ``run`` recorded in the results; else ``full``."""
+    if getattr(args, "study_config", None):
+        return StudyConfig.from_dict(json.loads(Path(args.study_config).read_text()))
+    if args.profile:
+        return PROFILES[args.profile]
+    recorded = args.results_dir / "study.json"
+    if recorded.is_file():
+        return StudyConfig.from_dict(json.loads(recorded.read_text()))
+    return PROFILES["full"]
+
+
 def study_config(args: argparse.Namespace) -> StudyConfig:
-    """The plan's defaults, with what the command line overrides (tests use tiny values)."""
+    """The profile's settings, with what the command line overrides (tests use tiny values)."""
     overrides: dict[str, Any] = {}
     names = ("model", "tokens", "seq_len", "batch_size", "lr", "eval_steps", "save_steps")
     for name in (*names, "max_eval_blocks"):
@@ -196,18 +367,24 @@ def study_config(args: argparse.Namespace) -> StudyConfig:
         overrides["model_overrides"] = {
             k: json.loads(v) for k, v in (item.split("=", 1) for item in args.model_option)
         }
-    return StudyConfig(**overrides)
+    return replace(_base_config(args), **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("plan", "run", "report"))
+    parser.add_argument("command", choices=("plan", "run", "report", "worker"))
+    parser.add_argument("--profile", choices=sorted(PROFILES), help="default: as recorded")
     parser.add_argument("--results-dir", type=Path, default=HERE / "results")
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/paper_reproduction"))
     parser.add_argument("--readme", type=Path, default=HERE / "README.md")
     parser.add_argument("--deadline-s", type=float, default=540.0, help="time for this call")
     parser.add_argument("--only", help="ROUTER:SEED,... (default: the whole plan, in order)")
     parser.add_argument("--no-eval", action="store_true", help="train only")
+    parser.add_argument("--devices", help="cuda:0,cuda:1 (or cpu,cpu): one worker per device")
+    # Set by run --devices for its workers.
+    parser.add_argument("--worker-name", default="0", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--study-config", help=argparse.SUPPRESS)
     # Overrides of the plan (for tests on a CPU; the study itself uses the defaults).
     parser.add_argument("--routers")
     parser.add_argument("--seeds")
@@ -225,15 +402,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args(argv)
     config = study_config(args)
-    if args.command == "run":
-        rows = run_study(
+    if args.command == "worker":
+        return work(
             config,
             args.runs_dir,
             args.results_dir,
-            args.deadline_s,
+            args.runs_dir / "queue",
+            args.deadline_at,
+            args.worker_name,
             only=_parse_only(args.only),
             evaluate=not args.no_eval,
         )
+    if args.command == "run":
+        args.results_dir.mkdir(parents=True, exist_ok=True)
+        (args.results_dir / "study.json").write_text(json.dumps(config.to_dict(), indent=1) + "\n")
+        if args.devices:
+            args.runs_dir.mkdir(parents=True, exist_ok=True)
+            rows = run_parallel(
+                config,
+                [d.strip() for d in args.devices.split(",")],
+                args.runs_dir,
+                args.results_dir,
+                args.deadline_s,
+                only=args.only,
+                evaluate=not args.no_eval,
+            )
+        else:
+            rows = run_study(
+                config,
+                args.runs_dir,
+                args.results_dir,
+                args.deadline_s,
+                only=_parse_only(args.only),
+                evaluate=not args.no_eval,
+            )
     elif args.command == "report":
         from study_report import write_report
 
@@ -247,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{row['router']:<14} seed {row['seed']}: "
             f"{'trained' if row['trained'] else 'pending'}, lm-eval {evals} of "
-            f"{'/'.join(row['routings'])}"
+            f"{'/'.join(row['routings']) or 'none (not in this profile)'}"
         )
     return 0
 

@@ -373,7 +373,10 @@ def render_readme(data: dict[str, Any], status: list[dict[str, Any]]) -> str:
         f"seq {s['seq_len']}, batch {s['batch_size']} x {s['grad_accum']}, "
         f"{s['tokens']:,} training tokens per run (every run the same budget)"
         + (f", {passes:.2f} passes over the training split" if passes else "")
-        + ".",
+        + (
+            f"; {'compiled' if s.get('compile', True) else 'eager (no torch.compile)'}; "
+            f"validation every {s['eval_steps']} optimizer steps."
+        ),
         f"- Recipe `{s['recipe']}`: AdamW betas (0.9, 0.95), eps 1e-6, weight decay 0.1, lr "
         f"{s['lr']}, WSD with warmup over 2/180 and decay over the last 6/180 of the run, SoftTopk "
         "t annealed 3 -> 0 over 1/6 of it (the paper's 2k / 6k / 30k of 180k steps).",
@@ -381,22 +384,41 @@ def render_readme(data: dict[str, Any], status: list[dict[str, Any]]) -> str:
         "± is a standard error over validation documents, or a standard deviation over seeds "
         "where marked (n = seeds).",
         "- Devices: " + (", ".join(data["devices"]) or "pending") + ".",
+    ]
+    if s["tokens"] < 25_000_000:
+        lines += [
+            f"- Budget: this is the `one-call` profile, sized for ONE device call of about nine "
+            f"minutes on two H100s (one run per GPU at a time). {s['tokens']:,} tokens per run is "
+            f"{s['tokens'] / 25e6:.0%} of the 25M the full study (`--profile full`) asks for. "
+            "Eager steps, because compiling costs 30-60 s per run against ~70 ms saved per step "
+            "(it pays off only beyond ~550 steps); micro-batch 64 for twice the optimizer steps "
+            "of 128 at the same tokens; no checkpoints and no lm-eval. `study_plan.ONE_CALL` "
+            "gives the arithmetic.",
+        ]
+    lines += [
         "",
         "## How to regenerate",
         "",
         "```bash",
+        "# on a machine with two GPUs (one device call, ~9 minutes): the one-call profile",
+        "OUT=/tmp/out bash benchmarks/paper_reproduction/run_gpu.sh",
+        "tar -xzf /tmp/out/results.tar.gz -C benchmarks/paper_reproduction",
         "python benchmarks/paper_reproduction/study.py plan     # done / pending, per run",
-        "python benchmarks/paper_reproduction/study.py run --deadline-s 540   # what fits",
-        "python benchmarks/paper_reproduction/study.py run --only gshard:42,maxscore:42",
         "python benchmarks/paper_reproduction/study.py report   # results.json, figures, README",
+        "# the full study, in calls that resume: --profile full run --deadline-s 540 [--devices ...]",
         "```",
         "",
-        "`run` trains each pending (router, seed) into `runs/paper_reproduction/`, runs lm-eval on "
-        "its final checkpoint (both routings for capacity / flow routers) and copies the small "
-        "result files to `results/raw/`; stages already there are skipped, and a run cut by the "
-        "deadline stops with a checkpoint and resumes in the next call while its machine is held. "
-        "`run_h100.sh` is one device call (lm-eval and its task data must be on the machine: "
-        "wheels, and `MAXSCORE_CACHE_DIR` pointing at a copy of `~/.cache/maxscore`).",
+        "`run` takes the pending (router, seed) pairs in queue order (the claims first: GShard and "
+        "MaxScore x 3 seeds, then GShard-S / -M / -I and MaxScore-I x 2 seeds, then Dense and "
+        "DropLess, the ablation's third seeds, then the other baselines); with `--devices` one "
+        "worker per GPU takes the next one, and starts it only while it has time to finish it. "
+        "Each run trains into `runs/paper_reproduction/`, runs lm-eval on its final checkpoint "
+        "where the profile asks for it (both routings for capacity / flow routers) and copies the "
+        "small result files to `results/raw/`; `results/study.json` records the settings. A run "
+        "cut by the deadline is not counted (the `full` profile keeps checkpoints and resumes "
+        "it in the next call while its machine is held; lm-eval then needs its wheels and task "
+        "data carried to the machine, `MAXSCORE_CACHE_DIR` pointing at a copy of "
+        "`~/.cache/maxscore`).",
         "",
         "## Runs",
         "",
@@ -501,7 +523,17 @@ def render_readme(data: dict[str, Any], status: list[dict[str, Any]]) -> str:
         "| router | routing | " + " | ".join(CHANCE) + " |",
         "|---|---|" + "---:|" * len(CHANCE),
     ]
+    if not s.get("lm_eval", True):
+        lines[-4:] = [
+            "Not run in this profile: lm-eval is not installed on the device machine (nor its "
+            "task data), and models of this size trained on a few million tokens score at chance "
+            "on these tasks (uniform guessing; BoolQ: the majority class), so the accuracies "
+            "could not tell routers apart. The study's comparisons rest on validation loss. "
+            "`--profile full` runs the eight tasks with both routings where lm-eval is installed.",
+        ]
     for name, r in routers.items():
+        if not s.get("lm_eval", True):
+            break
         if not r["lm_eval"]:
             lines.append(f"| {name} | - | " + " | ".join("pending" for _ in CHANCE) + " |")
         for routing, tasks in r["lm_eval"].items():

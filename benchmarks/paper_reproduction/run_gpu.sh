@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The study's ONE device call (the `one-call` profile of study_plan.py): on a machine with N GPUs
+# (two H100s: about 8 minutes), one worker process per GPU takes the next pending (router, seed)
+# of the queue (the claims first) and trains it, until the queue is empty or DEADLINE seconds
+# (default 480) have passed; a run starts only while it can finish. Then the small result files
+# go to $OUT as results.tar.gz (unpack into benchmarks/paper_reproduction/, then
+# `study.py report`), logs.tar.gz (worker logs, the queue's claims and failures) and status.txt.
+# PROFILE=full runs the full study instead (resumable calls; lm-eval needs its wheels and data).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MAXSCORE_NO_DOWNLOAD=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/study_out}
+STUDY=benchmarks/paper_reproduction
+RUNS=${RUNS:-runs/paper_reproduction}
+RESULTS=${RESULTS:-$STUDY/results}
+mkdir -p "$OUT" "$RUNS"
+start=$(date +%s)
+{
+  nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
+} | tee "$OUT/status.txt"
+DEVICES=${DEVICES:-$(python3 -c "import torch; n = torch.cuda.device_count(); print(','.join(f'cuda:{i}' for i in range(n)) or 'cpu')")}
+EVAL_FLAG=--no-eval
+if [ "${PROFILE:-one-call}" = full ] && python3 -c "import lm_eval" 2>/dev/null; then EVAL_FLAG=; fi
+echo "devices $DEVICES, profile ${PROFILE:-one-call}, deadline ${DEADLINE:-480} s ${EVAL_FLAG}" | tee -a "$OUT/status.txt"
+timeout -k 10 "$(( ${DEADLINE:-480} + 45 ))" python3 "$STUDY/study.py" --profile "${PROFILE:-one-call}" \
+  run --devices "$DEVICES" --deadline-s "${DEADLINE:-480}" --runs-dir "$RUNS" --results-dir "$RESULTS" \
+  $EVAL_FLAG ${ONLY:+--only "$ONLY"} "$@" 2>&1 | tee -a "$OUT/status.txt"
+echo "exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s" | tee -a "$OUT/status.txt"
+python3 "$STUDY/study.py" plan --results-dir "$RESULTS" 2>&1 | tee -a "$OUT/status.txt"
+tar -czf "$OUT/results.tar.gz" -C "$RESULTS/.." "$(basename "$RESULTS")"
+tar -czf "$OUT/logs.tar.gz" -C "$RUNS" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' .
+ls -la "$OUT"
