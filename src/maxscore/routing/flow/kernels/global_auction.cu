@@ -80,6 +80,7 @@ struct Block {
   int pred[V], jump[V], jump_next[V], on_cycle[V], path_len[V], path_pos[V];
   u32 frontier[3][(V + 31) / 32];       // phase 2's Bellman-Ford passes: nodes lowered
   unsigned long long tree_best[E];      // phase 2: each tree's best target (gain, -index)
+  unsigned long long drop_key[E];       // the best open token for each expert (affinity, -token)
   int open_best_ord, reach_ord;
   int drop_token[V];  // the open token realising each edge D -> v
   int dirty[E];       // rows of the expert graph to recompute (their holders or holders' sets changed)
@@ -866,24 +867,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           gain[u * V + DROP] = (cycles && open_tokens > 0) ? b.worst[u] : NEG;
         }
       }
-      // Rows of S (an expert may lose a token) and D (an open slot takes an expert).
+      // Rows of S (an expert may lose a token) and D (an open slot takes an expert): the best
+      // open token for each expert (highest affinity, ties to the lower token), over every
+      // (open token, expert) pair at once.
+      for (int v = tid; v < E; v += THREADS) b.drop_key[v] = 0ull;
+      __syncthreads();
+      for (int i = tid; i < open_tokens * E; i += THREADS) {
+        const int t = open_list[i / E], v = i % E;
+        if (b.cap[v] == 0 || has_bit(mask + t * MW, v)) continue;
+        const unsigned long long key =
+            ((unsigned long long)((u32)ord_float(a[t * E + v]) ^ 0x80000000u) << 32) |
+            (u32)(N - t);
+        atomicMax(&b.drop_key[v], key);
+      }
+      __syncthreads();
       for (int v = tid; v < V; v += THREADS) {
         gain[SINK * V + v] = (cycles && v < E) ? 0.0f : NEG;
-        float best = NEG;
-        int bt = -1;
-        if (v < E && b.cap[v] > 0) {
-          for (int q = 0; q < open_tokens; ++q) {
-            const int t = open_list[q];
-            if (has_bit(mask + t * MW, v)) continue;
-            const float x = a[t * E + v];
-            if (x > best || (x == best && t < bt)) {
-              best = x;
-              bt = t;
-            }
-          }
-        }
-        gain[DROP * V + v] = best;
-        b.drop_token[v] = bt;
+        const unsigned long long key = v < E ? b.drop_key[v] : 0ull;
+        gain[DROP * V + v] = key ? unord_float((int)((u32)(key >> 32) ^ 0x80000000u)) : NEG;
+        b.drop_token[v] = key ? N - (int)(u32)key : -1;
       }
       __syncthreads();
       if (tid == 0) {
