@@ -54,7 +54,12 @@ if TYPE_CHECKING:
     from maxscore.moe.layer import MoE
     from maxscore.routing.types import RoutingResult
 
-__all__ = ["ExpertParallel", "expert_parallel_forward", "shard_moe_experts"]
+__all__ = [
+    "ExpertParallel",
+    "all_gather_rows",
+    "expert_parallel_forward",
+    "shard_moe_experts",
+]
 
 
 @dataclass(frozen=True)
@@ -224,12 +229,20 @@ def _padded_uniform(
     return _all_to_all(back, None, None, ep)
 
 
+def all_gather_rows(local: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The group's ``local`` tensors concatenated along dim 0, in group-rank order."""
+    size = dist.get_world_size(group)
+    out = local.new_empty((local.shape[0] * size, *local.shape[1:]))
+    # torch 2.13 renamed all_gather_into_tensor (deprecated there) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local.contiguous(), group=group)
+    return out
+
+
 def _gathered_sizes(ep: ExpertParallel, value: int, device: torch.device) -> list[int]:
     """``value`` of every rank of the group (one small all-gather, read on the host)."""
     mine = torch.tensor([value], dtype=torch.long, device=device)
-    out = torch.empty(ep.size, dtype=torch.long, device=device)
-    dist.all_gather_into_tensor(out, mine, group=ep.group)
-    return [int(v) for v in out.tolist()]
+    return [int(v) for v in all_gather_rows(mine, ep.group).tolist()]
 
 
 def _padded_varying(

@@ -42,7 +42,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from maxscore.parallel.sharding import ExpertSharding
 
-__all__ = ["OPTIMIZER_DCP_DIR", "load_optimizer_state", "save_optimizer_state"]
+__all__ = [
+    "OPTIMIZER_DCP_DIR",
+    "load_optimizer_state",
+    "local_optimizer_state",
+    "save_optimizer_state",
+]
 
 #: The DCP folder of the optimizer state inside a checkpoint.
 OPTIMIZER_DCP_DIR = "optimizer.dcp"
@@ -63,28 +68,31 @@ def _as_global_views(state: dict[str, Any], sharding: ExpertSharding | None) -> 
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     placements = [Replicate(), Shard(0)]
-    for name, per_param in state["state"].items():
-        layout = sharding.layouts.get(name)
-        if layout is None:
-            continue
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                per_param[key] = DTensor.from_local(
-                    value, sharding.mesh, placements, run_check=False
-                )
-    return state
+    # New dicts: the per-parameter dicts of the state dict are the optimizer's own.
+    per_name = dict(state["state"])
+    for name, per_param in per_name.items():
+        if name in sharding.layouts:
+            per_name[name] = {
+                key: DTensor.from_local(value, sharding.mesh, placements, run_check=False)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in per_param.items()
+            }
+    return {**state, "state": per_name}
 
 
 def _as_local(state: dict[str, Any], sharding: ExpertSharding | None) -> dict[str, Any]:
     """The inverse of :func:`_as_global_views` (FSDP2's own DTensors stay)."""
     if sharding is None or sharding.ep_size == 1:
         return state
-    for name, per_param in state["state"].items():
+    per_name = dict(state["state"])
+    for name, per_param in per_name.items():
         if name in sharding.layouts:
-            for key, value in per_param.items():
-                if hasattr(value, "to_local"):
-                    per_param[key] = value.to_local()
-    return state
+            per_name[name] = {
+                key: value.to_local() if hasattr(value, "to_local") else value
+                for key, value in per_param.items()
+            }
+    return {**state, "state": per_name}
 
 
 def _single_process() -> bool:
@@ -126,3 +134,29 @@ def load_optimizer_state(
     set_optimizer_state_dict(
         bare, inner, _as_local(state, sharding), options=StateDictOptions(strict=True)
     )
+
+
+def local_optimizer_state(
+    full: dict[str, Any], model: nn.Module, optimizer: Any, sharding: ExpertSharding
+) -> dict[str, Any]:
+    """A one-process ``optimizer.state_dict()`` (whole experts) cut to this process's experts.
+
+    For a run with expert parallelism resuming from a checkpoint written without it (its
+    ``optimizer.pt``). Entries are matched by position, as ``Optimizer.load_state_dict`` does:
+    the model and its optimizer are built the same way in both runs.
+    """
+    names = {id(p): n for n, p in _bare(model).named_parameters()}
+    state = dict(full["state"])
+    index = 0
+    for group in _inner(optimizer).param_groups:
+        for param in group["params"]:
+            layout = sharding.layouts.get(names.get(id(param), ""))
+            if layout is not None and index in state:
+                state[index] = {
+                    key: value[layout.local_slice()]
+                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                    else value
+                    for key, value in state[index].items()
+                }
+            index += 1
+    return {"state": state, "param_groups": full["param_groups"]}

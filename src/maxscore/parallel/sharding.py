@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from maxscore.moe.expert_parallel import ExpertParallel, shard_moe_experts
+from maxscore.moe.expert_parallel import ExpertParallel, all_gather_rows, shard_moe_experts
 from maxscore.moe.layer import MoE
 
 __all__ = [
@@ -133,10 +133,7 @@ def full_state_dict(model: nn.Module, sharding: ExpertSharding) -> dict[str, Ten
     state = dict(getattr(model, "module", model).state_dict())
     group = sharding.ep_group
     for name in sorted(sharding.layouts):  # the same order on every process
-        local = state[name].detach().contiguous()
-        whole = local.new_empty((local.shape[0] * sharding.ep_size, *local.shape[1:]))
-        dist.all_gather_into_tensor(whole, local, group=group)
-        state[name] = whole
+        state[name] = all_gather_rows(state[name].detach(), group)
     return state
 
 
