@@ -852,6 +852,9 @@ def prepare(config: TrainConfig) -> PreparedRun:
             f"vocab_size is {model_config.vocab_size}"
             + ("; pass --tokenizer with the checkpoint's own tokenizer" if pretrained else "")
         )
+    from maxscore.training.parallel import check_parallel_options
+
+    check_parallel_options(config, ws, model_config)
     plan = check_run_dir(config) if is_main_process() else _follower_plan(config)
     total_steps = config.total_steps(ws)
     # The SoftTopk t schedule follows the run (or a resumed run's stored length); resolved once.
@@ -1127,8 +1130,11 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
         model.compile_layers(mode=cfg.compile_mode)
 
     args = _training_arguments(run)
+    from maxscore.training.parallel import trainer_for  # shards the experts (--expert-parallel)
+
+    trainer_class, parallel_kwargs = trainer_for(model, cfg, args, run.resume_from)
     final_cb = FinalCheckpointCallback(save_final=cfg.save_final)
-    trainer = MaxScoreTrainer(
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=run.data.train,
@@ -1138,6 +1144,7 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
         tokens_per_step=cfg.tokens_per_step(run.world_size),
         save_total_limit=cfg.save_total_limit,
         callbacks=[RouterScheduleCallback(), final_cb, *callbacks],
+        **parallel_kwargs,
     )
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None and not cfg.quiet:
