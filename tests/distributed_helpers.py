@@ -53,3 +53,19 @@ def spawn_gloo(fn: Callable[..., Any], world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_run_in_group, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def _run_with_env(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    import torch
+
+    launcher_env(rank, world, port)
+    torch.set_num_threads(1)
+    fn(rank, world, *args)
+
+
+def spawn_launched(fn: Callable[..., Any], world: int, *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes with torchrun's variables set and
+    no process group yet (the Trainer / accelerate forms it, as under torchrun)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_run_with_env, args=(world, free_port(), fn, args), nprocs=world, join=True)
