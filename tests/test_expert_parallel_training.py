@@ -228,3 +228,37 @@ def test_torchrun_train_refuses_an_expert_parallel_size_that_does_not_divide(
     assert done.returncode != 0
     assert "--expert-parallel 3 must divide the number of processes (2)" in done.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_one_process_checkpoint_resumes_with_expert_parallel(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """checkpoint-2 of the one-process run (optimizer.pt, whole experts) resumed on 2 processes
+    with --expert-parallel 2: each cuts its experts out of the weights and the optimizer state,
+    and steps 3-4 continue the one-process run."""
+    _, one = runs
+    stopped = _stopped_copy(one, tmp_path / "stopped")
+    _train_two(stopped, resume=True)
+    resumed, original = _train_logs(stopped), _train_logs(one)
+    for step in (3, 4):
+        assert resumed[step]["loss"] == pytest.approx(original[step]["loss"], rel=1e-4), step
+    assert (stopped / "checkpoint-4" / "optimizer.dcp").is_dir()
+
+
+def _train_four(rank: int, world: int, run_dir: str) -> None:
+    from maxscore.training import train
+
+    train(_config(Path(run_dir), batch_size=1, expert_parallel=2, save_steps=0, save_final=False))
+
+
+@pytest.mark.slow
+def test_four_processes_two_expert_replicas_match_one_process(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """4 processes, experts over 2 (each expert on 2 replicas, gradients reduced over the dp
+    groups), micro-batches of 1: the one-process run's losses (about 40 s)."""
+    spawn_launched(_train_four, 4, str(tmp_path / "ep2x2"))
+    ep, one = _train_logs(tmp_path / "ep2x2"), _train_logs(runs[1])
+    assert ep[1]["loss"] == pytest.approx(one[1]["loss"], rel=1e-6)
+    for step in (2, 3, 4):
+        assert ep[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-4), step
