@@ -1,4 +1,4 @@
-"""Routing analysis and reports (issue 6): plotted numbers equal the run's statistics."""
+"""Routing analysis and reports: plotted numbers equal the run's statistics."""
 
 from __future__ import annotations
 

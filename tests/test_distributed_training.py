@@ -67,7 +67,7 @@ def _train_on_rank(rank: int, port: int, run_dir: str, out_dir: str, resume: boo
     from transformers import TrainerCallback
 
     from maxscore.training import TrainConfig, train
-    from maxscore.training.trainer import unwrap
+    from maxscore.training.distributed import unwrap
 
     local: list[list[dict[str, list[float]]]] = []
     logged: list[dict[str, float]] = []
@@ -241,13 +241,13 @@ def test_torchrun_two_cpu_processes_resume_and_finish(tmp_path: Path) -> None:
 # DeepSpeed
 # ------------------------------------------------------------------------------------------------
 def test_deepspeed_without_a_launcher_gets_one_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from maxscore.training.trainer import _single_process_launcher_env
+    from maxscore.training.distributed import single_process_launcher_env
 
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     for name in names:  # recorded by monkeypatch, so whatever the function sets is undone
         monkeypatch.setenv(name, "unset")
         monkeypatch.delenv(name)
-    _single_process_launcher_env()
+    single_process_launcher_env()
     env = {name: os.environ[name] for name in names}
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"]) == ("0", "0", "1")
     assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
@@ -255,7 +255,7 @@ def test_deepspeed_without_a_launcher_gets_one_process_env(monkeypatch: pytest.M
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("MASTER_PORT", "29999")
-    _single_process_launcher_env()
+    single_process_launcher_env()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_PORT"]) == (
         "3",
         "8",
@@ -266,7 +266,7 @@ def test_deepspeed_without_a_launcher_gets_one_process_env(monkeypatch: pytest.M
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29400")
-    _single_process_launcher_env()
+    single_process_launcher_env()
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["RANK"]) == (
         "10.0.0.1",
         "29400",
@@ -306,7 +306,7 @@ def test_deepspeed_stage_trains_and_resumes_exactly(tmp_path: Path, stage: str) 
     """``maxscore train --deepspeed zero2/zero3`` (no launcher) trains, saves and resumes.
 
     Runs wherever deepspeed is installed (on the CPU it uses DeepSpeed's CPU accelerator and
-    gloo; benchmarks/deepspeed.md has the GPU run).
+    gloo; benchmarks/deepspeed/README.md has the GPU run).
     """
     pytest.importorskip("deepspeed")
     full = tmp_path / "full"

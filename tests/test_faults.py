@@ -470,7 +470,7 @@ def test_compare_overwrite_keeps_the_old_comparison_until_a_router_has_trained(
         compare(["gshard"], replace(cfg, router_overrides={"capacity_factor": "x"}), out, True)
     assert (out / "comparison.md").read_text() == "old\n"  # bad input: nothing touched
     with pytest.raises(RuntimeError, match="injected"), pytest.MonkeyPatch.context() as patch:
-        patch.setattr("maxscore.training.trainer.write_resolved_config", _fail)
+        patch.setattr("maxscore.training.run.write_resolved_config", _fail)
         compare(["gshard"], cfg, out, overwrite=True)
     assert (out / "comparison.md").read_text() == "old\n"  # failed before a checkpoint
     assert not leftovers(out)

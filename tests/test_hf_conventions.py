@@ -98,7 +98,7 @@ def test_training_arguments_get_the_trackers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """prepare() accepts an installed tracker and the Trainer's arguments carry it."""
-    from maxscore.training.trainer import _training_arguments, prepare
+    from maxscore.training.run import prepare, training_arguments
 
     monkeypatch.setitem(reporting.REPORT_BACKENDS, "mlflow", (lambda: True, "mlflow"))
     config = TrainConfig(
@@ -111,5 +111,5 @@ def test_training_arguments_get_the_trackers(
         report_to="mlflow",
         output_dir=str(tmp_path / "run"),
     )
-    args = _training_arguments(prepare(config))
+    args = training_arguments(prepare(config))
     assert args.report_to == ["mlflow"]

@@ -167,7 +167,7 @@ def test_expert_capacity() -> None:
 @pytest.mark.parametrize("factor", [1.0, 1.25, 1.2])
 def test_expert_capacity_is_exact_in_a_shape_generic_compiled_graph(factor: float) -> None:
     """With a symbolic group size (torch.compile's graph after a second batch size) the capacity
-    is the same integer as eagerly; the former float formula traced to 1,921 for n = 15,360."""
+    is the same integer as eagerly; a float formula would trace to 1,921 for n = 15,360."""
     torch._dynamo.reset()
 
     def capacity_of(x: torch.Tensor) -> torch.Tensor:

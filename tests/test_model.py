@@ -1,4 +1,4 @@
-"""Tests of the Llama-MoE model (issue 4, items 2, 3 and 5) on the tiny preset, CPU, fp32."""
+"""Tests of the Llama-MoE model on the tiny preset, CPU, fp32."""
 
 from __future__ import annotations
 
@@ -98,6 +98,30 @@ def test_config_resolves_router_and_round_trips() -> None:
     assert dense.is_dense and not any(dense.is_moe_layer(i) for i in range(4))
 
 
+def test_router_settings_live_in_router_config_alone() -> None:
+    """eval_routing and the coefficients are views of the one resolved router config."""
+    config = get_model_config(
+        "tiny", router="gshard", vocab_size=VOCAB, router_config={"eval_routing": "train"}
+    )
+    assert config.eval_routing == "train"  # a router_config setting is no longer overwritten
+    saved = config.to_dict()
+    assert not {"eval_routing", "router_aux_loss_coef", "router_z_loss_coef"} & set(saved)
+    config.router_aux_loss_coef = 0.2
+    assert config.router_config["aux_loss_coef"] == 0.2 == config.get_router_config().aux_loss_coef
+    config.router_aux_loss_coef = None  # back to the preset's
+    assert config.router_aux_loss_coef == 1e-2
+    before = dict(config.router_config)
+    config.get_router_config()
+    assert config.router_config == before  # the getter changes nothing
+    with pytest.raises(ValueError, match="eval_routing"):
+        config.eval_routing = "sometimes"
+    # A config written with the settings at the top level as well still loads, the top level
+    # winning as it did then.
+    legacy = {**saved, "eval_routing": "causal", "router_aux_loss_coef": 0.03}
+    old = LlamaMoEConfig.from_dict(legacy)
+    assert (old.eval_routing, old.router_config["aux_loss_coef"]) == ("causal", 0.03)
+
+
 # --------------------------------------------------------------------------------------------------
 # forward, loss, statistics
 # --------------------------------------------------------------------------------------------------
@@ -131,6 +155,17 @@ def test_loss_includes_router_losses_and_router_logits() -> None:
     masked[1, -4:] = -100
     torch.testing.assert_close(out.loss, model(x, attention_mask=mask, labels=masked).lm_loss)
     assert out.router_logits is None
+
+
+def test_advancing_the_model_moves_deepseek_v3_biases_once_per_step() -> None:
+    model = tiny("deepseek-v3").train()
+    routers = [layer.mlp.router for layer in model.model.layers if layer.is_moe]
+    model(tokens())
+    assert all((r.expert_bias == 0).all() and r.expert_load.sum() > 0 for r in routers)
+    model.advance_router_schedule()
+    for router in routers:
+        assert router.expert_bias.abs().sum() > 0 and (router.expert_load == 0).all()
+        assert int(router.schedule.step) == 1
 
 
 def test_routing_statistics_and_schedule() -> None:
@@ -189,7 +224,7 @@ def test_default_positions_skip_the_packed_sequence_check(monkeypatch: pytest.Mo
 
 
 # --------------------------------------------------------------------------------------------------
-# causal evaluation (SPEC §3)
+# causal evaluation: no token's output depends on later tokens
 # --------------------------------------------------------------------------------------------------
 
 

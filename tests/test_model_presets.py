@@ -1,4 +1,4 @@
-"""Model presets: parameter counts against the paper's table (SPEC §2), on the meta device.
+"""Model presets: parameter counts against the paper's table, on the meta device.
 
 Counting convention (see ``maxscore.models.presets``): all parameters, both embeddings (input and
 untied LM head) and router gates included; "activated" counts routed experts ``k / e`` times.

@@ -1,4 +1,4 @@
-"""Acceptance tests of the MoE layer (issue 4, item 1): the fast paths equal a naive loop.
+"""Acceptance tests of the MoE layer: the fast paths equal a naive loop.
 
 Eq. (1): ``y_i = sum_s w_is * E_{j_is}(x_i)`` over the valid slots of token ``i``. The reference
 below is that sum written as a per-token, per-slot Python loop over the same RoutingResult; the
@@ -394,8 +394,8 @@ def test_cached_index_constants_match_fresh_plans(monkeypatch: pytest.MonkeyPatc
 def test_compiled_gshard_layer_with_a_changing_batch_size_matches_eager() -> None:
     """torch.compile's default turns the layer graph shape-generic at the second batch size (one
     GShard routing group per batch: a symbolic group size). Values and input gradients still
-    equal eager mode; before the capacity rule used exact integer arithmetic, the graph routed
-    with a wrong capacity and wrote out of bounds (CPU and H100)."""
+    equal eager mode; with a float capacity formula the graph would route with a wrong capacity
+    and write out of bounds."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = MoE(32, 16, 2, router="gshard")

@@ -340,7 +340,7 @@ def test_group_limited_validation() -> None:
     scores = torch.randn(1, 4, 6)
     with pytest.raises(ValueError, match="cannot be split"):
         _assign("group-limited", scores, 1, None, num_expert_groups=4, topk_groups=1)
-    with pytest.raises(ValueError, match="fewer than k=3"):
+    with pytest.raises(ValueError, match="fewer than top_k=3"):
         _assign("group-limited", scores, 3, None, num_expert_groups=3, topk_groups=1)
 
 

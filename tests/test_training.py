@@ -94,7 +94,7 @@ def test_mixed_precision_outputs_stay_half_precision() -> None:
     from accelerate.state import AcceleratorState
 
     from maxscore.models import LlamaMoEForCausalLM, get_model_config
-    from maxscore.training.trainer import keep_half_precision_outputs
+    from maxscore.training.precision import keep_half_precision_outputs
 
     torch.manual_seed(0)
     model = LlamaMoEForCausalLM(get_model_config("tiny", router="gshard", vocab_size=128))
@@ -328,6 +328,21 @@ def test_schedule_step_is_saved_in_the_checkpoint(finished_run: tuple[Path, str]
     assert steps and all(int(s) == 6 for s in steps)
 
 
+def test_deepseek_v3_bias_moves_once_per_optimizer_step(tmp_path: Path) -> None:
+    """The trainer's step-end callback applies the balancing-bias update (never the forward):
+    a checkpoint holds the moved bias and no pending load."""
+    cfg = small_config(tmp_path, router="deepseek-v3", max_steps=2, save_steps=2, grad_accum=2)
+    result = train(cfg)
+    assert result.final_checkpoint is not None
+    state = load_file(str(result.final_checkpoint / "model.safetensors"))
+    bias = [v for k, v in state.items() if k.endswith("router.expert_bias")]
+    load = [v for k, v in state.items() if k.endswith("router.expert_load")]
+    assert bias and load
+    rate = 1e-3  # the preset's rate: two steps move each expert by at most two rate steps
+    assert all(b.abs().sum() > 0 and b.abs().max() <= 2 * rate + 1e-9 for b in bias)
+    assert all((v == 0).all() for v in load)
+
+
 # ------------------------------------------------------------------------------------------------
 # resume after SIGKILL: exactly the same weights
 # ------------------------------------------------------------------------------------------------
@@ -517,7 +532,7 @@ def test_deepspeed_configs_and_zero3_leaf_marking(monkeypatch: pytest.MonkeyPatc
     import types
 
     from maxscore.moe import MoE
-    from maxscore.training.trainer import DEEPSPEED_CONFIGS, _mark_zero3_leaf_modules
+    from maxscore.training.distributed import DEEPSPEED_CONFIGS, mark_zero3_leaf_modules
 
     stages = {
         name: json.loads(path.read_text())["zero_optimization"]["stage"]
@@ -530,9 +545,9 @@ def test_deepspeed_configs_and_zero3_leaf_marking(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))
     monkeypatch.setitem(sys.modules, "deepspeed.utils", fake)
     model = torch.nn.Linear(2, 2)
-    _mark_zero3_leaf_modules(model, "zero2")
+    mark_zero3_leaf_modules(model, "zero2")
     assert marked == []
-    _mark_zero3_leaf_modules(model, "zero3")
+    mark_zero3_leaf_modules(model, "zero3")
     assert marked == [(model, [MoE])]
 
 

@@ -3,7 +3,7 @@
 ``maxscore --help`` must start without importing torch, transformers or matplotlib (each costs
 seconds); the packages' public names therefore resolve lazily::
 
-    __getattr__, __dir__ = lazy_exports(__name__, {"maxscore.training.trainer": ("train",)})
+    __getattr__, __dir__ = lazy_exports(__name__, {"maxscore.training.run": ("train",)})
 """
 
 from __future__ import annotations

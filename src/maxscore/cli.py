@@ -258,7 +258,8 @@ def _error(message: str) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from maxscore.training.trainer import format_summary, is_main_process, prepare, train
+    from maxscore.training.distributed import is_main_process
+    from maxscore.training.run import format_summary, prepare, train
 
     try:
         config = config_from_args(args)
@@ -272,7 +273,7 @@ def run_train(args: argparse.Namespace) -> int:
             if prepared.precision != "fp32" and not config.compile:
                 print(
                     "maxscore: tip: --compile trains ~1.7x faster on a GPU "
-                    "(benchmarks/train_throughput.md)",
+                    "(benchmarks/train_throughput/README.md)",
                     file=sys.stderr,
                 )
         result = train(config, prepared=prepared)
@@ -300,8 +301,8 @@ def run_compare(args: argparse.Namespace) -> int:
     except _USER_ERRORS as err:
         return _error(str(err))
     from maxscore.training.compare import format_summary_markdown
+    from maxscore.training.distributed import is_main_process
     from maxscore.training.seed_stats import summarize_by_router
-    from maxscore.training.trainer import is_main_process
 
     if is_main_process():
         print(format_summary_markdown(summarize_by_router(rows), rows[0]["router"]))

@@ -4,6 +4,7 @@
 * :mod:`~maxscore.analysis.checkpoint_stats` -- measure routing by running a checkpoint;
 * :mod:`~maxscore.analysis.plots` -- the figures (matplotlib, Agg);
 * :mod:`~maxscore.analysis.analyze` -- ``maxscore analyze``: figures + ``analysis.md``;
+* :mod:`~maxscore.analysis.markdown` -- the ``analysis.md`` page and the analyze output names;
 * :mod:`~maxscore.analysis.report` -- ``maxscore report``: compare + eval + analyze on one page.
 
 Names are imported on first use (matplotlib only loads when a figure is drawn).

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from maxscore.analysis import plots
+from maxscore.analysis.markdown import ANALYSIS_JSON, ANALYSIS_MD, analysis_markdown
 from maxscore.analysis.runs import (
     CONFIG_FILE,
     METRICS_FILE,
@@ -31,9 +32,6 @@ from maxscore.analysis.runs import (
 )
 
 logger = logging.getLogger(__name__)
-
-ANALYSIS_JSON = "analysis.json"
-ANALYSIS_MD = "analysis.md"
 
 
 @dataclass
@@ -222,7 +220,5 @@ def analyze(
     }
     result.data = data
     result.json_path.write_text(json.dumps(data, indent=2) + "\n")
-    from maxscore.analysis.report import analysis_markdown
-
-    result.markdown_path.write_text(analysis_markdown(result))
+    result.markdown_path.write_text(analysis_markdown(data))
     return result

@@ -1,4 +1,4 @@
-"""Markdown reports: the ``analysis.md`` of ``maxscore analyze`` and the combined ``maxscore report``.
+"""``maxscore report``: compare, eval and analyze outputs combined on one markdown page.
 
 ``maxscore report`` takes any mix of output directories and puts them on one page:
 
@@ -19,161 +19,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from maxscore.analysis.plots import rank_name
-
-if TYPE_CHECKING:
-    from maxscore.analysis.analyze import AnalysisResult
+from maxscore.analysis.markdown import ANALYSIS_JSON, ANALYSIS_MD
 
 COMPARISON_MD = "comparison.md"
 _IMAGE_LINK = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
-
-
-def _fmt(value: Any, spec: str = ".4f") -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float | int):
-        return format(value, spec)
-    return str(value)
-
-
-def _by_rank_table(runs: dict[str, Any], key: str, percent: bool) -> list[str]:
-    """``| Run | Choice | L0 | L1 | ... | Mean |`` from each run's routing snapshot."""
-    layer_sets = [
-        r["routing"]["layers"]
-        for r in runs.values()
-        if key in r.get("routing", {}).get("stats", {})
-    ]
-    if not layer_sets:
-        return []
-    layers = max(layer_sets, key=len)
-    lines = [
-        "| Run | Choice | " + " | ".join(f"L{i}" for i in layers) + " | Mean |",
-        "|---|---|" + "---:|" * (len(layers) + 1),
-    ]
-    for name, run in runs.items():
-        values = run.get("routing", {}).get("stats", {}).get(key)
-        if not values:
-            continue
-        for rank in range(len(values[0])):
-            row = [float(layer[rank]) for layer in values]
-            scale = 100.0 if percent else 1.0
-            cells = [f"{v * scale:.2f}" if percent else f"{v:.4f}" for v in row]
-            mean = sum(row) / len(row) * scale
-            mean_text = f"{mean:.2f}" if percent else f"{mean:.4f}"
-            lines.append(
-                f"| {name} | {rank_name(rank)} | " + " | ".join(cells) + f" | {mean_text} |"
-            )
-    return lines
-
-
-#: The by-rank routing sections of ``analysis.md``: (figure key, heading, what the share means).
-_BY_RANK_SECTIONS: tuple[tuple[str, str, str], ...] = (
-    (
-        "dropped",
-        "Dropped choices by rank",
-        "Share of tokens whose r-th choice was not given and whose slot stayed empty (the token "
-        "is processed by fewer than k experts; the paper's Fig. 2a shows one minus this)",
-    ),
-    (
-        "rerouted",
-        "Rerouted choices by rank",
-        "Share of tokens whose r-th choice was not given but whose slot another expert filled",
-    ),
-)
-
-
-def analysis_markdown(result: AnalysisResult) -> str:
-    """The ``analysis.md`` page: figures side by side for all runs, numbers as tables."""
-    data = result.data
-    runs: dict[str, Any] = data["runs"]
-    figures = data.get("figures", {})
-    lines = ["# Routing analysis", ""]
-    lines += [
-        "| Run | Router | Routing statistics from | Final train loss | Final val loss ± SE |",
-        "|---|---|---|---:|---:|",
-    ]
-    for name, run in runs.items():
-        train, val = run["train_loss"], run["eval_loss"]
-        loss = _fmt(val[-1][1] if val else None)
-        se = (run.get("validation") or {}).get("se")
-        if val and se is not None:
-            loss += f" ± {se:.4f}"
-        lines.append(
-            f"| {name} | {run.get('router') or '–'} | {run.get('routing', {}).get('source', '–')} | "
-            f"{_fmt(train[-1][1] if train else None)} | {loss} |"
-        )
-    lines += [
-        "",
-        "SE: standard error of the validation loss over validation documents (the split is a "
-        "random sample of documents).",
-        "",
-    ]
-    routing_mode = data.get("settings", {}).get("routing", "train")
-    for name, title, meaning in _BY_RANK_SECTIONS:
-        if name in figures:
-            lines += [
-                f"## {title}",
-                "",
-                f"{meaning}, per layer (percent; {routing_mode} routing).",
-                "",
-                f"![{name} by choice rank]({figures[name]})",
-                "",
-                *_by_rank_table(runs, f"{name}_by_rank", percent=True),
-                "",
-            ]
-    if "mean_affinity" in figures:
-        lines += [
-            "## Mean affinity of the 1st and 2nd choice",
-            "",
-            f"![mean affinity by choice rank]({figures['mean_affinity']})",
-            "",
-            *_by_rank_table(runs, "mean_affinity_by_rank", percent=False),
-            "",
-        ]
-    if "expert_load" in figures:
-        load = data["expert_load"]
-        lines += [
-            f"## Expert load over capacity (layer {load['layer']})",
-            "",
-            "Tokens per expert divided by its capacity, experts sorted by load; dropless routers "
-            "use the reference capacity k·n/e.",
-            "",
-            f"![expert load]({figures['expert_load']})",
-            "",
-            "| Run | Mean | Min | Max | Spread (max-min) | Std |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for name, s in load["runs"].items():
-            lines.append(
-                f"| {name} | {s['mean']:.4f} | {s['min']:.4f} | {s['max']:.4f} | "
-                f"{s['max'] - s['min']:.4f} | {s['std']:.4f} |"
-            )
-        lines.append("")
-    if "loss_curves" in figures:
-        lines += ["## Loss curves", "", f"![loss curves]({figures['loss_curves']})", ""]
-    if "throughput" in figures:
-        lines += [
-            "## Throughput and memory",
-            "",
-            f"![throughput and memory]({figures['throughput']})",
-            "",
-            "| Run | Tokens/s (mean) | Tokens/hour | Peak memory (GiB) |",
-            "|---|---:|---:|---:|",
-        ]
-        for name, run in runs.items():
-            t = run["throughput"]
-            per_hour = t.get("tokens_per_hour")
-            lines.append(
-                f"| {name} | {_fmt(t.get('tokens_per_s'), ',.0f')} | "
-                f"{_fmt(per_hour / 1e9 if per_hour is not None else None, '.4f')}B | "
-                f"{_fmt(t.get('peak_memory_gb'), '.2f')} |"
-            )
-        lines.append("")
-    if result.notes:
-        lines += ["## Notes", "", *(f"- {note}" for note in result.notes), ""]
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------
@@ -199,7 +50,6 @@ def classify(paths: Sequence[str | Path]) -> ReportSources:
     directory contributes its ``eval/`` and ``analysis/``, and a compare directory those of
     its runs too.
     """
-    from maxscore.analysis.analyze import ANALYSIS_JSON
     from maxscore.evaluation.results import RESULTS_JSON
 
     found = ReportSources()
@@ -309,8 +159,6 @@ def combined_report(
     if sources.analysis:
         lines += ["## Routing analysis", ""]
         for path in sources.analysis:
-            from maxscore.analysis.analyze import ANALYSIS_MD
-
             md_path = path / ANALYSIS_MD
             if md_path.is_file():
                 body = md_path.read_text()
@@ -318,7 +166,7 @@ def combined_report(
             else:
                 body = (
                     "```json\n"
-                    + json.dumps(json.loads((path / "analysis.json").read_text()), indent=1)[:4000]
+                    + json.dumps(json.loads((path / ANALYSIS_JSON).read_text()), indent=1)[:4000]
                     + "\n```"
                 )
             lines += [

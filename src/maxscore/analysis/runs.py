@@ -1,6 +1,6 @@
 """Reading run directories: resolved config, ``metrics.jsonl`` and the numbers the paper plots.
 
-A run directory (written by ``maxscore train``, see :mod:`maxscore.training.trainer`) holds
+A run directory (written by ``maxscore train``, see :mod:`maxscore.training.run`) holds
 ``config.json`` (``{"train": ..., "resolved": ..., "model": ...}``), ``metrics.jsonl`` (one JSON
 object per log event with a ``type``: ``train``, ``eval``, ``end`` or ``final``) and
 ``checkpoint-N/`` / ``final/`` model directories. Training records carry a ``routing`` object

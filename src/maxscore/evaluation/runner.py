@@ -166,8 +166,8 @@ def set_eval_routing(model: Any, mode: str) -> None:
     """Switch every router of ``model`` to evaluation routing ``mode`` (``causal``/``train``).
 
     Prefers the model's own ``set_eval_routing`` method; otherwise rewrites each router's
-    :class:`~maxscore.routing.config.RouterConfig` and the model config's router section so the
-    saved/recorded config tells the truth.
+    :class:`~maxscore.routing.config.RouterConfig` and the model config's ``eval_routing`` (for
+    a Llama-MoE config, its resolved router config) so the saved/recorded config tells the truth.
     """
     if mode not in EVAL_ROUTING_MODES:
         raise EvaluationError(f"routing must be one of {EVAL_ROUTING_MODES}, got {mode!r}")
@@ -178,12 +178,8 @@ def set_eval_routing(model: Any, mode: str) -> None:
     for module, config in _router_configs(model):
         module.config = config.with_overrides(eval_routing=mode)
     # Keep the model config consistent with the routers (it is what gets recorded / saved).
-    config = model.config
-    if hasattr(config, "eval_routing"):
-        config.eval_routing = mode
-    router_config = getattr(config, "router_config", None)
-    if isinstance(router_config, dict):
-        router_config["eval_routing"] = mode
+    if hasattr(model.config, "eval_routing"):
+        model.config.eval_routing = mode
 
 
 def describe_routing(model: Any) -> dict[str, Any]:

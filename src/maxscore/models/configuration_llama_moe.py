@@ -1,13 +1,17 @@
-"""Configuration of the Llama-MoE causal language model (the paper's model family, SPEC §2 "Model").
+"""Configuration of the Llama-MoE causal language model (the paper's model family).
 
 The configuration is a Hugging Face :class:`~transformers.PreTrainedConfig`, so it saves to / loads
 from ``config.json`` and is found by ``AutoConfig`` (``model_type = "maxscore_llama_moe"``).
 
 Routing is described by a router preset name (``router``, see :mod:`maxscore.routing.presets`)
-plus optional field overrides (``router_config``). On construction the preset is *resolved*: the
-full :class:`~maxscore.routing.config.RouterConfig` is written back into ``router_config`` so that a
-saved checkpoint is self-describing and reloads with exactly the same router even if the preset
-table changes later. Router presets whose strategy is ``"dense"`` make every MLP a dense SwiGLU.
+plus optional field overrides (``router_config``). On construction the preset is *resolved*, once,
+by :func:`maxscore.routing.presets.get_router_config`: the full
+:class:`~maxscore.routing.config.RouterConfig` is stored (as a dict) in ``router_config``, the one
+home of every router setting, so that a saved checkpoint is self-describing and reloads with
+exactly the same router even if the preset table changes later. Changing ``router``,
+``router_config`` or one of the top-level router settings afterwards (``from_pretrained(path,
+router="gshard")`` does) resolves again at once. Router presets whose strategy is ``"dense"`` make
+every MLP a dense SwiGLU.
 
 This file is also copied into saved checkpoints (``auto_map``) so that
 ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` works; it therefore only
@@ -19,6 +23,35 @@ from __future__ import annotations
 from typing import Any
 
 from transformers import PreTrainedConfig
+
+#: Router settings that also have a top-level name, and the RouterConfig field each one is:
+#: transformers' MoE configs call the aux-loss coefficient ``router_aux_loss_coef``. The
+#: constructor, ``from_pretrained`` and ``--model-option`` accept them; reading and writing them
+#: reads and writes ``router_config``, their one home (they are not saved separately).
+ROUTER_SETTING_ALIASES: dict[str, str] = {
+    "router_aux_loss_coef": "aux_loss_coef",
+    "router_z_loss_coef": "z_loss_coef",
+    "eval_routing": "eval_routing",
+}
+#: The types the aliases accept (``None`` for a coefficient: the preset's value).
+ROUTER_SETTING_TYPES: dict[str, Any] = {
+    "router_aux_loss_coef": float | None,
+    "router_z_loss_coef": float | None,
+    "eval_routing": str,
+}
+
+
+def _router_setting(alias: str) -> property:
+    """The top-level ``alias`` of a router setting, read from and written to ``router_config``."""
+    field = ROUTER_SETTING_ALIASES[alias]
+
+    def get(self: LlamaMoEConfig) -> Any:
+        return self.router_config[field]
+
+    def set_(self: LlamaMoEConfig, value: Any) -> None:
+        self._resolve_router(settings={alias: value})
+
+    return property(get, set_, doc=f"``router_config[{field!r}]``")
 
 
 class LlamaMoEConfig(PreTrainedConfig):
@@ -47,14 +80,17 @@ class LlamaMoEConfig(PreTrainedConfig):
         shared_expert_intermediate_size: hidden width of one shared expert; ``None`` =
             ``moe_intermediate_size``.
         router: router preset name (:data:`maxscore.routing.presets.ROUTER_PRESETS`).
-        router_config: overrides of :class:`~maxscore.routing.config.RouterConfig` fields; after
-            construction this holds the full resolved router configuration.
-        router_aux_loss_coef: load-balancing loss coefficient λ; ``None`` keeps the preset's.
-            When given it wins over ``router_config["aux_loss_coef"]``.
-        router_z_loss_coef: router z-loss coefficient; ``None`` keeps the preset's.
+        router_config: overrides of :class:`~maxscore.routing.config.RouterConfig` fields (or a
+            whole RouterConfig); after construction this holds the full resolved router
+            configuration as a dict, the one home of every router setting. Assigning a dict
+            later merges it into the resolved fields.
+        router_aux_loss_coef: load-balancing loss coefficient λ, ``router_config["aux_loss_coef"]``
+            (a constructor argument wins over the one in ``router_config``; ``None`` keeps it).
+        router_z_loss_coef: router z-loss coefficient, ``router_config["z_loss_coef"]`` (as above).
         output_router_logits: return every MoE layer's gate logits by default.
-        eval_routing: routing used in ``eval()`` mode: ``"causal"`` (default, SPEC §3: no token's
-            experts depend on later tokens) or ``"train"`` (the training routing, which may leak).
+        eval_routing: routing used in ``eval()`` mode, ``router_config["eval_routing"]``:
+            ``"causal"`` (the presets' default: no token's experts depend on later tokens) or
+            ``"train"`` (the training routing, which may leak).
         first_k_dense: the first ``first_k_dense`` layers use a dense MLP (DeepSeek-style).
         moe_layer_freq: after ``first_k_dense``, every ``moe_layer_freq``-th layer is MoE (the
             others dense).
@@ -104,10 +140,7 @@ class LlamaMoEConfig(PreTrainedConfig):
     shared_expert_intermediate_size: int | None = None
     router: str = "maxscore"
     router_config: dict[str, Any] | None = None
-    router_aux_loss_coef: float | None = None
-    router_z_loss_coef: float | None = None
     output_router_logits: bool = False
-    eval_routing: str = "causal"
     first_k_dense: int = 0
     moe_layer_freq: int = 1
     dense_layers: list[int] | None = None
@@ -120,35 +153,33 @@ class LlamaMoEConfig(PreTrainedConfig):
     source_family: str | None = None
     source_config: dict[str, Any] | None = None
 
+    # Views of router_config (not dataclass fields: no annotation), see ROUTER_SETTING_ALIASES.
+    router_aux_loss_coef = _router_setting("router_aux_loss_coef")
+    router_z_loss_coef = _router_setting("router_z_loss_coef")
+    eval_routing = _router_setting("eval_routing")
+
     def __post_init__(self, **kwargs: Any) -> None:
+        settings = {alias: kwargs.pop(alias) for alias in ROUTER_SETTING_ALIASES if alias in kwargs}
         self._validate_shapes()
         self._validate_architecture()
-        self._resolve_router()
+        self._resolve_router(settings=settings)
         super().__post_init__(**kwargs)
 
     def __setattr__(self, key: str, value: Any) -> None:
-        # `from_pretrained(path, router_config={...})` sets a partial dict after the stored one
-        # was resolved: merge it into the resolved fields instead of dropping the checkpoint's.
-        if (
-            key == "router_config"
-            and isinstance(value, dict)
-            and isinstance(self.__dict__.get("router_config"), dict)
-            and "_resolved_router" in self.__dict__
-        ):
-            for field_name, attr in (
-                ("aux_loss_coef", "router_aux_loss_coef"),
-                ("z_loss_coef", "router_z_loss_coef"),
-            ):
-                if field_name in value:  # the given value wins over the synced coefficient
-                    super().__setattr__(attr, value[field_name])
-            value = {**self.__dict__["router_config"], **value}
+        # After construction, a new preset or router fields (what `from_pretrained(path,
+        # router=..., router_config={...})` sets) are resolved at once, keeping the stored
+        # config complete and valid.
+        if key in ("router", "router_config") and self.__dict__.get("_router_resolved"):
+            if key == "router":
+                self._resolve_router(router=value)
+            else:
+                self._resolve_router(fields=value)
+            return
         super().__setattr__(key, value)
 
     def to_dict(self) -> dict[str, Any]:
-        if self.__dict__.get("_resolved_router", self.router) != self.router:
-            self.get_router_config()  # `router` was changed: save the fields it resolves to
         out = super().to_dict()
-        out.pop("_resolved_router", None)  # bookkeeping of `router` changes, not configuration
+        out.pop("_router_resolved", None)  # bookkeeping, not configuration
         return out
 
     # -- validation -------------------------------------------------------------------------------
@@ -213,8 +244,6 @@ class LlamaMoEConfig(PreTrainedConfig):
                 f"first_k_dense must be in [0, num_hidden_layers={self.num_hidden_layers}], "
                 f"got {self.first_k_dense}"
             )
-        if self.eval_routing not in ("causal", "train"):
-            raise ValueError(f"eval_routing must be 'causal' or 'train', got {self.eval_routing!r}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
 
@@ -238,37 +267,59 @@ class LlamaMoEConfig(PreTrainedConfig):
                     f"[0, num_hidden_layers={self.num_hidden_layers})"
                 )
 
-    def _resolve_router(self) -> None:
-        """Resolve ``router`` + overrides into a full RouterConfig dict stored on the config."""
+    def _resolve_router(
+        self,
+        router: str | None = None,
+        fields: Any = None,
+        settings: dict[str, Any] | None = None,
+    ) -> None:
+        """Resolve the router into the full RouterConfig stored (as a dict) in ``router_config``.
+
+        At construction ``router_config`` holds overrides of the ``router`` preset (or nothing)
+        and ``settings`` the top-level aliases given (:data:`ROUTER_SETTING_ALIASES`), which win
+        over it. Afterwards ``router_config`` is complete and each change resolves it again:
+
+        * ``router``: a new preset. The stored fields that differ from the old preset's (the
+          config's own overrides, e.g. ``normalize_weights`` of a converted Mixtral) are kept;
+          everything else comes from the new preset.
+        * ``fields``: a dict merged over the stored fields (a RouterConfig replaces them).
+        * ``settings``: top-level aliases; ``None`` for a coefficient means the preset's value.
+        """
         # Imported here so that `import maxscore` stays light and this file can be copied
         # verbatim into checkpoints as remote code.
-        from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
+        from maxscore.routing.config import RouterConfig
+        from maxscore.routing.presets import get_router_config
 
-        if self.router not in ROUTER_PRESETS:
-            raise ValueError(
-                f"unknown router preset {self.router!r}; available presets: {sorted(ROUTER_PRESETS)}"
-            )
-        overrides = dict(self.router_config or {})
-        # The explicit HF-style coefficients win over router_config (and over the preset).
-        if self.router_aux_loss_coef is not None:
-            overrides["aux_loss_coef"] = float(self.router_aux_loss_coef)
-        if self.router_z_loss_coef is not None:
-            overrides["z_loss_coef"] = float(self.router_z_loss_coef)
-        overrides["eval_routing"] = self.eval_routing
-        resolved = get_router_config(self.router, **overrides)
-        self.router_config = resolved.to_dict()
-        self.router_aux_loss_coef = resolved.aux_loss_coef
-        self.router_z_loss_coef = resolved.z_loss_coef
-        # The preset `router_config` was resolved for: `from_pretrained(path, router="gshard")`
-        # sets `router` after construction, and get_router_config() must then re-resolve.
-        self._resolved_router = self.router
+        stored = self.__dict__.get("router_config")
+        if isinstance(stored, RouterConfig):
+            stored = stored.to_dict()
+        data = dict(stored or {})
+        preset = self.router
+        if router is not None and router != preset:
+            old = get_router_config(preset).to_dict()
+            data = {key: value for key, value in data.items() if old.get(key) != value}
+            preset = router
+        if isinstance(fields, RouterConfig):
+            data = fields.to_dict()
+        elif fields is not None:
+            data.update(fields)
+        for alias, value in (settings or {}).items():
+            field = ROUTER_SETTING_ALIASES[alias]
+            if value is not None:
+                data[field] = float(value) if field.endswith("_coef") else value
+            elif self.__dict__.get("_router_resolved"):
+                data.pop(field, None)  # back to the preset's value
+        resolved = get_router_config(preset, **data)
+        self.__dict__["router"] = preset
+        self.__dict__["router_config"] = resolved.to_dict()
+        self.__dict__["_router_resolved"] = True
 
     # -- derived quantities -----------------------------------------------------------------------
 
     @property
     def is_dense(self) -> bool:
         """True when the router preset is the dense baseline (every MLP is a dense SwiGLU)."""
-        return bool(self.get_router_config().is_dense)
+        return self.router_config["strategy"] == "dense"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` has an MoE MLP (else a dense SwiGLU MLP)."""
@@ -279,50 +330,11 @@ class LlamaMoEConfig(PreTrainedConfig):
         return (layer_idx - self.first_k_dense) % self.moe_layer_freq == 0
 
     def get_router_config(self) -> Any:
-        """The resolved :class:`~maxscore.routing.config.RouterConfig` of every MoE layer.
+        """The resolved :class:`~maxscore.routing.config.RouterConfig` of every MoE layer (a new
+        object built from ``router_config``; the config itself is not changed)."""
+        from maxscore.routing.config import RouterConfig
 
-        The top-level ``eval_routing`` / ``router_aux_loss_coef`` / ``router_z_loss_coef`` win over
-        the stored dict and the result is synced back into it: ``from_pretrained(path,
-        eval_routing="train")`` (or ``router_config={...}``) sets attributes after the config was
-        resolved, and they must still reach the routers.
-
-        ``from_pretrained(path, router="gshard")`` replaces the preset after the stored
-        ``router_config`` was resolved for the checkpoint's preset. Then the stored fields that
-        the old preset did not have (the checkpoint's own overrides, e.g. ``normalize_weights``
-        of a converted Mixtral) are kept and everything else comes from the new preset.
-        """
-        from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
-
-        # Preset + stored fields: identical to the stored dict when it is complete (the normal
-        # case), and still the preset's values for fields a partial override left out.
-        data = dict(self.router_config or {})
-        previous = getattr(self, "_resolved_router", self.router)
-        if previous != self.router and previous in ROUTER_PRESETS:
-            if self.router not in ROUTER_PRESETS:
-                raise ValueError(
-                    f"unknown router preset {self.router!r}; available presets: "
-                    f"{sorted(ROUTER_PRESETS)}"
-                )
-            old = get_router_config(previous).to_dict()
-            data = {key: value for key, value in data.items() if old.get(key) != value}
-            # The coefficients were synced from the old preset; keep only real overrides.
-            for name, attr in (
-                ("aux_loss_coef", "router_aux_loss_coef"),
-                ("z_loss_coef", "router_z_loss_coef"),
-            ):
-                if getattr(self, attr) == old[name]:
-                    setattr(self, attr, None)
-            self._resolved_router = self.router
-        data["eval_routing"] = self.eval_routing
-        if self.router_aux_loss_coef is not None:
-            data["aux_loss_coef"] = float(self.router_aux_loss_coef)
-        if self.router_z_loss_coef is not None:
-            data["z_loss_coef"] = float(self.router_z_loss_coef)
-        resolved = get_router_config(self.router, **data)
-        self.router_config = resolved.to_dict()
-        self.router_aux_loss_coef = resolved.aux_loss_coef
-        self.router_z_loss_coef = resolved.z_loss_coef
-        return resolved
+        return RouterConfig.from_dict(self.router_config)
 
 
 # Saved configs carry `auto_map` and a copy of this file (see modeling_llama_moe.py).

@@ -1,6 +1,6 @@
 """Llama-MoE causal language model: Llama blocks whose MLPs are :class:`maxscore.moe.MoE` layers.
 
-Architecture (SPEC §2 "Model"): token embedding, ``num_hidden_layers`` pre-norm decoder blocks
+Architecture (the paper's model): token embedding, ``num_hidden_layers`` pre-norm decoder blocks
 (RMSNorm → grouped-query self-attention with RoPE through
 :func:`torch.nn.functional.scaled_dot_product_attention` → residual; RMSNorm → MoE or dense SwiGLU
 MLP → residual), a final RMSNorm and an untied LM head.
@@ -14,7 +14,7 @@ Behaviour worth knowing:
   ``aux_loss_coef``), so the stock HF ``Trainer`` optimises the paper's objective. In ``eval()``
   mode ``loss`` is the LM loss alone so that evaluation loss / perplexity is not polluted by a
   regulariser; the ``aux_loss`` / ``z_loss`` / ``lm_loss`` fields are always filled.
-* **Causal evaluation (SPEC §3).** Routers follow ``config.eval_routing``: in ``eval()`` mode the
+* **Causal evaluation.** Routers follow ``config.eval_routing``: in ``eval()`` mode the
   default ``"causal"`` routing never lets a token's experts depend on later tokens, so logits at
   position t do not depend on tokens after t; ``"train"`` evaluates with the training routing.
 * **Padding.** Positions where a 2-D ``attention_mask`` is 0 are masked out of attention and the
@@ -550,9 +550,8 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         Shapes are static by default (``dynamic=False``): a new batch or sequence size compiles
         a graph of its own instead of turning the first one into a shape-generic graph, which
         is what CUDA graphs and the autotuned kernels want. (A shape-generic graph is correct
-        too since the capacity rule is exact integer arithmetic: with a symbolic group size the
-        former float formula gave GShard a capacity one above its buffers' and the layer wrote
-        out of bounds; ``benchmarks/train_throughput.md``, fifth session.)
+        too: the capacity rule is exact integer arithmetic, so a symbolic group size gives the
+        same capacity as eager mode; ``benchmarks/compile/README.md``.)
         """
         compile_kwargs.setdefault("dynamic", False)
         for layer in self.model.layers:
@@ -638,12 +637,13 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         return [dict(layer.last_routing_stats) for layer in self.model.layers]
 
     def advance_router_schedule(self, n: int = 1) -> None:
-        """Advance every router's SoftTopk ``t`` schedule by ``n`` optimizer steps."""
-        from maxscore.routing.schedule import TemperatureSchedule
+        """Count ``n`` finished optimizer steps in every router: the SoftTopk ``t`` schedule
+        advances and DeepSeek-V3 balancing biases move (``Router.advance_schedule``). The
+        trainer calls it after every optimizer step; a loop of one's own calls it after
+        ``optimizer.step()`` (or registers ``maxscore.routing.register_router_step_hook``)."""
+        from maxscore.routing.router import advance_routers
 
-        for module in self.modules():
-            if isinstance(module, TemperatureSchedule):
-                module.advance(n)
+        advance_routers(self, n)
 
     def parameter_counts(self) -> dict[str, int]:
         """Total and activated parameter counts (works on the meta device).

@@ -1,4 +1,4 @@
-"""Model size presets: the paper's Llama-MoE family as data (SPEC §2 "Model").
+"""Model size presets: the paper's Llama-MoE family as data.
 
 Every paper size has 12 layers, 12 heads, vocabulary 32,000, untied embeddings, 16 experts with
 k = 2 and expert FFN width ``4 * hidden / k``. :func:`get_model_config` turns a preset plus a router

@@ -255,9 +255,8 @@ try:  # pragma: no cover - exercised on GPU machines (and with TRITON_INTERPRET=
 
     # On a GPU the tile shape and warp count are picked per (d, slots) by Triton's autotuner on
     # the first call (a one-off benchmark of these configurations, which synchronises: run one
-    # eager step before capturing a CUDA graph, as cuBLAS needs anyway; the first configuration
-    # is the former fixed choice). The interpreter (CPU tests) cannot benchmark: it runs the
-    # first configuration.
+    # eager step before capturing a CUDA graph, as cuBLAS needs anyway). The interpreter (CPU
+    # tests) cannot benchmark: it runs the first configuration.
     _SUM_SLOT_ROWS_CONFIGS = [
         triton.Config({"tokens": 1, "block": 256}, num_warps=1),
         triton.Config({"tokens": 4, "block": 256}, num_warps=4),

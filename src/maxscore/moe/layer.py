@@ -23,7 +23,7 @@ __all__ = ["MoE", "default_intermediate_size", "dispatch_plan"]
 
 
 def default_intermediate_size(hidden_size: int, top_k: int) -> int:
-    """Expert width ``4 * hidden / k`` (SPEC section 2), so k experts cost one dense MLP."""
+    """Expert width ``4 * hidden / k`` (the paper's), so k experts cost one dense MLP."""
     return 4 * hidden_size // top_k
 
 
@@ -42,14 +42,6 @@ def dispatch_plan(result: RoutingResult, capacity: int | None) -> DispatchPlan:
     )
 
 
-def _resolve_config(router: str | RouterConfig, overrides: dict[str, Any]) -> RouterConfig:
-    if isinstance(router, RouterConfig):
-        return router.with_overrides(**overrides) if overrides else router
-    from maxscore.routing.presets import get_router_config
-
-    return get_router_config(router, **overrides)
-
-
 class MoE(nn.Module):
     """Mixture-of-Experts layer (Eq. 1) with any router of the paper.
 
@@ -58,7 +50,9 @@ class MoE(nn.Module):
         num_experts: ``e``.
         top_k: ``k``, experts per token (for expert choice: the average).
         intermediate_size: each expert's width ``F``; default ``4 * D // k``.
-        router: a preset name (``maxscore.routing.ROUTER_PRESETS``) or a :class:`RouterConfig`.
+        router: a :class:`RouterConfig`, or a preset name (``maxscore.routing.ROUTER_PRESETS``)
+            resolved, with ``router_overrides``, by
+            :func:`~maxscore.routing.presets.get_router_config`.
         num_shared_experts: experts every token goes through (DeepSeek), summed into the output.
         shared_intermediate_size: width of each shared expert; default ``intermediate_size``.
         shared_expert_gate: scale the shared experts' output by ``sigmoid(x W_s)`` with a
@@ -97,16 +91,17 @@ class MoE(nn.Module):
         **router_overrides: Any,
     ) -> None:
         super().__init__()
-        config = _resolve_config(router, router_overrides)
+        from maxscore.routing.presets import get_router_config
+        from maxscore.routing.router import Router
+
+        config = get_router_config(router, **router_overrides)
         if config.is_dense:
             raise ValueError(
                 "the dense preset has no router: use maxscore.moe.DenseMLP "
                 "(intermediate size k * F) instead of a MoE layer"
             )
-        from maxscore.routing.router import build_router, validate_router_setup
-
-        # Sizes first: the default expert width divides by top_k.
-        validate_router_setup(hidden_size, num_experts, top_k, config)
+        # The router first: it checks the sizes, and the default expert width divides by top_k.
+        self.router = Router(hidden_size, num_experts, top_k, config)
         for name, value in (
             ("intermediate_size", intermediate_size),
             ("shared_intermediate_size", shared_intermediate_size),
@@ -119,8 +114,6 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size or default_intermediate_size(hidden_size, top_k)
-        self.router_config = config
-        self.router = build_router(config, hidden_size, num_experts, top_k)
         self.experts = SwiGLUExperts(num_experts, hidden_size, self.intermediate_size, init_std)
         self.num_shared_experts = num_shared_experts
         self.shared_experts: DenseMLP | None = None
@@ -134,6 +127,11 @@ class MoE(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
             nn.init.normal_(self.shared_expert_gate.weight, mean=0.0, std=init_std)
         self._last_stats: Mapping[str, Tensor] = {}
+
+    @property
+    def router_config(self) -> RouterConfig:
+        """The router's :class:`RouterConfig` (held by the router alone)."""
+        return self.router.config
 
     @property
     def last_stats(self) -> dict[str, Tensor]:

@@ -20,7 +20,9 @@ from maxscore.routing.losses import load_balancing_loss, router_z_loss
 from maxscore.routing.operators import (
     AFFINITY_OPERATORS,
     AffinityOperator,
+    OperatorSpec,
     get_operator,
+    get_operator_spec,
     gradtopk_affinity,
     itertopk_affinity,
     relu_affinity,
@@ -30,7 +32,12 @@ from maxscore.routing.operators import (
     softtopk_affinity,
 )
 from maxscore.routing.presets import ROUTER_PRESETS, RouterPreset, get_router_config
-from maxscore.routing.router import Router, build_router
+from maxscore.routing.router import (
+    Router,
+    advance_routers,
+    build_router,
+    register_router_step_hook,
+)
 from maxscore.routing.schedule import TemperatureSchedule
 from maxscore.routing.statistics import routing_statistics
 from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec, get_strategy
@@ -43,6 +50,7 @@ __all__ = [
     "FLOW_SOLVERS",
     "ROUTER_PRESETS",
     "AffinityOperator",
+    "OperatorSpec",
     "Router",
     "RouterConfig",
     "RouterPreset",
@@ -50,16 +58,19 @@ __all__ = [
     "StrategySpec",
     "TemperatureSchedule",
     "TemperatureScheduleConfig",
+    "advance_routers",
     "build_router",
     "expert_capacity",
     "flow_objective",
     "get_operator",
+    "get_operator_spec",
     "get_router_config",
     "get_strategy",
     "gradtopk_affinity",
     "itertopk_affinity",
     "load_balancing_loss",
     "min_cost_flow_assignment",
+    "register_router_step_hook",
     "relu_affinity",
     "router_z_loss",
     "routing_statistics",

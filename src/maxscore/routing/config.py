@@ -151,6 +151,30 @@ class RouterConfig:
                 "need num_expert_groups >= 1 and 1 <= topk_groups <= num_expert_groups, got "
                 f"{self.num_expert_groups} and {self.topk_groups}"
             )
+        if self.bias_update_rate < 0:
+            raise ValueError(f"bias_update_rate must be >= 0, got {self.bias_update_rate}")
+        self._check_registered_names()
+
+    def _check_registered_names(self) -> None:
+        """``operator``, ``strategy`` and ``flow_method`` name registered entries.
+
+        The registries are imported here, not at module level: they import torch, and they
+        import this module (a strategy's functions take a ``RouterConfig``).
+        """
+        from maxscore.routing.operators import get_operator_spec
+        from maxscore.routing.strategies import get_strategy
+
+        get_operator_spec(self.operator)
+        if not self.is_dense:
+            get_strategy(self.strategy)
+        if self.flow_method != "auto":
+            from maxscore.routing.flow import FLOW_SOLVERS
+
+            if self.flow_method not in FLOW_SOLVERS:
+                raise ValueError(
+                    f"unknown flow_method {self.flow_method!r}; known: "
+                    f"{['auto', *sorted(FLOW_SOLVERS)]}"
+                )
 
     @property
     def is_dense(self) -> bool:

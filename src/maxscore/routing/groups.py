@@ -1,6 +1,6 @@
 """Routing groups and expert capacity.
 
-Capacity is defined per *routing group* (SPEC §3): one sequence, a fixed number of tokens, or the
+Capacity is defined per *routing group*: one sequence, a fixed number of tokens, or the
 whole micro-batch. The authors' code used one 512-token sequence for MaxScore and the micro-batch
 for the baselines. Groups are contiguous runs of tokens in the input's flattened ``[B*L]`` order,
 so tokens ``g*n .. (g+1)*n - 1`` form group ``g`` and flattening the groups restores the input
@@ -62,10 +62,10 @@ def expert_capacity(
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     # Exact integer arithmetic on the factor as a fraction (1.2 -> 6/5), so 1.2 * 5 = 6 is not
     # rounded up to 7, and so that under torch.compile with a symbolic n (a shape-generic
-    # graph) the capacity is the same integer: the former float expression
-    # ceil(round(f * k * n / e, 9)) traced to 1,921 instead of 1,920 for n = 15,360, and the
-    # router's capacity then disagreed with the expert buffers (wrong routing, writes out of
-    # bounds; benchmarks/train_throughput.md, fifth session).
+    # graph) the capacity is the same integer: a float expression such as
+    # ceil(round(f * k * n / e, 9)) traces to 1,921 instead of 1,920 for n = 15,360, and the
+    # router's capacity then disagrees with the expert buffers (wrong routing, writes out of
+    # bounds; benchmarks/compile/README.md).
     factor = Fraction(capacity_factor).limit_denominator(10**9)
     c = -(-(factor.numerator * k * n) // (factor.denominator * e))
     return min(max(c, min_capacity), n)

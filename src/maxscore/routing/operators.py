@@ -14,13 +14,15 @@ The operators are vectorised over all leading dimensions and never synchronise w
 they run under CUDA graphs and ``torch.compile``. Non-finite logits are the router's job
 (:class:`~maxscore.routing.router.Router` sanitises them before calling an operator).
 
-The registry :data:`AFFINITY_OPERATORS` maps names to functions; the router looks operators up
-there, so adding one is adding an entry.
+The registry :data:`AFFINITY_OPERATORS` maps names to :class:`OperatorSpec` entries (the
+function, its ``t`` boost if it has one, a description); the router looks operators up there, so
+adding one is adding an entry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -32,9 +34,11 @@ from maxscore.routing.ranking import top_experts
 __all__ = [
     "AFFINITY_OPERATORS",
     "OPERATORS_USING_TEMPERATURE",
-    "TEMPERATURE_BOOSTS",
     "AffinityOperator",
+    "OperatorSpec",
+    "TemperatureBoost",
     "get_operator",
+    "get_operator_spec",
     "gradtopk_affinity",
     "itertopk_affinity",
     "relu_affinity",
@@ -50,6 +54,10 @@ class AffinityOperator(Protocol):
     """``fn(logits[..., e], k, t) -> affinities[..., e]`` (fp32 or float64)."""
 
     def __call__(self, logits: Tensor, k: int, t: Tensor | float) -> Tensor: ...
+
+
+#: ``boost(value_at_t0, logits, k, t) -> value_at_t`` of an operator that depends on ``t``.
+TemperatureBoost = Callable[[Tensor, Tensor, int, Tensor | float], Tensor]
 
 
 def _as_router_float(logits: Tensor) -> Tensor:
@@ -210,32 +218,69 @@ def softtopk_boost(probs: Tensor, logits: Tensor, k: int, t: Tensor | float) -> 
     return probs * (1.0 + t * extra)
 
 
-#: Name -> operator. The router and presets refer to operators by these names.
-AFFINITY_OPERATORS: dict[str, AffinityOperator] = {
-    "softmax": softmax_affinity,
-    "sigmoid": sigmoid_affinity,
-    "softkmax": softkmax_affinity,
-    "itertopk": itertopk_affinity,
-    "gradtopk": gradtopk_affinity,
-    "softtopk": softtopk_affinity,
-    "relu": relu_affinity,
+@dataclass(frozen=True)
+class OperatorSpec:
+    """A registered affinity operator: its function, its ``t`` boost and what it is.
+
+    Attributes:
+        fn: the operator, ``fn(logits[..., e], k, t) -> affinities[..., e]``.
+        description: one line for docs and listings.
+        boost: for operators whose value depends on ``t``: the function that turns the
+            operator's ``t = 0`` value into its value at ``t``, ``boost(value_at_0, logits, k, t)``.
+            The router selects experts on the ``t = 0`` value and boosts it for the combine
+            weights (and only evaluates the ``t`` schedule when an operator has a boost).
+            ``None`` for operators that ignore ``t``.
+
+    A spec is callable like its function (``AFFINITY_OPERATORS["softmax"](logits, k, t)``).
+    """
+
+    fn: AffinityOperator
+    description: str
+    boost: TemperatureBoost | None = None
+
+    @property
+    def uses_temperature(self) -> bool:
+        """Whether the operator's value depends on the SoftTopk scale ``t``."""
+        return self.boost is not None
+
+    def __call__(self, logits: Tensor, k: int, t: Tensor | float) -> Tensor:
+        return self.fn(logits, k, t)
+
+
+#: Name -> :class:`OperatorSpec`. The router and presets refer to operators by these names;
+#: adding an operator is adding an entry here.
+AFFINITY_OPERATORS: dict[str, OperatorSpec] = {
+    "softmax": OperatorSpec(softmax_affinity, "softmax over the experts (Table 2, Eq. 2)"),
+    "sigmoid": OperatorSpec(sigmoid_affinity, "element-wise sigmoid (Table 2; DeepSeek-V3)"),
+    "softkmax": OperatorSpec(softkmax_affinity, "k rounds of a re-weighted softmax (Table 2)"),
+    "itertopk": OperatorSpec(
+        itertopk_affinity, "k rounds of a softmax over the remaining room (Table 2)"
+    ),
+    "gradtopk": OperatorSpec(gradtopk_affinity, "GradTopk recursion (Table 2)"),
+    "softtopk": OperatorSpec(
+        softtopk_affinity,
+        "SoftTopk: softmax with the rank-r choice boosted by 1 + t (min(r, k) - 1) (MaxScore)",
+        boost=softtopk_boost,
+    ),
+    "relu": OperatorSpec(relu_affinity, "element-wise ReLU (ReMoE)"),
 }
 
-#: Operators whose value depends on ``t``, as the function that turns the operator's ``t = 0``
-#: value into its value at ``t``: ``boost(value_at_0, logits, k, t)``. The router selects experts
-#: on the ``t = 0`` value and boosts it for the combine weights (it only evaluates the schedule
-#: for these operators).
-TEMPERATURE_BOOSTS: dict[str, Callable[[Tensor, Tensor, int, Tensor | float], Tensor]] = {
-    "softtopk": softtopk_boost,
-}
-OPERATORS_USING_TEMPERATURE: frozenset[str] = frozenset(TEMPERATURE_BOOSTS)
+#: Names of the operators whose value depends on ``t`` (those with a boost).
+OPERATORS_USING_TEMPERATURE: frozenset[str] = frozenset(
+    name for name, spec in AFFINITY_OPERATORS.items() if spec.uses_temperature
+)
 
 
-def get_operator(name: str) -> AffinityOperator:
-    """The operator registered under ``name`` (ValueError listing the known names otherwise)."""
+def get_operator_spec(name: str) -> OperatorSpec:
+    """The :class:`OperatorSpec` registered under ``name`` (ValueError listing the known names)."""
     try:
         return AFFINITY_OPERATORS[name]
     except KeyError:
         raise ValueError(
             f"unknown affinity operator {name!r}; known operators: {sorted(AFFINITY_OPERATORS)}"
         ) from None
+
+
+def get_operator(name: str) -> AffinityOperator:
+    """The operator function registered under ``name`` (ValueError listing the known names)."""
+    return get_operator_spec(name).fn

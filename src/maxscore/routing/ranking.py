@@ -4,7 +4,7 @@ Every place that ranks a token's experts (the top-k strategies, SoftTopk's rank 
 drop-rate statistics) uses these, so they agree on ties: equal scores rank by the lower expert
 index. ``torch.topk`` gives no tie-breaking guarantee, and on the router's ``[T, e]`` rows with
 small ``e`` it is slow on CUDA (one thread block per row: ~140-190 us for ``[65536, 16]`` on an
-H100, ``benchmarks/train_throughput.md``); a stable sort of such short rows is one pass.
+H100, ``benchmarks/train_throughput/README.md``); a stable sort of such short rows is one pass.
 NaN ranks first (as in ``torch.topk`` and a descending ``torch.sort``).
 """
 

@@ -56,14 +56,21 @@ from maxscore.routing.losses import (
     masked_load_balancing_loss,
     router_z_loss,
 )
-from maxscore.routing.operators import AFFINITY_OPERATORS, TEMPERATURE_BOOSTS
-from maxscore.routing.presets import ROUTER_PRESETS, get_router_config
+from maxscore.routing.operators import get_operator_spec
+from maxscore.routing.presets import get_router_config
 from maxscore.routing.schedule import TemperatureSchedule
 from maxscore.routing.statistics import LazyRoutingStatistics
-from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec
+from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec, get_strategy
 from maxscore.routing.types import RoutingResult
 
-__all__ = ["LOGIT_BOUND", "Router", "build_router", "validate_router_setup"]
+__all__ = [
+    "LOGIT_BOUND",
+    "Router",
+    "advance_routers",
+    "build_router",
+    "register_router_step_hook",
+    "validate_router_setup",
+]
 
 #: Magnitude that ±inf logits are replaced with (large enough to dominate, small enough that
 #: softmax, sigmoid and the z-loss stay finite in fp32).
@@ -77,9 +84,10 @@ def validate_router_setup(
 ) -> None:
     """Raise a ValueError naming the problem if this router cannot be built.
 
-    Checks sizes (``1 <= k <= e``), that the config names a real router (not ``"dense"``), a
-    known operator, strategy and flow solver, and the group-limited layout (``e`` divisible by the number of
-    expert groups, enough experts in the kept groups for ``k``).
+    Checks what depends on the layer's sizes: ``1 <= k <= e``, that the config names a real
+    router (not ``"dense"``) and the strategy's own checks of its settings
+    (:meth:`StrategySpec.validate`, e.g. the group-limited layout). The config's fields on their
+    own (ranges, known operator / strategy / flow solver) were checked when it was built.
     """
     for name, value in (
         ("hidden_size", hidden_size),
@@ -98,38 +106,7 @@ def validate_router_setup(
             "the 'dense' preset has no router: build a dense MLP instead (the MoE layer does this "
             "for router='dense')"
         )
-    if config.operator not in AFFINITY_OPERATORS:
-        raise ValueError(
-            f"unknown affinity operator {config.operator!r}; known: {sorted(AFFINITY_OPERATORS)}"
-        )
-    if config.strategy not in ASSIGNMENT_STRATEGIES:
-        raise ValueError(
-            f"unknown assignment strategy {config.strategy!r}; known: "
-            f"{sorted(ASSIGNMENT_STRATEGIES)}"
-        )
-    if config.strategy == "group-limited":
-        groups = config.num_expert_groups
-        if num_experts % groups != 0:
-            raise ValueError(
-                f"group-limited routing: num_experts={num_experts} is not divisible by "
-                f"num_expert_groups={groups}"
-            )
-        if config.topk_groups * (num_experts // groups) < top_k:
-            raise ValueError(
-                f"group-limited routing: the best topk_groups={config.topk_groups} of {groups} "
-                f"expert groups hold {config.topk_groups * (num_experts // groups)} experts, "
-                f"fewer than top_k={top_k}"
-            )
-    if config.flow_method != "auto":
-        from maxscore.routing.flow import FLOW_SOLVERS
-
-        if config.flow_method not in FLOW_SOLVERS:
-            raise ValueError(
-                f"unknown flow_method {config.flow_method!r}; known: "
-                f"{['auto', *sorted(FLOW_SOLVERS)]}"
-            )
-    if config.bias_update_rate < 0:
-        raise ValueError(f"bias_update_rate must be >= 0, got {config.bias_update_rate}")
+    get_strategy(config.strategy).validate(config, num_experts, top_k)
 
 
 class Router(nn.Module):
@@ -139,7 +116,8 @@ class Router(nn.Module):
         hidden_size: ``D``.
         num_experts: ``e``.
         top_k: ``k``, experts per token.
-        config: a :class:`RouterConfig` or a preset name (``ROUTER_PRESETS``).
+        config: the :class:`RouterConfig` (resolve a preset name with
+            :func:`~maxscore.routing.presets.get_router_config`, or use :func:`build_router`).
         router_dtype: dtype of the router math, ``torch.float32`` (default) or ``torch.float64``
             (for gradcheck-style tests); assignment always ranks fp32 scores.
         check_finite: debug aid: raise ValueError on NaN/inf logits (a host sync per call)
@@ -157,12 +135,15 @@ class Router(nn.Module):
     to). All are always present, so state-dict keys do not depend on the preset.
 
     DeepSeek-V3 bias updates (``bias_update_rate > 0``) happen once per optimizer step, like
-    DeepSeek-V3 and Megatron: training forwards add their loads to ``expert_load``; the first
-    training forward after the schedule's step counter moved (``advance_schedule``, which the
-    trainer calls once per optimizer step) applies ``b_j -= rate · sign(load_j - mean load)`` and
-    starts a new accumulation. The bias is therefore constant within a step, so activation
-    checkpointing recomputes exactly the routing of the original forward. All of this runs on
-    the device with no host sync. :meth:`update_expert_bias` applies the pending update at once.
+    DeepSeek-V3, Megatron and torchtitan, and never inside ``forward``: training forwards only
+    record their loads in ``expert_load`` (``forward`` is a function of its inputs, the gate and
+    the bias); :meth:`advance_schedule`, which counts a finished optimizer step, applies
+    ``b_j -= rate · sign(load_j - mean load)`` through :meth:`update_expert_bias` and starts a
+    new accumulation. The trainer calls it after every optimizer step (a callback); a plain loop
+    calls ``router.advance_schedule()`` (or ``router.update_expert_bias()`` alone) after
+    ``optimizer.step()``, or registers :func:`register_router_step_hook` on its optimizer. The
+    bias is therefore constant within a step, so activation checkpointing recomputes exactly the
+    routing of the original forward. All of this runs on the device with no host sync.
     """
 
     expert_bias: Tensor
@@ -174,18 +155,17 @@ class Router(nn.Module):
         hidden_size: int,
         num_experts: int,
         top_k: int,
-        config: RouterConfig | str = "maxscore",
+        config: RouterConfig,
         *,
         router_dtype: torch.dtype = torch.float32,
         check_finite: bool = False,
         compute_stats: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(config, str):
-            config = get_router_config(config)
         if not isinstance(config, RouterConfig):
             raise TypeError(
-                f"config must be a RouterConfig or a preset name, got {type(config).__name__}"
+                f"config must be a RouterConfig, got {type(config).__name__}; for a preset name "
+                "use build_router(name, ...) or get_router_config(name)"
             )
         validate_router_setup(hidden_size, num_experts, top_k, config)
         if router_dtype not in _ROUTER_DTYPES:
@@ -197,12 +177,12 @@ class Router(nn.Module):
         self.router_dtype = router_dtype
         self.check_finite = check_finite
         self.compute_stats = compute_stats
-        self.operator = AFFINITY_OPERATORS[config.operator]
-        self.temperature_boost = TEMPERATURE_BOOSTS.get(config.operator)
+        self.operator = get_operator_spec(config.operator)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.schedule = TemperatureSchedule(config.temperature)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float32))
+        # The schedule step at which the bias last moved (see update_expert_bias).
         self.register_buffer("expert_load_step", torch.zeros((), dtype=torch.long))
         # Global-batch aux loss: expert loads and token count of the current optimizer step
         # (summed over data-parallel ranks), and the step they belong to. Not checkpointed: they
@@ -217,7 +197,7 @@ class Router(nn.Module):
 
     # ----------------------------------------------------------------------------------------
     # dtype handling: the balancing bias is accumulated in tiny steps and must stay fp32
-    # (SPEC §5 pitfall: "an fp32 bias must not silently become bf16").
+    # (``model.to(torch.bfloat16)`` must not silently round it away; ``_apply`` keeps it fp32).
     _FP32_BUFFERS = ("expert_bias", "expert_load", "aux_load")
 
     def _apply(self, fn: Any, recurse: bool = True) -> Router:
@@ -236,7 +216,7 @@ class Router(nn.Module):
 
         In ``eval()`` mode with ``eval_routing="causal"`` a non-causal strategy (capacity,
         Sinkhorn, flow, expert choice) is replaced by dropless top-k, so no token's experts
-        depend on later tokens (SPEC §3).
+        depend on later tokens.
         """
         name = self.config.strategy
         spec = ASSIGNMENT_STRATEGIES[name]
@@ -246,8 +226,15 @@ class Router(nn.Module):
         return name, spec
 
     def advance_schedule(self, n: int = 1) -> None:
-        """Count ``n`` optimizer steps on the SoftTopk ``t`` schedule."""
+        """Count ``n`` finished optimizer steps; call it after ``optimizer.step()``.
+
+        Advances the SoftTopk ``t`` schedule by ``n`` and, with DeepSeek-V3 balancing
+        (``bias_update_rate > 0``), applies the bias update of the loads recorded since the last
+        update (:meth:`update_expert_bias`; once, whatever ``n``).
+        """
         self.schedule.advance(n)
+        if self.config.bias_update_rate > 0:
+            self.update_expert_bias()
 
     def temperature(self) -> Tensor:
         """The current SoftTopk ``t`` (0-dim fp32 device tensor)."""
@@ -350,16 +337,14 @@ class Router(nn.Module):
         # ranked like the logits). The boost t only reshapes the combine weights: boosted
         # scores would rank every non-top-1 expert (x(1+t)) above the top-1 early in training,
         # and the authors' code selects on the softmax and scales only the weights.
-        selection = self.operator(logits, k, 0.0)
+        selection = self.operator.fn(logits, k, 0.0)
         affinities = selection
-        if self.temperature_boost is not None:
-            affinities = self.temperature_boost(selection, logits, k, self._temperature())
+        if self.operator.boost is not None:
+            affinities = self.operator.boost(selection, logits, k, self._temperature())
 
         # Selection scores, plus the DeepSeek-V3 bias, which steers selection only and never
-        # enters the weights. Strategies only pick, so they get a detached copy.
-        balancing = cfg.bias_update_rate > 0 and self.training
-        if balancing:
-            self._apply_pending_bias_update(only_if_new_step=True)
+        # enters the weights (it moves between optimizer steps, in update_expert_bias).
+        # Strategies only pick, so they get a detached copy.
         scores = selection.detach().float()
         if cfg.bias_update_rate > 0:
             scores = scores + self.expert_bias
@@ -384,10 +369,8 @@ class Router(nn.Module):
             aux = self._aux_loss(selection, expert_index, mask, batch, seq)
         z = cfg.z_loss_coef * router_z_loss(logits, mask) if cfg.z_loss_coef != 0 else zero
 
-        if balancing:
-            with torch.no_grad():
-                load = assignment_matrix(expert_index, e, torch.float32).sum(dim=(0, 1))
-                self.expert_load.add_(load)
+        if cfg.bias_update_rate > 0 and self.training:
+            self._record_expert_load(expert_index)
 
         # Statistics are evaluated when first read (no kernels here).
         stats: Mapping[str, Tensor] = {}
@@ -472,36 +455,38 @@ class Router(nn.Module):
         return total
 
     @torch.no_grad()
-    def _apply_pending_bias_update(self, only_if_new_step: bool) -> None:
+    def _record_expert_load(self, expert_index: Tensor) -> None:
+        """Add this training forward's tokens per expert to ``expert_load`` (the bias update's
+        input).
+
+        Under activation checkpointing the recomputation in the backward pass adds its
+        micro-batch again. Every micro-batch of a checkpointed layer is recomputed, so every load
+        doubles and the update, which depends on the sign of each load's difference to the mean,
+        is unchanged (telling a recomputation apart would split a compiled graph).
+        """
+        load = assignment_matrix(expert_index, self.num_experts, torch.float32).sum(dim=(0, 1))
+        self.expert_load.add_(load)
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
         """DeepSeek-V3 auxiliary-loss-free balancing: ``b_j -= rate · sign(load_j - mean load)``.
 
-        Overloaded experts get a LOWER bias (so they are picked less); the authors' code has the
-        sign inverted. ``load`` is ``expert_load``, the tokens per expert accumulated since the
-        last update. With ``only_if_new_step`` the update (and the reset of the accumulator)
-        happens only when the schedule's step differs from ``expert_load_step``; the test is a
-        device-side ``where``, not a host branch. Under data parallelism the loads are summed
-        over all ranks first (one ``e``-long all-reduce), so every rank applies the same update
-        and the replicas' biases stay equal.
+        Called once per optimizer step (by :meth:`advance_schedule`, or directly by a loop that
+        does not use the schedule). Overloaded experts get a LOWER bias (so they are picked
+        less); the authors' code has the sign inverted. ``load`` is ``expert_load``, the tokens
+        per expert recorded by the training forwards since the last update; it is consumed
+        (reset to 0). Under data parallelism the loads are summed over all ranks first (one
+        ``e``-long all-reduce, so every rank must call this at the same point), so every rank
+        applies the same update and the replicas' biases stay equal. No host sync.
         """
         load = self.expert_load
         total = load
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             total = load.clone()
             torch.distributed.all_reduce(total)
-        update = self.config.bias_update_rate * torch.sign(total - total.mean())
-        if only_if_new_step:
-            new_step = self.schedule.step != self.expert_load_step
-            update = torch.where(new_step, update, torch.zeros_like(update))
-            load.mul_((~new_step).to(load.dtype))
-        else:
-            load.zero_()
-        self.expert_bias.sub_(update)
+        self.expert_bias.sub_(self.config.bias_update_rate * torch.sign(total - total.mean()))
+        load.zero_()
         self.expert_load_step.copy_(self.schedule.step)
-
-    def update_expert_bias(self) -> None:
-        """Apply the pending DeepSeek-V3 bias update now (for loops that do not advance the
-        schedule); the loads accumulated so far are consumed."""
-        self._apply_pending_bias_update(only_if_new_step=False)
 
     def extra_repr(self) -> str:
         c = self.config
@@ -525,8 +510,9 @@ def build_router(
 
     ``overrides`` are :class:`RouterConfig` fields (e.g. ``capacity_factor=1.25``,
     ``group="tokens", group_size=1024``) or the Router options ``router_dtype``,
-    ``check_finite``, ``compute_stats``. Unknown names, ``top_k > num_experts`` and other
-    impossible setups raise a ValueError that names the problem.
+    ``check_finite``, ``compute_stats``. The name and overrides are resolved by
+    :func:`~maxscore.routing.presets.get_router_config`. Unknown names, ``top_k > num_experts``
+    and other impossible setups raise a ValueError that names the problem.
 
     Example::
 
@@ -534,18 +520,24 @@ def build_router(
         result = router(hidden)          # hidden: [B, L, 768]
     """
     router_kwargs = {name: overrides.pop(name) for name in _ROUTER_KWARGS if name in overrides}
-    if isinstance(preset_or_config, str):
-        if preset_or_config not in ROUTER_PRESETS:
-            raise ValueError(
-                f"unknown router preset {preset_or_config!r}; known presets: "
-                f"{sorted(ROUTER_PRESETS)}"
-            )
-        config = get_router_config(preset_or_config, **overrides)
-    elif isinstance(preset_or_config, RouterConfig):
-        config = preset_or_config.with_overrides(**overrides)
-    else:
-        raise TypeError(
-            "build_router needs a preset name or a RouterConfig, got "
-            f"{type(preset_or_config).__name__}"
-        )
+    config = get_router_config(preset_or_config, **overrides)
     return Router(hidden_size, num_experts, top_k, config, **router_kwargs)
+
+
+def advance_routers(module: nn.Module, n: int = 1) -> None:
+    """:meth:`Router.advance_schedule` of every router in ``module``: count ``n`` finished
+    optimizer steps (the SoftTopk ``t`` schedule, the DeepSeek-V3 bias update)."""
+    for router in module.modules():
+        if isinstance(router, Router):
+            router.advance_schedule(n)
+
+
+def register_router_step_hook(optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
+    """Advance ``module``'s routers after every ``optimizer.step()`` (:func:`advance_routers`).
+
+    For training loops of one's own (maxscore's trainer does the same with a callback); torchtitan
+    updates its balancing biases from an optimizer-step hook in the same way. Returns the hook's
+    handle (``handle.remove()`` detaches it). A step skipped by a ``GradScaler`` (inf gradients)
+    does not call the hook.
+    """
+    return optimizer.register_step_post_hook(lambda *_: advance_routers(module))

@@ -2,8 +2,9 @@
 
 These are the quantities the paper plots (Fig. 2: drop rate and mean affinity of the 1st / 2nd
 choice, the missed choices split here into dropped and rerouted ones; Fig. 8: per-expert load
-over capacity) plus the metrics SPEC §3 asks for (unused experts, load imbalance). Every statistic is computed per routing group and averaged over groups; the
-result is a dict of device tensors, so reading one (``.item()``) is the caller's only sync.
+over capacity) plus unused experts and load imbalance (max / mean tokens per expert). Every
+statistic is computed per routing group and averaged over groups; the result is a dict of device
+tensors, so reading one (``.item()``) is the caller's only sync.
 
 Off the hot path: the router does not compute them in its forward. It returns a
 :class:`LazyRoutingStatistics`, a read-only mapping with the same keys that keeps detached
@@ -188,8 +189,8 @@ class _PendingStatistics:
             assert self.affinities is not None and self.expert_index is not None
             # The trainer reads every MoE layer's statistics after every optimizer step (for
             # the logged means). Eagerly that is ~25 small kernels per layer on [G, n, e]
-            # tensors (0.3 ms per Base layer on an H100 with the former sort-based ranking);
-            # compiled on CUDA, ~0.04 ms (benchmarks/train_throughput.md, fifth session).
+            # tensors; compiled on CUDA, ~0.04 ms per Base layer on an H100
+            # (benchmarks/train_throughput/README.md).
             self.result = call_compiled(
                 "routing_statistics",
                 routing_statistics,

@@ -61,7 +61,6 @@ and nothing reads device values on the host.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,7 +68,13 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.config import RouterConfig
+from maxscore.routing.flow_assignment import (
+    assign_min_cost_flow,
+    padding_sink_problem,
+    resolve_flow_method,
+)
 from maxscore.routing.ranking import ranked_experts, top_experts
+from maxscore.routing.strategy_inputs import check_inputs, check_token_mask, without_padding
 from maxscore.routing.types import DROPPED, assignment_matrix
 
 AssignFn = Callable[..., Tensor]
@@ -77,6 +82,7 @@ AssignFn = Callable[..., Tensor]
 __all__ = [
     "ASSIGNMENT_STRATEGIES",
     "AssignFn",
+    "SetupCheck",
     "StrategySpec",
     "assign_dropless",
     "assign_expert_choice",
@@ -85,14 +91,21 @@ __all__ = [
     "assign_sinkhorn",
     "assign_topk",
     "assign_topk_reroute",
+    "check_group_limited_layout",
     "cumsum_last",
     "get_strategy",
     "keep_within_capacity",
     "padding_sink_problem",
     "ranked_experts",
+    "resolve_flow_method",
     "sinkhorn_log_plan",
     "without_padding",
 ]
+
+
+#: ``check(config, num_experts, top_k)``: raise a ValueError if a strategy cannot route a layer
+#: of ``num_experts`` experts with ``top_k`` experts per token under ``config``'s settings.
+SetupCheck = Callable[[RouterConfig, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,9 @@ class StrategySpec:
         log_scores: True when the strategy reads its scores as a log-kernel (Sinkhorn
             transports ``exp(scores)``); the router then passes ``log A`` instead of ``A``, which
             for softmax affinities is the logits up to a per-token shift (SBASE's kernel).
+        check_setup: the strategy's own check of the settings it reads against the layer's
+            sizes (:data:`SetupCheck`), or ``None`` when any valid config works; run by
+            :meth:`validate` before a router is built.
     """
 
     assign: AssignFn
@@ -119,74 +135,17 @@ class StrategySpec:
     uses_capacity: bool
     description: str
     log_scores: bool = False
+    check_setup: SetupCheck | None = None
 
     def num_slots(self, k: int, num_experts: int) -> int:
         """``S``, the size of the last dimension of ``assign``'s result."""
         return k if self.token_choice else num_experts
 
-
-# --------------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------------
-
-_SCORE_DTYPES = (torch.float32, torch.float64)
-
-
-def _validate(
-    name: str, scores: Tensor, k: int, capacity: Tensor | None, *, needs_capacity: bool
-) -> Tensor | None:
-    """Check the common arguments; return ``capacity`` as a long tensor on ``scores``' device."""
-    if not isinstance(scores, Tensor):
-        raise TypeError(f"{name}: scores must be a torch.Tensor, got {type(scores).__name__}")
-    if scores.ndim != 3:
-        raise ValueError(
-            f"{name}: scores must have shape [groups, tokens, experts] (3 dims), "
-            f"got {scores.ndim} dims with shape {tuple(scores.shape)}"
-        )
-    if scores.dtype not in _SCORE_DTYPES:
-        # Router math is fp32 (ARCHITECTURE.md); float64 is accepted for gradcheck-style tests.
-        raise ValueError(
-            f"{name}: scores must be float32 (or float64), got {scores.dtype}; "
-            "cast router scores to fp32 before assignment"
-        )
-    e = scores.shape[-1]
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"{name}: k must be an int, got {type(k).__name__}")
-    if k < 1:
-        raise ValueError(f"{name}: k (experts per token) must be >= 1, got {k}")
-    if k > e:
-        raise ValueError(f"{name}: k={k} exceeds the number of experts e={e}")
-    if capacity is None:
-        if needs_capacity:
-            raise ValueError(
-                f"{name}: this strategy needs a per-expert capacity tensor of shape [{e}], got None"
-            )
-        return None
-    if not isinstance(capacity, Tensor):
-        raise TypeError(
-            f"{name}: capacity must be a torch.Tensor of shape [{e}] or None, "
-            f"got {type(capacity).__name__}"
-        )
-    if capacity.shape != (e,):
-        raise ValueError(
-            f"{name}: capacity must have shape [e] = [{e}], got {tuple(capacity.shape)}"
-        )
-    if (
-        capacity.dtype.is_floating_point
-        or capacity.dtype.is_complex
-        or capacity.dtype == torch.bool
-    ):
-        raise ValueError(f"{name}: capacity must be an integer (long) tensor, got {capacity.dtype}")
-    # A negativity check reads the values; that is free on the CPU but a host sync on an
-    # accelerator, where negative entries instead behave as 0 (nothing is kept). Skipped while
-    # torch.compile traces (reading a value would split the graph).
-    if (
-        capacity.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and bool((capacity < 0).any())
-    ):
-        raise ValueError(f"{name}: capacity must be >= 0 for every expert, got {capacity.tolist()}")
-    return capacity.to(device=scores.device, dtype=torch.long)
+    def validate(self, config: RouterConfig, num_experts: int, top_k: int) -> None:
+        """Raise a ValueError naming the problem if this strategy cannot route ``num_experts``
+        experts, ``top_k`` per token, with ``config``'s settings."""
+        if self.check_setup is not None:
+            self.check_setup(config, num_experts, top_k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,25 +225,6 @@ def _expert_load(expert_index: Tensor, e: int) -> Tensor:
     return load[:, :e]
 
 
-def without_padding(expert_index: Tensor, token_mask: Tensor | None) -> Tensor:
-    """``expert_index[G, n, S]`` with every slot of a padded row (``token_mask`` False) emptied."""
-    if token_mask is None:
-        return expert_index
-    return torch.where(token_mask.unsqueeze(-1), expert_index, DROPPED)
-
-
-def _check_mask(name: str, scores: Tensor, token_mask: Tensor | None) -> Tensor | None:
-    """``token_mask`` as a ``[G, n]`` bool tensor on ``scores``' device (shape checked)."""
-    if token_mask is None:
-        return None
-    if token_mask.shape != scores.shape[:2]:
-        raise ValueError(
-            f"{name}: token_mask must have shape [groups, tokens] = {tuple(scores.shape[:2])}, "
-            f"got {tuple(token_mask.shape)}"
-        )
-    return token_mask.to(device=scores.device, dtype=torch.bool)
-
-
 def _capacity_priority(scores: Tensor, expert_index: Tensor, config: RouterConfig) -> Tensor | None:
     """Priority for :func:`keep_within_capacity` from ``config.drop_policy``."""
     if config.drop_policy == "score":
@@ -320,9 +260,9 @@ def assign_topk(
       choice with score 0.4 beats a 1st choice with 0.3; Megatron's "probs" policy); ties by
       (rank, position).
     """
-    cap = _validate("topk", scores, k, capacity, needs_capacity=True)
+    cap = check_inputs("topk", scores, k, capacity, needs_capacity=True)
     assert cap is not None
-    mask = _check_mask("topk", scores, token_mask)
+    mask = check_token_mask("topk", scores, token_mask)
     idx = without_padding(top_experts(scores, k), mask)
     keep = keep_within_capacity(idx, cap, _capacity_priority(scores, idx, config))
     return torch.where(keep, idx, DROPPED)
@@ -390,9 +330,9 @@ def assign_topk_reroute(
     until rerouting replaces it. Slots stay dropped only when no expert the token lacks has
     spare capacity.
     """
-    cap = _validate("topk-reroute", scores, k, capacity, needs_capacity=True)
+    cap = check_inputs("topk-reroute", scores, k, capacity, needs_capacity=True)
     assert cap is not None
-    mask = _check_mask("topk-reroute", scores, token_mask)
+    mask = check_token_mask("topk-reroute", scores, token_mask)
     ranked = ranked_experts(scores)
     idx = without_padding(ranked[..., :k], mask)
     keep = keep_within_capacity(idx, cap, _capacity_priority(scores, idx, config))
@@ -466,9 +406,9 @@ def assign_sinkhorn(
     (measured, n = 512, e = 16, k = 2, capacity factor 1, expert-bias std 1: 72% of slots
     placed with ``A``, 97% with ``log A``).
     """
-    cap = _validate("sinkhorn", scores, k, capacity, needs_capacity=True)
+    cap = check_inputs("sinkhorn", scores, k, capacity, needs_capacity=True)
     assert cap is not None
-    mask = _check_mask("sinkhorn", scores, token_mask)
+    mask = check_token_mask("sinkhorn", scores, token_mask)
     g, n, _ = scores.shape
     work = torch.float32 if scores.dtype == torch.float32 else scores.dtype
     log_kernel = scores.to(work).clamp(-_LOG_KERNEL_BOUND, _LOG_KERNEL_BOUND)
@@ -514,9 +454,9 @@ def assign_expert_choice(
     an expert's top-c depends on later tokens (the leak the paper points out). Ties: the earlier
     token wins. A capacity above ``n`` takes every token.
     """
-    cap = _validate("expert-choice", scores, k, capacity, needs_capacity=True)
+    cap = check_inputs("expert-choice", scores, k, capacity, needs_capacity=True)
     assert cap is not None
-    mask = _check_mask("expert-choice", scores, token_mask)
+    mask = check_token_mask("expert-choice", scores, token_mask)
     g, n, e = scores.shape
     per_expert = scores.transpose(1, 2)  # [G, e, n]
     if mask is None:
@@ -548,8 +488,25 @@ def assign_dropless(
     lower expert index). ``capacity`` is ignored (may be ``None``). Causal: a token's experts
     depend only on its own scores.
     """
-    _validate("dropless", scores, k, capacity, needs_capacity=False)
-    return without_padding(top_experts(scores, k), _check_mask("dropless", scores, token_mask))
+    check_inputs("dropless", scores, k, capacity, needs_capacity=False)
+    return without_padding(top_experts(scores, k), check_token_mask("dropless", scores, token_mask))
+
+
+def check_group_limited_layout(config: RouterConfig, num_experts: int, top_k: int) -> None:
+    """The group-limited layout: ``e`` splits into ``num_expert_groups`` equal groups and the
+    ``topk_groups`` kept groups hold at least ``k`` experts (ValueError naming the problem)."""
+    groups, keep_groups = config.num_expert_groups, config.topk_groups
+    if num_experts % groups != 0:
+        raise ValueError(
+            f"group-limited routing: num_experts={num_experts} is not divisible by "
+            f"num_expert_groups={groups} (the experts cannot be split into equal groups)"
+        )
+    held = keep_groups * (num_experts // groups)
+    if held < top_k:
+        raise ValueError(
+            f"group-limited routing: the best topk_groups={keep_groups} of {groups} expert "
+            f"groups hold {held} experts, fewer than top_k={top_k}"
+        )
 
 
 @torch.no_grad()
@@ -570,156 +527,18 @@ def assign_group_limited(
     (dropless; ``capacity`` is ignored), causal. Raises if ``e`` is not divisible by the number
     of groups or the kept groups hold fewer than ``k`` experts.
     """
-    _validate("group-limited", scores, k, capacity, needs_capacity=False)
+    check_inputs("group-limited", scores, k, capacity, needs_capacity=False)
     g, n, e = scores.shape
+    check_group_limited_layout(config, e, k)
     groups, keep_groups = config.num_expert_groups, config.topk_groups
-    if e % groups != 0:
-        raise ValueError(
-            f"group-limited: e={e} experts cannot be split into num_expert_groups={groups} "
-            "equal groups"
-        )
     per_group = e // groups
-    if keep_groups * per_group < k:
-        raise ValueError(
-            f"group-limited: topk_groups={keep_groups} groups of {per_group} experts hold "
-            f"{keep_groups * per_group} experts, fewer than k={k}"
-        )
     group_score = scores.reshape(g, n, groups, per_group).amax(dim=-1)  # [G, n, groups]
     best_groups = top_experts(group_score, keep_groups)
     allowed_group = torch.zeros(g, n, groups, dtype=torch.bool, device=scores.device)
     allowed_group.scatter_(2, best_groups, True)
     allowed = allowed_group.repeat_interleave(per_group, dim=2)  # [G, n, e]
     idx = ranked_experts(scores, allowed)[..., :k]
-    return without_padding(idx, _check_mask("group-limited", scores, token_mask))
-
-
-def resolve_flow_method(flow_method: str, device: torch.device) -> str:
-    """``"auto"`` picks the fastest solver that meets the optimality target on ``device``.
-
-    On a GPU that is the batched global solver (``"global"``, no host sync). On the CPU the
-    exact successive-shortest-path solver (``"exact"``) is both optimal and faster for routing
-    groups of a few hundred tokens, and a host sync costs nothing there. Other names pass through.
-    """
-    if flow_method != "auto":
-        return flow_method
-    return "global" if device.type == "cuda" else "exact"
-
-
-@torch.no_grad()
-def assign_min_cost_flow(
-    scores: Tensor,
-    k: int,
-    capacity: Tensor | None,
-    config: RouterConfig,
-    token_mask: Tensor | None = None,
-    capacity_bound: int | None = None,
-) -> Tensor:
-    """MaxScore's min-cost max-flow assignment (paper Eq. 7-8, Fig. 4, Algorithm 1).
-
-    Delegates to the solver ``maxscore.routing.flow.FLOW_SOLVERS[config.flow_method]`` (its
-    ``solve`` is called directly, not the validating ``min_cost_flow_assignment``, which reads
-    values on the host), with ``iterations=config.sinkhorn_iterations`` for iterative solvers.
-    The network: source -> token edges of capacity ``k``, token -> expert edges of capacity 1 and
-    cost ``-A_ij``, expert -> sink edges of capacity ``capacity[j]``.
-
-    Too little capacity (``n*k`` above what the experts can take) never raises: the result is a
-    valid partial assignment with ``-1`` in the unfilled slots. Exact solvers
-    (``FlowSolverSpec.exact``) return a maximum flow (``min(n*k, sum_j min(c_j, n))`` slots) of
-    maximal affinity; approximate ones a capacity-feasible assignment that may place fewer.
-    Each token's experts are returned in descending score order with ``-1`` last (slot ``r`` =
-    the token's ``r``-th best assigned expert). Whether this syncs with the host depends on the
-    solver (``FlowSolverSpec.device == "cpu"`` solvers copy to the CPU).
-
-    Padding (``token_mask``): solvers that take it (``FlowSolverSpec.keywords``) give padded
-    rows no slot; for the others :func:`padding_sink_problem` adds ``k`` sink experts of capacity
-    ``n`` that absorb the padded rows (sink slots come back as ``-1``). ``capacity_bound`` (the
-    router's capacity) lets the GPU solver size its state without reading ``capacity`` back.
-    """
-    cap = _validate("min-cost-flow", scores, k, capacity, needs_capacity=True)
-    assert cap is not None
-    mask = _check_mask("min-cost-flow", scores, token_mask)
-    e = scores.shape[-1]
-    # Imported here: flow/ imports routing modules, and the solvers are only needed on use.
-    try:
-        from maxscore.routing.flow import FLOW_SOLVERS
-    except ImportError as exc:
-        raise ImportError(
-            f"min-cost-flow: the flow solvers (maxscore.routing.flow) are not importable: {exc}"
-        ) from exc
-
-    method = resolve_flow_method(config.flow_method, scores.device)
-    if method not in FLOW_SOLVERS:
-        raise ValueError(
-            f"min-cost-flow: unknown flow_method {config.flow_method!r}; "
-            f"registered solvers: {sorted(FLOW_SOLVERS)} or 'auto'"
-        )
-    from maxscore.routing.flow.compiled_call import solve_flow
-
-    solver_mask = mask if "token_mask" in FLOW_SOLVERS[method].keywords else None
-    if mask is not None and solver_mask is None:
-        scores, cap = padding_sink_problem(scores.float(), k, cap, mask)
-        capacity_bound = None if capacity_bound is None else max(capacity_bound, scores.shape[1])
-    idx = solve_flow(
-        method,
-        scores.to(torch.float32),
-        int(k),
-        cap.clamp(min=0),
-        config.sinkhorn_iterations,
-        capacity_bound,
-        solver_mask,
-    )
-    if idx.shape != (*scores.shape[:2], k):
-        raise RuntimeError(
-            f"min-cost-flow: solver {method!r} returned shape {tuple(idx.shape)}, "
-            f"expected {(*scores.shape[:2], k)}"
-        )
-    idx = idx.to(device=scores.device, dtype=torch.long)
-    # Solvers already return each token's experts by decreasing affinity, ties to the lower
-    # index, empty slots last (flow/registry.py), so no re-sort is needed here. Sink experts
-    # score below every real expert of a real token, so they sit after its real slots.
-    if mask is not None:
-        idx = without_padding(torch.where(idx >= e, DROPPED, idx), mask)
-    return idx
-
-
-def padding_sink_problem(
-    scores: Tensor, k: int, capacity: Tensor, token_mask: Tensor
-) -> tuple[Tensor, Tensor]:
-    """The flow problem (Eq. 8) of the real tokens only, in the solver's fixed shape.
-
-    Returns ``scores [G, n, e + k]`` and ``capacity [e + k]``: ``k`` extra "sink" experts of
-    capacity ``n``. A padded row scores 0 on the sinks and ``lo - 2M`` on the real experts; a real
-    row keeps its scores on the real experts and scores ``lo - M`` on the sinks, where ``lo`` and
-    ``hi`` bound the real scores of the call and ``M = (e + 1)(hi - lo) + 1``.
-
-    Why this is the real tokens' problem: with the sinks every token can get ``k`` slots, so
-    every maximum flow has ``n k`` units and the solver maximises affinity among them. A padded
-    row on a real expert could swap to a sink it lacks (``k`` sinks, at most ``n - 1`` others on
-    it) and gain ``2M - lo > 0``, so no optimum puts padding on a real expert. For real rows, an
-    assignment with fewer real slots than the maximum flow of the real-only problem has an
-    augmenting path through at most ``e`` real experts that turns one sink slot into a real one;
-    it changes the real affinities by at least ``-(e + 1)(hi - lo)`` and gains ``M`` from the
-    freed sink slot, a net gain. So an optimum is a maximum real flow of maximal real affinity,
-    i.e. the answer of Eq. 8 for the real tokens alone. (In fp32 the margin ``M`` limits the
-    resolution of near-ties to about ``M * 1e-7``.) Padded rows are replaced, so their content
-    never reaches the solver.
-    """
-    g, n, e = scores.shape
-    real = token_mask.unsqueeze(-1)
-    real_scores = torch.where(real, scores, torch.nan)
-    # Bounds over the real rows only; an all-padding call has none, then lo = hi = 0.
-    hi, lo = _nan_max(real_scores), -_nan_max(-real_scores)
-    hi, lo = torch.where(torch.isfinite(hi), hi, 0.0), torch.where(torch.isfinite(lo), lo, 0.0)
-    margin = (e + 1) * (hi - lo).clamp(min=0) + 1.0
-    body = torch.where(real, scores, lo - 2 * margin)
-    sinks = torch.where(real, lo - margin, 0.0).expand(g, n, k)
-    sink_capacity = torch.full((k,), n, dtype=capacity.dtype, device=capacity.device)
-    return torch.cat([body, sinks], dim=-1), torch.cat([capacity, sink_capacity])
-
-
-def _nan_max(x: Tensor) -> Tensor:
-    """Largest non-NaN entry of ``x`` (0-dim); ``-inf`` when every entry is NaN. No host sync."""
-    return torch.where(torch.isnan(x), float("-inf"), x).amax()
+    return without_padding(idx, check_token_mask("group-limited", scores, token_mask))
 
 
 ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
@@ -765,6 +584,7 @@ ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
         causal=True,
         uses_capacity=False,
         description="DeepSeek group-limited top-k (best topk_groups expert groups), dropless",
+        check_setup=check_group_limited_layout,
     ),
     "min-cost-flow": StrategySpec(
         assign=assign_min_cost_flow,

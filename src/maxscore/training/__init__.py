@@ -1,7 +1,7 @@
 """Training: typed config, data packing, HF Trainer integration, run directories, comparisons.
 
 ``maxscore train`` and ``maxscore compare`` are thin wrappers over :func:`train` and
-:func:`compare`. See :mod:`maxscore.training.trainer` for what the run directory holds and
+:func:`compare`. See :mod:`maxscore.training.run` for what the run directory holds and
 :mod:`maxscore.training.data` for how documents are packed into blocks. Names are imported on
 first use, so ``maxscore.training.config`` loads without torch or transformers.
 """
@@ -13,14 +13,8 @@ from maxscore._lazy import lazy_exports
 if TYPE_CHECKING:
     from maxscore.training.config import PAPER_RECIPE, ConfigError, TrainConfig, apply_recipe
     from maxscore.training.data import DataError, build_training_data, load_tokenizer
-    from maxscore.training.trainer import (
-        METRICS_SCHEMA,
-        PreparedRun,
-        TrainResult,
-        format_summary,
-        prepare,
-        train,
-    )
+    from maxscore.training.metrics import METRICS_SCHEMA
+    from maxscore.training.run import PreparedRun, TrainResult, format_summary, prepare, train
 
 _EXPORTS = {
     "maxscore.training.config": (
@@ -34,8 +28,8 @@ _EXPORTS = {
         "build_training_data",
         "load_tokenizer",
     ),
-    "maxscore.training.trainer": (
-        "METRICS_SCHEMA",
+    "maxscore.training.metrics": ("METRICS_SCHEMA",),
+    "maxscore.training.run": (
         "PreparedRun",
         "TrainResult",
         "format_summary",

@@ -60,8 +60,9 @@ def compare(
     checked) before the first one trains. Returns one row per run, in router-then-seed order.
     """
     from maxscore.routing.presets import ROUTER_PRESETS
+    from maxscore.training.distributed import is_main_process
+    from maxscore.training.run import prepare, train
     from maxscore.training.run_dir import RunDirectory, RunDirPlan
-    from maxscore.training.trainer import is_main_process, prepare, train
 
     seeds = list(seeds) if seeds else [config.seed]
     if not routers:

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from maxscore.config_types import check_dataclass_types
+from maxscore.training.errors import ConfigError
+from maxscore.training.reporting import parse_report_to
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 LRSchedule = Literal["wsd", "cosine", "linear", "constant"]
@@ -48,10 +50,6 @@ RUNTIME_FIELDS: frozenset[str] = frozenset(
         "expert_parallel",
     }
 )
-
-
-class ConfigError(ValueError):
-    """A training configuration that cannot work; raised before any training starts."""
 
 
 @dataclass
@@ -100,7 +98,7 @@ class TrainConfig:
         gradient_checkpointing: recompute activations in the backward pass.
         compile: ``torch.compile`` every decoder layer and the LM loss
             (:meth:`LlamaMoEForCausalLM.compile_layers`): on a GPU the Base preset trains
-            1.7x faster (benchmarks/train_throughput.md); the first steps pay ~1 min of
+            1.7x faster (benchmarks/train_throughput/README.md); the first steps pay ~1 min of
             compilation. Checkpoints are the same as without it.
         compile_mode: ``torch.compile`` mode for ``compile``: ``"default"`` or
             ``"max-autotune-no-cudagraphs"``. (``"reduce-overhead"``, CUDA graphs per layer, is
@@ -243,8 +241,6 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other; pick one")
-        from maxscore.training.reporting import parse_report_to
-
         parse_report_to(self.report_to)  # names only; installation is checked by prepare()
         if self.recipe is not None and self.recipe not in RECIPES:
             raise ConfigError(
@@ -316,7 +312,7 @@ class TrainConfig:
         }
 
 
-#: The paper's setup (SPEC section 2). ``dataset="c4"`` streams allenai/c4 ``en``.
+#: The paper's training setup. ``dataset="c4"`` streams allenai/c4 ``en``.
 PAPER_RECIPE: dict[str, Any] = {
     "model": "base",
     "dataset": "c4",

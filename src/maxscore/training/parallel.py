@@ -40,37 +40,19 @@ from maxscore.parallel.checkpoint import (
     local_optimizer_state,
     save_optimizer_state,
 )
-from maxscore.parallel.config import ParallelConfig, ParallelConfigError
+from maxscore.parallel.config import ParallelConfig
 from maxscore.parallel.gradients import clip_grad_norm_, sync_expert_gradients, total_grad_norm
 from maxscore.parallel.sharding import ExpertSharding, full_state_dict, local_state_dict
 from maxscore.training.clipping import fused_adam
-from maxscore.training.config import ConfigError, TrainConfig
-from maxscore.training.trainer import MaxScoreTrainer, unwrap
+from maxscore.training.config import TrainConfig
+from maxscore.training.distributed import unwrap
+from maxscore.training.trainer import MaxScoreTrainer
 
 __all__ = [
     "ExpertParallelTrainer",
-    "check_parallel_options",
     "read_model_weights",
     "trainer_for",
 ]
-
-
-def check_parallel_options(config: TrainConfig, world_size: int, model_config: Any) -> None:
-    """Refuse an expert-parallel size that cannot work, before anything is written."""
-    if config.expert_parallel == 1:
-        return
-    if config.deepspeed is not None:
-        raise ConfigError(
-            "--expert-parallel does not combine with --deepspeed (ZeRO would partition the "
-            "experts again); use one of them"
-        )
-    layers = range(getattr(model_config, "num_hidden_layers", 0))
-    is_moe = getattr(model_config, "is_moe_layer", None)
-    experts = [model_config.num_experts for i in layers if is_moe is not None and is_moe(i)]
-    try:
-        ParallelConfig(config.expert_parallel).validate(world_size, experts)
-    except ParallelConfigError as err:
-        raise ConfigError(str(err)) from err
 
 
 def read_model_weights(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from maxscore.training.config import ConfigError
+from maxscore.training.errors import ConfigError
 
 __all__ = [
     "REPORT_BACKENDS",

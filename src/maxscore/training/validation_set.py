@@ -2,8 +2,8 @@
 
 Which blocks. By default (``TrainConfig.max_eval_blocks=None``) every block of the validation
 split: for the embedded corpus 195k tokens from 124 document sections of all five sources (381
-blocks at seq 512, 1,526 at seq 128). The first 64 blocks, the former default, came from only
-two sources (Gutenberg, SOTU) and sat 0.4 nats below the training loss. When a limit is given
+blocks at seq 512, 1,526 at seq 128). The first 64 blocks alone come from only two sources
+(Gutenberg, SOTU) and sit 0.4 nats below the training loss. When a limit is given
 (or the split is larger than :data:`DEFAULT_MAX_EVAL_TOKENS`), blocks are taken evenly spaced
 over the packed split, which is in source order, so every source keeps its share.
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from maxscore.training.data import PackedDataset, _tokenize_iter
+from maxscore.training.packing import PackedDataset, _tokenize_iter
 
 __all__ = [
     "DEFAULT_MAX_EVAL_TOKENS",

@@ -38,7 +38,7 @@ expert-graph rows that the moved tokens touch (``O(n k e)`` at worst, usually a 
 ``O(n k)``). ``F <= n k`` in the worst case (``O(n^2 k^2 e)`` overall); in practice the warm start
 leaves ``F`` in the tens. Memory ``O(n e)``. Measured on one CPU thread: 5–8 ms for a 512 x 16,
 k = 2 group, ~0.05 s for 512 x 64, k = 6, 4 s for 16,384 x 64, k = 6
-(``benchmarks/flow_gap.md``).
+(``benchmarks/flow_gap/README.md``).
 
 This module computes on the host (NumPy, float64) and synchronises; it is the reference for tests
 and small problems, not a training-time router (use ``"two-stage-sinkhorn"`` or ``"global"``).

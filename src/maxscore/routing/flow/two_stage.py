@@ -50,13 +50,13 @@ while capacity remains. Measured on 20 random groups of 512 x 16, k = 2, ``c_j =
 the exact optimum of Eq. (8) is 0.008 / 0.99 / 12.1% for the authors' procedure (0 / 170 / 3,112
 empty slots in all) and 0.008 / 0.52 / 0.73% for this one (no empty slot): stage 1 in token
 order fills the popular experts with whichever tokens come first, and their refused tokens lose
-a slot. ``"two-stage-exact"`` is its former name, kept as a
-deprecated alias (it was documented as the authors' variant, which it is not).
+a slot. ``"two-stage-exact"`` is a deprecated alias of this solver (it is not the authors'
+variant).
 
 Both copy to the host, so they synchronise and cannot run inside a CUDA graph.
 
 None of them is an exact solver of Eq. (8): stage 1 fixes the top-1 experts before looking at
-capacity for the rest. ``benchmarks/flow_gap.md`` measures the gap.
+capacity for the rest. ``benchmarks/flow_gap/README.md`` measures the gap.
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ def solve_two_stage_score_exact(
 def _deprecated_two_stage_exact(
     affinities: Tensor, k: int, capacity: Tensor, *, iterations: int | None = None
 ) -> Tensor:
-    """``"two-stage-exact"``: the former name of ``"two-stage-score-exact"`` (same result)."""
+    """``"two-stage-exact"``: a deprecated alias of ``"two-stage-score-exact"`` (same result)."""
     warnings.warn(
         'flow_method "two-stage-exact" is deprecated: it is "two-stage-score-exact" (our '
         'capacity-limited variant); the authors\' procedure is "two-stage-authors"',
