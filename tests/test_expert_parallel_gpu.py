@@ -187,12 +187,18 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launches]:
                 root, stage, 2, "--routers", "maxscore", "--batch-size", "8",
                 "--deepspeed", stage, "--save-steps", "0", "--stop-after", str(DEEPSPEED_STEPS),
             )  # fmt: skip
-    _kill_after_checkpoint(
-        runs["killed"], root / "killed" / "maxscore" / f"checkpoint-{KILL_AT}", LAUNCH_TIMEOUT_S
-    )
-    for name, run in runs.items():
-        if name != "killed":
-            run.wait(LAUNCH_TIMEOUT_S)
+    try:
+        _kill_after_checkpoint(
+            runs["killed"], root / "killed" / "maxscore" / f"checkpoint-{KILL_AT}", LAUNCH_TIMEOUT_S
+        )
+        for name, run in runs.items():
+            if name != "killed":
+                run.wait(LAUNCH_TIMEOUT_S)
+    except BaseException:  # interrupted: no run may outlive the session
+        for run in runs.values():
+            if run.proc.poll() is None:
+                run.kill()
+        raise
     state = Launches(root, runs, {"root": str(root)})
     yield state
     for run in state.runs.values():  # a run still going (the session was interrupted)
