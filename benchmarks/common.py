@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -19,6 +20,23 @@ SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
+
+#: H100 SXM dense bf16 peak (the H200 has the same), the denominator of every MFU here.
+H100_BF16_PEAK = 989e12
+
+
+def flops_per_token(model: Any, seq_len: int) -> tuple[float, int]:
+    """Model FLOPs per trained token (forward + backward) and the activated matmul parameters.
+
+    ``6 * N_active + 12 * L * H * Q * T`` (PaLM appendix B): ``N_active`` the activated
+    parameters that take part in matrix products (all but the input embedding; a routed expert
+    counts k/e times), attention counted as non-causal. ``model`` may live on the meta device.
+    """
+    cfg = model.config
+    counts = model.parameter_counts()
+    n_active = counts["activated"] - model.get_input_embeddings().weight.numel()
+    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    return 6.0 * n_active + attention, n_active
 
 
 def timed(

@@ -36,23 +36,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import SDPA_BACKENDS
-
-H100_BF16_PEAK = 989e12
+from common import H100_BF16_PEAK, SDPA_BACKENDS, flops_per_token
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def flops_per_token(model: Any, seq_len: int) -> tuple[float, int]:
-    """Model FLOPs per trained token (forward + backward) and the activated matmul parameters."""
-    cfg = model.config
-    counts = model.parameter_counts()
-    n_active = counts["activated"] - model.get_input_embeddings().weight.numel()
-    attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
-    return 6.0 * n_active + attention, n_active
 
 
 def _parse_option(text: str) -> tuple[str, Any]:

@@ -30,6 +30,7 @@ examples:
   maxscore train --recipe paper --router maxscore   # the paper's setup (Base, C4, 180k steps)
   maxscore train --recipe paper-shape --max-steps 400  # its schedule proportions, a short run
   torchrun --nproc-per-node 8 -m maxscore.cli train --recipe paper --deepspeed zero2
+  torchrun --nproc-per-node 4 -m maxscore.cli train --model base-2x64 --expert-parallel 4
 """
 
 _COMPARE_EXAMPLES = """\
@@ -174,6 +175,13 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         help="torch.compile mode for --compile",
     )
     g.add_argument("--deepspeed", help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path")
+    g.add_argument(
+        "--expert-parallel",
+        type=int,
+        metavar="N",
+        help="spread each MoE layer's experts over N processes (torchrun; N divides the "
+        "processes and the experts; default 1)",
+    )
     g = parser.add_argument_group("run directory")
     g.add_argument("--output-dir", help="run directory (default runs/<model>-<router>)")
     g.add_argument(
@@ -293,9 +301,11 @@ def run_compare(args: argparse.Namespace) -> int:
     except _USER_ERRORS as err:
         return _error(str(err))
     from maxscore.training.compare import format_summary_markdown
+    from maxscore.training.distributed import is_main_process
     from maxscore.training.seed_stats import summarize_by_router
 
-    print(format_summary_markdown(summarize_by_router(rows), rows[0]["router"]))
+    if is_main_process():
+        print(format_summary_markdown(summarize_by_router(rows), rows[0]["router"]))
     return 0
 
 

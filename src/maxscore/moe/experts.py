@@ -254,27 +254,44 @@ class SwiGLUExperts(nn.Module):
         gu = x @ self.gate_up[j]
         return (F.silu(gu[..., :f]) * gu[..., f:]) @ self.down[j]
 
+    def gather(self, x: Tensor, plan: DispatchPlan) -> Tensor:
+        """The plan's buffer rows ``[R, D]`` of ``x[T, D]``, in the experts' compute dtype."""
+        return gather_rows(_in_compute_dtype(x), plan)
+
+    def padded_rows(self, xd: Tensor, row_weight: Tensor) -> Tensor:
+        """The experts on equal-size buffers: ``xd[e, n, D]`` (expert ``j``'s rows in
+        ``xd[j]``) with row weights ``[e * n]`` -> weighted outputs ``[e * n, D]``.
+
+        One ``bmm`` per projection runs all experts. Expert parallelism calls this on the rows it
+        received (``maxscore.moe.expert_parallel``), so both run the same computation.
+        """
+        e, f, d = xd.shape[0], self.intermediate_size, xd.shape[-1]
+        gu = torch.bmm(xd, self.gate_up)
+        # 2-D view: the same (compiled) activation kernel serves both paths.
+        h = weighted_swiglu(gu.view(-1, 2 * f), row_weight).view(e, -1, f)
+        return torch.bmm(h, self.down).view(-1, d)
+
+    def grouped_rows(self, xd: Tensor, row_weight: Tensor, group_end: Tensor) -> Tensor:
+        """The experts on rows sorted by expert: ``xd[R, D]``, row weights ``[R]`` and the
+        exclusive end row of each expert ``group_end[e]`` -> weighted outputs ``[R, D]``."""
+        gu = grouped_mm(xd, self.gate_up, group_end)
+        h = weighted_swiglu(gu, row_weight)
+        return grouped_mm(h, self.down, group_end)
+
     def forward_padded(self, x: Tensor, plan: DispatchPlan) -> Tensor:
         """Eq. (1) through capacity buffers: ``x[T, D] -> y[T, D]``, one ``bmm`` per projection.
 
         The plan's rows are ``[e, G*c]`` (expert-major), so each expert's buffer is one
         contiguous ``[G*c, D]`` matrix and a single batched matmul runs all experts.
         """
-        e, f = self.num_experts, self.intermediate_size
-        xd = gather_rows(_in_compute_dtype(x), plan).view(e, -1, x.shape[-1])
-        gu = torch.bmm(xd, self.gate_up)
-        # 2-D view: the same (compiled) activation kernel serves both paths.
-        h = weighted_swiglu(gu.view(-1, 2 * f), plan.row_weight).view(e, -1, f)
-        out = torch.bmm(h, self.down).view(-1, x.shape[-1])
+        xd = self.gather(x, plan).view(self.num_experts, -1, x.shape[-1])
+        out = self.padded_rows(xd, plan.row_weight)
         return combine_rows(out, plan, x.shape[0])
 
     def forward_grouped(self, x: Tensor, plan: DispatchPlan) -> Tensor:
         """Eq. (1) for variable expert loads: rows sorted by expert, grouped matmul by offsets."""
         assert plan.group_end is not None, "forward_grouped needs a grouped dispatch plan"
-        xd = gather_rows(_in_compute_dtype(x), plan)
-        gu = grouped_mm(xd, self.gate_up, plan.group_end)
-        h = weighted_swiglu(gu, plan.row_weight)
-        out = grouped_mm(h, self.down, plan.group_end)
+        out = self.grouped_rows(self.gather(x, plan), plan.row_weight, plan.group_end)
         return combine_rows(out, plan, x.shape[0])
 
     def forward(self, x: Tensor, plan: DispatchPlan) -> Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from maxscore.moe.dispatch import DispatchPlan, grouped_dispatch_plan, padded_dispatch_plan
+from maxscore.moe.expert_parallel import ExpertParallel
 from maxscore.moe.experts import DenseMLP, SwiGLUExperts
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.types import RoutingResult
@@ -68,7 +69,13 @@ class MoE(nn.Module):
     ``last_stats`` is first read after a forward (then cached), not in the forward itself: the
     layer keeps the router's :class:`~maxscore.routing.statistics.LazyRoutingStatistics`, which
     holds detached references to the call's affinities and assignment until then.
+
+    ``expert_parallel``: ``None``, or the :class:`~maxscore.moe.expert_parallel.ExpertParallel`
+    layout this layer's experts were sharded with (``shard_moe_experts``); the experts then run
+    on the ranks that hold them, tokens travelling by all-to-all.
     """
+
+    expert_parallel: ExpertParallel | None = None
 
     def __init__(
         self,
@@ -176,8 +183,11 @@ class MoE(nn.Module):
             x = x.to(weight_dtype)
         result: RoutingResult = self.router(x, token_mask)
         tokens = x.reshape(-1, shape[-1])
-        plan = dispatch_plan(result, self.buffer_capacity(result))
-        y = self.experts(tokens, plan)
+        if self.expert_parallel is not None:
+            ep = self.expert_parallel
+            y = ep(self.experts, tokens, result, self.buffer_capacity(result), self.training)
+        else:
+            y = self.experts(tokens, dispatch_plan(result, self.buffer_capacity(result)))
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_expert_gate is not None:

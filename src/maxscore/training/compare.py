@@ -60,6 +60,7 @@ def compare(
     checked) before the first one trains. Returns one row per run, in router-then-seed order.
     """
     from maxscore.routing.presets import ROUTER_PRESETS
+    from maxscore.training.distributed import is_main_process
     from maxscore.training.run import prepare, train
     from maxscore.training.run_dir import RunDirectory, RunDirPlan
 
@@ -83,7 +84,10 @@ def compare(
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds lists a seed twice: {seeds}")
     out = Path(output_dir)
-    replaces = out.exists() and any(out.iterdir())
+    # Under torchrun process 0 alone owns the output folder (the others may look at it after
+    # process 0 has started filling it); a refusal there ends the launch.
+    main = is_main_process()
+    replaces = main and out.exists() and any(out.iterdir())
     if replaces and not overwrite:
         raise ConfigError(
             f"output dir {str(out)!r} is not empty; pass --overwrite or choose another --output-dir"
@@ -107,18 +111,23 @@ def compare(
     prepared = [prepare(c) for c in configs]  # every bad input fails before any training
     # --overwrite: the previous comparison stays (aside) until the first router has trained.
     directory = RunDirectory(RunDirPlan(out, replaces=replaces))
-    directory.open()
+    if main:
+        directory.open()
     rows = []
     for index, (cfg, run) in enumerate(zip(configs, prepared)):
-        print(
-            f"maxscore compare: training {cfg.router} seed {cfg.seed} -> {run.run_dir}", flush=True
-        )
+        if main:
+            print(
+                f"maxscore compare: training {cfg.router} seed {cfg.seed} -> {run.run_dir}",
+                flush=True,
+            )
         try:
             result = train(cfg, prepared=run)
         except BaseException:
-            directory.close(failed=index == 0)
+            if main:
+                directory.close(failed=index == 0)
             raise
-        directory.checkpoint_written()
+        if main:
+            directory.checkpoint_written()
         row: dict[str, Any] = {
             "router": cfg.router,
             "seed": cfg.seed,
@@ -139,7 +148,8 @@ def compare(
                 row[f"{name}_rank{i + 1}"] = rate
         rows.append(row)
     add_paired_differences(rows)
-    write_comparison(rows, out, config, seeds)
+    if main:
+        write_comparison(rows, out, config, seeds)
     return rows
 
 

@@ -47,6 +47,7 @@ RUNTIME_FIELDS: frozenset[str] = frozenset(
         "deepspeed",
         "compile",
         "compile_mode",
+        "expert_parallel",
     }
 )
 
@@ -110,6 +111,9 @@ class TrainConfig:
         resume: continue from the last checkpoint in ``output_dir``.
         overwrite: delete an existing ``output_dir`` first.
         deepspeed: a DeepSpeed config: ``"zero2"`` / ``"zero3"`` (shipped) or a JSON path.
+        expert_parallel: spread every MoE layer's experts over this many processes (all-to-all
+            token exchange, ``maxscore.training.parallel``); must divide the number of
+            processes and of experts. 1: every process holds every expert.
         num_workers: DataLoader worker processes.
         report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, or a comma-separated list
             of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio`` (``maxscore.training.reporting``).
@@ -166,6 +170,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     deepspeed: str | None = None
+    expert_parallel: int = 1
     num_workers: int = 0
     report_to: str = "auto"
     quiet: bool = False
@@ -186,6 +191,7 @@ class TrainConfig:
             "seq_len": self.seq_len,
             "batch_size": self.batch_size,
             "grad_accum": self.grad_accum,
+            "expert_parallel": self.expert_parallel,
         }
         if self.max_eval_blocks is not None:
             positive["max_eval_blocks"] = self.max_eval_blocks

@@ -35,8 +35,13 @@ TRAINING_STATE_FILES = frozenset(
 
 
 def is_training_state(name: str) -> bool:
-    """Whether ``name`` (relative path) is optimizer / scheduler / RNG state, not the model."""
-    return name in TRAINING_STATE_FILES or name.startswith("rng_state")
+    """Whether ``name`` (relative path) is optimizer / scheduler / RNG state, not the model
+    (``optimizer.dcp/``: the optimizer state of an expert-parallel run)."""
+    return (
+        name in TRAINING_STATE_FILES
+        or name.startswith("rng_state")
+        or name.startswith("optimizer.dcp/")
+    )
 
 
 def _sha256(path: Path) -> str:

@@ -1,4 +1,5 @@
-"""Checks of the model and router options of a training run, made before anything is written.
+"""Checks of the model, router and parallelism options of a training run, made before anything
+is written.
 
 ``--model-option`` and ``--router-option`` values come from ``KEY=VALUE`` flags or config files.
 A misspelt key (``num_hiden_layers=2``) must not be stored and ignored, and a value of the wrong
@@ -12,7 +13,7 @@ from dataclasses import fields
 from typing import Any
 
 from maxscore.config_types import annotations_of, check_value
-from maxscore.training.config import ConfigError
+from maxscore.training.config import ConfigError, TrainConfig
 
 #: Model config fields that have their own flag instead of ``--model-option``.
 _OWN_FLAGS = {"router": "--router", "router_config": "--router-option KEY=VALUE"}
@@ -70,3 +71,24 @@ def validate_router_setup_of(model_config: Any) -> None:
         )
     except ValueError as err:
         raise ConfigError(f"invalid router settings: {err}") from err
+
+
+def check_parallel_options(config: TrainConfig, world_size: int, model_config: Any) -> None:
+    """Refuse an expert-parallel size that cannot work: with DeepSpeed, or not dividing the
+    processes or every MoE layer's experts."""
+    if config.expert_parallel == 1:
+        return
+    if config.deepspeed is not None:
+        raise ConfigError(
+            "--expert-parallel does not combine with --deepspeed (ZeRO would partition the "
+            "experts again); use one of them"
+        )
+    from maxscore.parallel.config import ParallelConfig, ParallelConfigError
+
+    layers = range(getattr(model_config, "num_hidden_layers", 0))
+    is_moe = getattr(model_config, "is_moe_layer", None)
+    experts = [model_config.num_experts for i in layers if is_moe is not None and is_moe(i)]
+    try:
+        ParallelConfig(config.expert_parallel).validate(world_size, experts)
+    except ParallelConfigError as err:
+        raise ConfigError(str(err)) from err

@@ -64,6 +64,7 @@ from maxscore.training.metrics import (
     truncate_metrics,
 )
 from maxscore.training.model_build import build_model, build_model_config
+from maxscore.training.option_checks import check_parallel_options
 from maxscore.training.precision import resolve_precision
 from maxscore.training.reporting import check_report_to, trainer_report_to
 from maxscore.training.run_dir import CONFIG_FILE, RunDirectory, RunDirPlan, check_run_dir
@@ -177,6 +178,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
             f"vocab_size is {model_config.vocab_size}"
             + ("; pass --tokenizer with the checkpoint's own tokenizer" if pretrained else "")
         )
+    check_parallel_options(config, ws, model_config)
     plan = check_run_dir(config) if is_main_process() else _follower_plan(config)
     total_steps = config.total_steps(ws)
     # The SoftTopk t schedule follows the run (or a resumed run's stored length); resolved once.
@@ -384,8 +386,11 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
         model.compile_layers(mode=cfg.compile_mode)
 
     args = training_arguments(run)
+    from maxscore.training.parallel import trainer_for  # shards the experts (--expert-parallel)
+
+    trainer_class, parallel_kwargs = trainer_for(model, cfg, args, run.resume_from)
     final_cb = FinalCheckpointCallback(save_final=cfg.save_final)
-    trainer = MaxScoreTrainer(
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=run.data.train,
@@ -395,6 +400,7 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
         tokens_per_step=cfg.tokens_per_step(run.world_size),
         save_total_limit=cfg.save_total_limit,
         callbacks=[RouterStepCallback(), final_cb, *callbacks],
+        **parallel_kwargs,
     )
     trainer.remove_callback(PrinterCallback)
     if trainer.pop_callback(ProgressCallback) is not None and not cfg.quiet:

@@ -1,0 +1,290 @@
+"""Expert-parallel training throughput: experts over several GPUs against one GPU, and MFU.
+
+``bench.py run`` trains ``--runs`` (``preset:router`` pairs) one after the other through the real
+``maxscore.training.train`` path (HF Trainer, fused AdamW, bf16 autocast over fp32 weights, the
+embedded corpus, seq 512) and times the optimizer steps after ``--warmup`` (which include
+compilation), CUDA-synchronised at both ends. One process is one GPU; under
+``torchrun --nproc-per-node P`` with ``--expert-parallel P`` each MoE layer's experts are spread
+over the P GPUs (all-to-all token exchange) and every GPU keeps the same micro-batch, so the
+global batch is P times larger and perfect scaling is P times the tokens/s of one GPU.
+``bench.py summarize`` joins the rows of several ``run`` calls into one JSON with the scaling
+(P-GPU tokens/s over 1-GPU tokens/s of the same preset and router) and maxscore against gshard.
+
+MFU = tokens/s x model FLOPs per token / (GPUs x 989 TFLOP/s), FLOPs per token as in
+``benchmarks/common.py`` (``6 N_active + 12 L H Q T``), counted on the whole model (every expert)
+built on the meta device. Validation is skipped (timing only).
+
+    CUDA_VISIBLE_DEVICES=0 python benchmarks/expert_parallel/bench.py run \\
+        --runs base-2x64:gshard --compile --output DIR --tag one_gpu_gshard
+    torchrun --nproc-per-node 2 benchmarks/expert_parallel/bench.py run --expert-parallel 2 \\
+        --runs base-2x64:gshard,base-2x64:maxscore,xl:maxscore --compile --output DIR --tag ep2
+    python benchmarks/expert_parallel/bench.py summarize DIR --output OUT/expert_parallel.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from common import H100_BF16_PEAK, flops_per_token
+
+#: Micro-batch per GPU by preset where the default (``--batch-size``) would not fit an 80 GB GPU.
+BATCH_BY_PRESET = {"xl": 32}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _say(message: str) -> None:
+    if _rank() == 0:
+        print(f"[{datetime.now(UTC).strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def _timer(warmup: int) -> Any:
+    """A ``TrainerCallback`` timing steps ``warmup + 1 .. max_steps`` (and step 1's arrival)."""
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def __init__(self) -> None:
+            self.t0 = self.t1 = 0.0
+            self.steps = 0
+            self.started = time.perf_counter()
+            self.first_step_s: float | None = None
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            if state.global_step == 1:
+                self.first_step_s = time.perf_counter() - self.started
+                _say(f"  step 1 after {self.first_step_s:.0f} s (model build, compilation)")
+            if state.global_step == warmup:
+                _sync()
+                self.t0 = time.perf_counter()
+            if state.global_step == state.max_steps:
+                _sync()
+                self.t1 = time.perf_counter()
+                self.steps = state.global_step - warmup
+            return control
+
+    return Timer()
+
+
+def _full_model_flops(model_config: Any, seq_len: int) -> tuple[float, int, int]:
+    """FLOPs per token, activated matmul parameters and total parameters of the whole model."""
+    from maxscore.models import LlamaMoEForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaMoEForCausalLM(model_config)
+    fpt, n_active = flops_per_token(model, seq_len)
+    return fpt, n_active, model.parameter_counts()["total"]
+
+
+def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Train ``preset`` with ``router`` for ``args.steps`` steps; the timed row."""
+    from maxscore.training import TrainConfig, prepare, train
+    from maxscore.training.distributed import world_size
+
+    batch = BATCH_BY_PRESET.get(preset, args.batch_size)
+    config = TrainConfig(
+        model=preset,
+        router=router,
+        seq_len=args.seq_len,
+        batch_size=batch,
+        compile=args.compile,
+        max_steps=args.steps,
+        lr=3e-4,
+        warmup_steps=10,
+        precision="bf16" if torch.cuda.is_available() else "fp32",
+        expert_parallel=args.expert_parallel,
+        eval_steps=0,
+        save_steps=0,
+        save_final=False,
+        logging_steps=args.steps,
+        max_eval_blocks=1,
+        output_dir=str(Path(args.runs_dir) / f"{preset}-{router}-ep{args.expert_parallel}"),
+        overwrite=True,
+        report_to="none",
+        quiet=True,
+    )
+    prepared = prepare(config)
+    # Timing only: no validation set, so no final evaluation (and no eval-mode compilation).
+    prepared.data = dataclasses.replace(prepared.data, validation=[])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    timer = _timer(args.warmup)
+    started = time.perf_counter()
+    result = train(config, callbacks=[timer], prepared=prepared)
+    gpus = world_size()
+    fpt, n_active, total = _full_model_flops(prepared.model_config, args.seq_len)
+    seconds = timer.t1 - timer.t0
+    tokens = timer.steps * batch * args.seq_len * gpus
+    tps = tokens / seconds
+    rc = dict(getattr(prepared.model_config, "router_config", None) or {})
+    return {
+        "preset": preset,
+        "router": router,
+        "router_setup": {
+            k: rc.get(k)
+            for k in ("operator", "strategy", "capacity_factor", "group", "flow_method")
+        },
+        "gpus": gpus,
+        "expert_parallel": args.expert_parallel,
+        "micro_batch_per_gpu": batch,
+        "global_batch": batch * gpus,
+        "total_params": total,
+        "activated_matmul_params": n_active,
+        "flops_per_token": fpt,
+        "timed_steps": timer.steps,
+        "step_ms": 1000 * seconds / timer.steps,
+        "tokens_per_s": tps,
+        "tokens_per_s_per_gpu": tps / gpus,
+        "mfu": tps * fpt / (gpus * H100_BF16_PEAK),
+        "first_step_s": timer.first_step_s,
+        "wall_s": time.perf_counter() - started,
+        "peak_memory_gib_rank0": result.peak_memory_gb,
+        "final_train_loss": result.train_loss,
+        "dropped": result.routing.get("dropped"),
+        "load_imbalance": result.routing.get("load_imbalance"),
+    }
+
+
+def run(args: argparse.Namespace) -> None:
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "seq_len": args.seq_len,
+        "compile": args.compile,
+        "steps": args.steps,
+        "warmup_steps_excluded": args.warmup,
+        "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)",
+        "peak_flops_per_gpu": H100_BF16_PEAK,
+    }
+    rows: list[dict[str, Any]] = []
+    path = out / f"{args.tag}.json"
+    for item in args.runs.split(","):
+        preset, _, router = item.partition(":")
+        _say(f"== {preset} / {router}, expert parallel {args.expert_parallel}")
+        try:
+            row = run_one(preset, router or "gshard", args)
+        except Exception as err:  # a run that does not fit still leaves the others' rows
+            if args.expert_parallel > 1:
+                raise  # the other processes would wait in a collective
+            row = {"preset": preset, "router": router, "error": f"{type(err).__name__}: {err}"}
+        rows.append(row)
+        _say(json.dumps(row))
+        if _rank() == 0:  # after every run, so a cut-off call keeps what it measured
+            path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def summarize(args: argparse.Namespace) -> None:
+    rows: list[dict[str, Any]] = []
+    metas = {}
+    for path in sorted(Path(args.folder).glob("*.json")):
+        data = json.loads(path.read_text())
+        metas[path.stem] = data["meta"]
+        rows += [{**r, "file": path.stem} for r in data["results"]]
+    ok = [r for r in rows if "error" not in r]
+
+    def find(preset: str, router: str, gpus: int) -> dict[str, Any] | None:
+        return next(
+            (r for r in ok if (r["preset"], r["router"], r["gpus"]) == (preset, router, gpus)),
+            None,
+        )
+
+    scaling = []
+    for row in ok:
+        if row["gpus"] == 1:
+            continue
+        one = find(row["preset"], row["router"], 1)
+        gshard = find(row["preset"], "gshard", row["gpus"])
+        scaling.append(
+            {
+                "preset": row["preset"],
+                "router": row["router"],
+                "gpus": row["gpus"],
+                "tokens_per_s": row["tokens_per_s"],
+                "one_gpu_tokens_per_s": one["tokens_per_s"] if one else None,
+                "speedup": row["tokens_per_s"] / one["tokens_per_s"] if one else None,
+                "scaling_efficiency": (
+                    row["tokens_per_s"] / (row["gpus"] * one["tokens_per_s"]) if one else None
+                ),
+                "vs_gshard_same_gpus": (
+                    row["tokens_per_s"] / gshard["tokens_per_s"] if gshard else None
+                ),
+                "mfu": row["mfu"],
+            }
+        )
+    summary = {"meta": metas, "scaling": scaling, "runs": rows}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
+    lines = [
+        "| preset | router | GPUs | tokens/s | 1-GPU tokens/s | speedup | efficiency | "
+        "vs gshard | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    for s in scaling:
+        lines.append(
+            f"| {s['preset']} | {s['router']} | {s['gpus']} | {s['tokens_per_s']:,.0f} | "
+            f"{fmt(s['one_gpu_tokens_per_s'], ',.0f')} | {fmt(s['speedup'], '.2f')} | "
+            f"{fmt(s['scaling_efficiency'], '.1%')} | {fmt(s['vs_gshard_same_gpus'], '.3f')} | "
+            f"{s['mfu']:.1%} |"
+        )
+    for r in rows:
+        if "error" in r:
+            lines.append(f"\n{r['file']}: {r['preset']} / {r['router']} failed: {r['error']}")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train and time --runs on this process's GPU(s)")
+    r.add_argument("--runs", default="base-2x64:gshard,base-2x64:maxscore")
+    r.add_argument("--expert-parallel", type=int, default=1)
+    r.add_argument("--batch-size", type=int, default=64, help="micro-batch per GPU")
+    r.add_argument("--seq-len", type=int, default=512)
+    r.add_argument("--steps", type=int, default=30)
+    r.add_argument("--warmup", type=int, default=15, help="steps excluded from timing")
+    r.add_argument("--compile", action="store_true", help="TrainConfig.compile (compile_layers)")
+    r.add_argument("--output", default=os.environ.get("OUT", "."))
+    r.add_argument("--tag", default="bench", help="the result file's name")
+    r.add_argument("--runs-dir", default="/tmp/maxscore-ep-bench-runs")
+    s = sub.add_parser("summarize", help="join the rows of several run calls")
+    s.add_argument("folder")
+    s.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run(args)
+    else:
+        summarize(args)
+
+
+if __name__ == "__main__":
+    main()
