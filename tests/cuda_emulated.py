@@ -96,17 +96,21 @@ def solve_emulated(
     *,
     token_mask: torch.Tensor | None = None,
     use_scratch: bool = False,
+    defines: dict[str, str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics."""
+    """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics.
+    ``defines`` overrides compile-time constants (e.g. ``SEARCH_FRONTIER``)."""
     groups, n, e = affinities.shape
     cap = capacity.to(torch.int32).expand(groups, e)
     holders = int(cap.clamp(max=n).max()) if cap.numel() else 1
     # The emulator's dynamic shared memory is 256 KiB; use_scratch puts the state in the scratch
     # buffer (global memory on a GPU) and keeps the graph and affinities out of shared memory.
     room = 0 if use_scratch else 200 * 1024
+    overrides = defines or {}
     defines = global_cuda.kernel_defines(
         n, e, k, holders, budget or GlobalBudget(), shared_bytes=room
     )
+    defines.update(overrides)
     lib = _library(tuple(defines.items()))
     a = np.ascontiguousarray(affinities.float().numpy())
     cap_np = np.ascontiguousarray(cap.numpy())

@@ -250,6 +250,31 @@ def test_kernel_emulated_phases_and_scratch() -> None:
     assert fh.optimality_gaps(affinities, index, 2, capacity).max() <= fh.WORST_GAP
 
 
+@pytest.mark.parametrize("family", ["random", "near-tied", "short"])
+def test_kernel_emulated_searches_agree(family: str) -> None:
+    """Phase 2's two shortest-path searches (Dijkstra in one warp; Bellman-Ford passes over a
+    frontier, every thread) give the same assignment, with a short auction so that phase 2 does
+    the work."""
+    emu = _emulated()
+    n, e, k = 64, 16, 2
+    if family == "near-tied":
+        affinities = fh.near_tied(9, 2, n, e, 0.03)
+    else:
+        affinities = fh.instances(9, 2, n, e, 1.0)
+    capacity = torch.full((e,), -(-k * n // e))
+    if family == "short":
+        capacity[::3] = 2
+    budget = GlobalBudget(auction_rounds=3)
+    runs = [
+        emu.solve_emulated(affinities, k, capacity, budget, defines={"SEARCH_FRONTIER": flag})
+        for flag in ("0", "1")
+    ]
+    assert int(runs[0][1][:, 2].max()) > 0  # phase 2 ran
+    assert torch.equal(runs[0][0], runs[1][0])
+    fh.check_constraints(runs[1][0], k, capacity, e)
+    assert fh.optimality_gaps(affinities, runs[1][0], k, capacity).max() <= fh.WORST_GAP
+
+
 @pytest.mark.parametrize(("name", "n", "e", "k", "cap"), fh.ADVERSARIAL)
 def test_kernel_emulated_adversarial(name: str, n: int, e: int, k: int, cap: list[int]) -> None:
     emu = _emulated()

@@ -231,10 +231,12 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
         cap = torch.full((e,), c, device="cuda")
         for family in ["random", "near-tied-0.03"]:
             a = synthetic(family, groups, n, e, seed=7).cuda()
-            call = partial(solve_global, a, k, cap, capacity_bound=c, backend="cuda")
+            call = partial(
+                solve_global, a, k, cap, capacity_bound=c, budget=args.budget, backend="cuda"
+            )
             ms = graph_time_ms(call, args.reps)
             stats = torch.zeros(groups, 20, dtype=torch.int32, device="cuda")
-            global_cuda.solve_cuda(a, k, cap.expand(groups, e), c, GlobalBudget(), stats=stats)
+            global_cuda.solve_cuda(a, k, cap.expand(groups, e), c, args.budget, stats=stats)
             s = stats.cpu()
             row = {
                 "n": n,
@@ -278,15 +280,24 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--shapes", default="", help="timing shapes, e.g. 512x64x2,512x128x8")
+    parser.add_argument(
+        "--budget",
+        default="",
+        help="GlobalBudget fields for --timing, e.g. stop_open=0.02,auction_rounds=48",
+    )
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    fields = dict(item.split("=", 1) for item in args.budget.split(",") if item)
+    args.budget = GlobalBudget(
+        **{key: type(getattr(GlobalBudget(), key))(value) for key, value in fields.items()}
+    )
     results: dict = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name()
         if torch.cuda.is_available()
         else platform.processor(),
-        "budget": GlobalBudget().__dict__,
+        "budget": args.budget.__dict__,
     }
     if args.timing:
         run_timing(args, results)

@@ -43,6 +43,10 @@ MIN_CAPABILITY = (8, 0)
 KERNEL_NAME = "global_auction_kernel"
 THREADS = 512
 BID_BUFFER = 128  # bids an expert takes per auction round at most (more wait a round)
+# Phase 2's shortest paths: Dijkstra in one warp (V sequential steps) up to this many experts,
+# Bellman-Ford passes over a frontier with every thread above (a pass per hop of the longest
+# path, each a block barrier). Measured on an H100/H200: benchmarks/flow_solver/README.md.
+FRONTIER_SEARCH_MIN_E = 128
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _STATIC_SHARED_RESERVE = 40 * 1024  # the kernel's static shared memory (Block), upper bound
 
@@ -99,6 +103,7 @@ def kernel_defines(
         "EPS_REL": f"{float(budget.epsilon)!r}f",
         "TOL_REL": f"{float(budget.tolerance)!r}f",
         "WARP_BIDS": "1" if e > 32 else "0",
+        "SEARCH_FRONTIER": "1" if e >= FRONTIER_SEARCH_MIN_E else "0",
     }
     state, graph, affinities = work_bytes(defines), 4 * (e + 2) ** 2, 4 * n * e
     room = shared_bytes if shared_bytes is not None else state

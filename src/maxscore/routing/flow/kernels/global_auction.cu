@@ -7,8 +7,9 @@
 //      held slot more than eps below its token's best alternative is given up, so that
 //      eps-complementary slackness holds for every held slot;
 //   2. augmenting paths on the expert graph (E experts + S + D) from D, the open slots, to experts
-//      with spare capacity: shortest paths (Bellman-Ford passes over a frontier, every thread) on
-//      reduced costs whose potentials start at the auction's prices (successive shortest paths),
+//      with spare capacity: shortest paths (Dijkstra in one warp, or for large E Bellman-Ford
+//      passes over a frontier with every thread) on reduced costs whose potentials start at the
+//      auction's prices (successive shortest paths),
 //      the node-disjoint paths of their tree (one per subtree of D) applied together, until no
 //      slot is open or no path exists (a maximum flow);
 //   3. at most CANCELS rounds of cycle cancelling on the expert graph (all cycles of the
@@ -30,7 +31,8 @@
 // round; more wait a round), AUCTION, STOP_OPEN, CANCELS, RELAX_CANCEL (Bellman-Ford
 // relaxations per cancelling round: positive cycles are short, so their predecessor cycles
 // show up within a few), EPS_REL, TOL_REL, WARP_BIDS (1: a warp per bidding token, for large E;
-// 0: a thread per token), A_SMEM, GRAPH_SMEM.
+// 0: a thread per token), SEARCH_FRONTIER (phase 2's shortest paths: 1: Bellman-Ford passes over
+// a frontier, every thread, for large E; 0: Dijkstra in one warp), A_SMEM, GRAPH_SMEM.
 
 #define WARPS (THREADS / 32)
 #define V (E + 2)
@@ -80,7 +82,6 @@ struct Block {
   int pred[V], jump[V], jump_next[V], on_cycle[V], path_len[V], path_pos[V];
   u32 frontier[3][(V + 31) / 32];       // phase 2's Bellman-Ford passes: nodes lowered
   unsigned long long tree_best[E];      // phase 2: each tree's best target (gain, -index)
-  unsigned long long drop_key[E];       // the best open token for each expert (affinity, -token)
   int open_best_ord, reach_ord;
   int drop_token[V];  // the open token realising each edge D -> v
   int dirty[E];       // rows of the expert graph to recompute (their holders or holders' sets changed)
@@ -153,7 +154,95 @@ __device__ __forceinline__ int held_count(const int* tok_e, int t) {
   return h;
 }
 
-// Phase 2's search (every thread): shortest paths from D over the expert graph on reduced costs
+// Phase 2's search for small graphs (warp 0 alone, no block barrier): Dijkstra from D over the
+// expert graph on
+// reduced costs rc(u, v) = max(0, -gain(u, v) + P(v) - P(u) + charge). Leaves in b.dist[v] the gain
+// of the best augmenting path D -> ... -> v (NEG if v is unreachable) and its tree in b.pred;
+// then moves the potentials to P - distance. `first`: start P from the auction's prices.
+__device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charge, bool first) {
+  constexpr int R = (V + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  const float INF = 3.0e38f;
+  if (first) {
+    for (int v = lane; v < E; v += 32) b.pot[v] = b.price[v];
+  }
+  __syncwarp();
+  // P(D) = -(the largest reduced value an open slot can take), so that every edge out of D has
+  // rc = -gain + P(v) - P(D) >= 0.
+  float best_open = NEG;
+  for (int v = lane; v < E; v += 32) {
+    const float g = gain[DROP * V + v];
+    if (g > NEG) best_open = fmaxf(best_open, g - b.pot[v]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    best_open = fmaxf(best_open, __shfl_xor_sync(FULL_MASK, best_open, o));
+  const float pd = -best_open;
+  float dist[R];
+  int pred[R];
+  bool done[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int v = lane + 32 * r;
+    dist[r] = v == DROP ? 0.0f : INF;
+    pred[r] = -1;
+    done[r] = v >= E && v != DROP;  // S is not used in phase 2
+  }
+  float reached_max = 0.0f;
+  for (int step = 0; step < V; ++step) {
+    float best = INF;
+    int bu = 0x7fffffff;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int v = lane + 32 * r;
+      if (v < V && !done[r] && dist[r] < best) {
+        best = dist[r];
+        bu = v;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {  // argmin, ties to the lower node
+      const float ob = __shfl_xor_sync(FULL_MASK, best, o);
+      const int ou = __shfl_xor_sync(FULL_MASK, bu, o);
+      if (ob < best || (ob == best && ou < bu)) {
+        best = ob;
+        bu = ou;
+      }
+    }
+    if (!(best < INF)) break;
+    reached_max = best;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane + 32 * r == bu) done[r] = true;
+    const float pu = bu == DROP ? pd : b.pot[bu];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int v = lane + 32 * r;
+      if (v >= E || done[r]) continue;
+      const float g = gain[bu * V + v];
+      if (g <= NEG) continue;
+      const float rc = fmaxf(0.0f, -g + b.pot[v] - pu + charge);
+      if (best + rc < dist[r]) {
+        dist[r] = best + rc;
+        pred[r] = bu;
+      }
+    }
+  }
+  // Path gains for the selection, then the new potentials.
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int v = lane + 32 * r;
+    if (v >= V) continue;
+    const bool reached = dist[r] < INF;
+    b.dist[v] = (v < E && reached) ? b.pot[v] - pd - dist[r] : NEG;
+    b.pred[v] = pred[r];
+    if (v < E) b.pot[v] -= reached ? dist[r] : reached_max;
+  }
+  __syncwarp();
+}
+
+// Phase 2's search for large graphs (every thread): shortest paths from D over the expert graph
+// on reduced costs
 // rc(u, v) = max(0, -gain(u, v) + P(v) - P(u) + charge), by Bellman-Ford passes that relax only
 // from the nodes the last pass lowered (a frontier, as bits; each thread owns some nodes v). The
 // costs are non-negative, so the passes end within V and give Dijkstra's distances; a pass is one
@@ -161,7 +250,7 @@ __device__ __forceinline__ int held_count(const int* tok_e, int t) {
 // sequential steps in one warp. Leaves in b.dist[v] the gain of the best augmenting path
 // D -> ... -> v (NEG if v is unreachable) and its tree in b.pred; then moves the potentials to
 // P - distance (successive shortest paths). `first`: start P from the auction's prices.
-__device__ void shortest_paths_from_drop(Block& b, const float* gain, float charge, bool first) {
+__device__ void shortest_paths_frontier(Block& b, const float* gain, float charge, bool first) {
   constexpr int FW = (V + 31) / 32;
   const int tid = threadIdx.x, lane = tid & 31;
   const float INF = 3.0e38f;
@@ -867,25 +956,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           gain[u * V + DROP] = (cycles && open_tokens > 0) ? b.worst[u] : NEG;
         }
       }
-      // Rows of S (an expert may lose a token) and D (an open slot takes an expert): the best
-      // open token for each expert (highest affinity, ties to the lower token), over every
-      // (open token, expert) pair at once.
-      for (int v = tid; v < E; v += THREADS) b.drop_key[v] = 0ull;
-      __syncthreads();
-      for (int i = tid; i < open_tokens * E; i += THREADS) {
-        const int t = open_list[i / E], v = i % E;
-        if (b.cap[v] == 0 || has_bit(mask + t * MW, v)) continue;
-        const unsigned long long key =
-            ((unsigned long long)((u32)ord_float(a[t * E + v]) ^ 0x80000000u) << 32) |
-            (u32)(N - t);
-        atomicMax(&b.drop_key[v], key);
-      }
-      __syncthreads();
-      for (int v = tid; v < V; v += THREADS) {
-        gain[SINK * V + v] = (cycles && v < E) ? 0.0f : NEG;
-        const unsigned long long key = v < E ? b.drop_key[v] : 0ull;
-        gain[DROP * V + v] = key ? unord_float((int)((u32)(key >> 32) ^ 0x80000000u)) : NEG;
-        b.drop_token[v] = key ? N - (int)(u32)key : -1;
+      // Rows of S (an expert may lose a token) and D (an open slot takes an expert: the best open
+      // token for it, highest affinity, ties to the lower token; a warp per expert).
+      for (int v = tid; v < V; v += THREADS) gain[SINK * V + v] = (cycles && v < E) ? 0.0f : NEG;
+      for (int v = warp; v < V; v += WARPS) {
+        float best = NEG;
+        int bt = 0x7fffffff;
+        if (v < E && b.cap[v] > 0) {
+          for (int q = lane; q < open_tokens; q += 32) {
+            const int t = open_list[q];
+            if (has_bit(mask + t * MW, v)) continue;
+            const float x = a[t * E + v];
+            if (x > best || (x == best && t < bt)) {
+              best = x;
+              bt = t;
+            }
+          }
+        }
+        warp_argmax(best, bt);
+        if (lane == 0) {
+          gain[DROP * V + v] = best;
+          b.drop_token[v] = best > NEG ? bt : -1;
+        }
       }
       __syncthreads();
       if (tid == 0) {
@@ -901,7 +993,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // few negative ones count as 0, so the paths are the best augmenting paths up to eps
         // each. Afterwards P -= distance keeps the costs non-negative for the next round
         // (successive shortest paths).
-        shortest_paths_from_drop(b, gain, charge, round == 0);
+#if SEARCH_FRONTIER
+        shortest_paths_frontier(b, gain, charge, round == 0);
+#else
+        if (warp == 0) shortest_paths_dijkstra(b, gain, charge, round == 0);
+        __syncthreads();
+#endif
       } else {
         // Phase 3: Bellman-Ford (longest paths, every edge charged `charge`, at most
         // RELAX_CANCEL relaxations) from a virtual source joined to every node; the cycles of its
