@@ -987,12 +987,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       int changed = 0;
       if (!cycles) {
-        // Phase 2: shortest paths from D on reduced costs (every thread). The potentials P
-        // (the auction's prices to start with) keep every reduced cost -gain(u, v) + P(v) - P(u)
-        // above -eps (eps-complementary slackness; P(D) is set so that D's edges are >= 0); the
-        // few negative ones count as 0, so the paths are the best augmenting paths up to eps
-        // each. Afterwards P -= distance keeps the costs non-negative for the next round
-        // (successive shortest paths).
+        // Phase 2: shortest paths from D on reduced costs (Dijkstra in warp 0; for large E the
+        // frontier passes, every thread). The potentials P (the auction's prices to start with)
+        // keep every reduced cost -gain(u, v) + P(v) - P(u) above -eps (eps-complementary
+        // slackness; P(D) is set so that D's edges are >= 0); the few negative ones count as 0,
+        // so the paths are the best augmenting paths up to eps each. Afterwards P -= distance
+        // keeps the costs non-negative for the next round (successive shortest paths).
 #if SEARCH_FRONTIER
         shortest_paths_frontier(b, gain, charge, round == 0);
 #else
