@@ -106,11 +106,24 @@ inline int __reduce_add_sync(unsigned, int v) {
   for (int x : warp_values(v)) total += x;
   return total;
 }
+template <typename T>
+inline T __reduce_min_sync(unsigned, T v) {
+  T m = v;
+  for (T x : warp_values(v)) m = x < m ? x : m;
+  return m;
+}
+template <typename T>
+inline T __reduce_max_sync(unsigned, T v) {
+  T m = v;
+  for (T x : warp_values(v)) m = x > m ? x : m;
+  return m;
+}
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 inline int __float_as_int(float f) { return from_bits<int>(to_bits(f)); }
 inline unsigned __float_as_uint(float f) { return from_bits<unsigned>(to_bits(f)); }
 inline float __int_as_float(int i) { return from_bits<float>(to_bits(i)); }
+inline float __uint_as_float(unsigned i) { return from_bits<float>(to_bits(i)); }
 inline long long clock64() { return 0; }
 
 template <typename T>

@@ -106,16 +106,14 @@ __device__ __forceinline__ bool has_bit(const u32* mask, int j) {
 }
 
 // Warp argmax over (value, index) pairs; ties go to the lower index. Every lane gets the result.
+// Two warp reductions (sm_80's redux instructions) on the values' order-preserving integer images
+// instead of five rounds of two dependent shuffles: the argmax sits on the critical path of every
+// bid, every Dijkstra step and every path lookup.
 __device__ __forceinline__ void warp_argmax(float& v, int& j) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(FULL_MASK, v, o);
-    const int oj = __shfl_xor_sync(FULL_MASK, j, o);
-    if (ov > v || (ov == v && oj < j)) {
-      v = ov;
-      j = oj;
-    }
-  }
+  const int key = ord_float(v);
+  const int top = __reduce_max_sync(FULL_MASK, key);
+  j = __reduce_min_sync(FULL_MASK, key == top ? j : 0x7fffffff);
+  v = unord_float(top);
 }
 
 // The index of the q-th open entry (-1) of token t.
@@ -200,14 +198,11 @@ __device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charg
         bu = v;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {  // argmin, ties to the lower node
-      const float ob = __shfl_xor_sync(FULL_MASK, best, o);
-      const int ou = __shfl_xor_sync(FULL_MASK, bu, o);
-      if (ob < best || (ob == best && ou < bu)) {
-        best = ob;
-        bu = ou;
-      }
+    {  // argmin, ties to the lower node (distances are >= 0: their bits order as the floats)
+      const u32 key = __float_as_uint(best);
+      const u32 low = __reduce_min_sync(FULL_MASK, key);
+      bu = __reduce_min_sync(FULL_MASK, key == low ? bu : 0x7fffffff);
+      best = __uint_as_float(low);
     }
     if (!(best < INF)) break;
     reached_max = best;
@@ -761,8 +756,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         win += (rank < c && x > slot);
       }
       // the winners are a prefix of the ranking (bids descending, slots ascending)
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) win += __shfl_xor_sync(FULL_MASK, win, o);
+      win = __reduce_add_sync(FULL_MASK, win);
       __syncwarp();
       for (int q = lane; q < nb; q += 32) {
         const int r = b.rank[warp][q];
