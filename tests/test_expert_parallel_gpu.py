@@ -1,4 +1,5 @@
-"""Expert parallelism, resume and ZeRO on two GPUs (NCCL): the CPU tests' checks on the device.
+"""Expert parallelism, resume and ZeRO on two (or ``MAXSCORE_GPU_TEST_GPUS``) GPUs (NCCL): the
+CPU tests' checks on the device.
 
 Every run is ``tests/gpu_training_runs.py`` (the tiny preset in fp32, seq 128, 100 steps, every
 step logged), one process per GPU under torchrun, so the Trainer's accelerate state forms the NCCL
@@ -12,6 +13,10 @@ shared; nothing here is timed) and take about two minutes:
   ``checkpoint-50`` is written, then resumed by a test;
 * DeepSpeed ZeRO-2 and ZeRO-3 on two GPUs (maxscore, no expert parallelism), 30 steps of the same
   100-step schedule (skipped without the deepspeed package).
+
+``MAXSCORE_GPU_TEST_GPUS=N`` (default 2) runs the same on N GPUs: micro-batch 16 / N per GPU,
+``--expert-parallel N``, and routing groups of 16 / N sequences in every run (the one-GPU
+reference too), so that every layout forms the same groups.
 
 Tolerances. fp32 with TF32 matrix products: step 1 (no update yet) differs only by the order of
 the sums in GEMMs of other shapes, so its loss must agree to 1e-4 (relative). Later steps also
@@ -50,8 +55,13 @@ from distributed_helpers import free_port
 #: MAXSCORE_GPU_RUNS_SMALL=1 runs the module on the CPU (gloo, a 1-layer model): a check of the
 #: harness itself (launches, kill, resume, report), not of the GPU.
 ON_CPU = bool(os.environ.get("MAXSCORE_GPU_RUNS_SMALL")) and not torch.cuda.is_available()
+#: GPUs the expert-parallel runs use (MAXSCORE_GPU_TEST_GPUS, default 2; 4 on a 4-GPU machine):
+#: the global batch stays 16 sequences, split over them, in routing groups of 16 / GPUS.
+GPUS = int(os.environ.get("MAXSCORE_GPU_TEST_GPUS", "2"))
 pytestmark = [
-    pytest.mark.skipif(torch.cuda.device_count() < 2 and not ON_CPU, reason="needs 2 CUDA GPUs"),
+    pytest.mark.skipif(
+        torch.cuda.device_count() < GPUS and not ON_CPU, reason=f"needs {GPUS} CUDA GPUs"
+    ),
     *([] if ON_CPU else [pytest.mark.gpu]),
 ]
 
@@ -162,6 +172,7 @@ class Launches:
     root: Path
     runs: dict[str, Launch]
     report: dict[str, Any]
+    ep_args: tuple[str, ...] = ()  # the expert-parallel runs' options
 
     def check(self, name: str) -> None:
         run = self.runs[name]
@@ -175,16 +186,20 @@ def _has_deepspeed() -> bool:
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launches]:
     root = tmp_path_factory.mktemp("ep-gpu")
-    ep = ("--batch-size", "8", "--expert-parallel", "2")
+    if 16 % GPUS:
+        pytest.fail(f"MAXSCORE_GPU_TEST_GPUS={GPUS} must divide the global batch of 16")
+    per_gpu = str(16 // GPUS)
+    groups = ("--group-batch", per_gpu)  # one routing group per process's micro-batch
+    ep = ("--batch-size", per_gpu, *groups, "--expert-parallel", str(GPUS))
     runs = {
-        "one": _launch(root, "one", 1, "--batch-size", "16"),
-        "ep2": _launch(root, "ep2", 2, *ep, "--ddp-reference"),
-        "killed": _launch(root, "killed", 2, *ep, "--routers", "maxscore"),
+        "one": _launch(root, "one", 1, "--batch-size", "16", *groups),
+        "ep2": _launch(root, "ep2", GPUS, *ep, "--ddp-reference"),
+        "killed": _launch(root, "killed", GPUS, *ep, "--routers", "maxscore"),
     }
     if _has_deepspeed():
         for stage in ("zero2", "zero3"):
             runs[stage] = _launch(
-                root, stage, 2, "--routers", "maxscore", "--batch-size", "8",
+                root, stage, GPUS, "--routers", "maxscore", "--batch-size", per_gpu, *groups,
                 "--deepspeed", stage, "--save-steps", "0", "--stop-after", str(DEEPSPEED_STEPS),
             )  # fmt: skip
     try:
@@ -199,7 +214,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launches]:
             if run.proc.poll() is None:
                 run.kill()
         raise
-    state = Launches(root, runs, {"root": str(root)})
+    state = Launches(root, runs, {"root": str(root), "gpus": GPUS}, ep)
     yield state
     for run in state.runs.values():  # a run still going (the session was interrupted)
         if run.proc.poll() is None:
@@ -245,9 +260,9 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("router", ROUTERS)
-def test_expert_parallel_on_two_gpus_matches_one_gpu(launches: Launches, router: str) -> None:
-    """--expert-parallel 2 on 2 GPUs x 8 sequences against 1 GPU x 16: step 1 to 1e-4, each of the
-    100 steps to 2% (relative); step 1's aux loss to 1e-3."""
+def test_expert_parallel_matches_one_gpu(launches: Launches, router: str) -> None:
+    """--expert-parallel GPUS on GPUS GPUs x 16 / GPUS sequences against 1 GPU x 16: step 1 to
+    1e-4, each of the 100 steps to 2% (relative); step 1's aux loss to 1e-3."""
     launches.check("one")
     launches.check("ep2")
     one = _losses(launches.root / "one" / router)
@@ -261,8 +276,8 @@ def test_expert_parallel_on_two_gpus_matches_one_gpu(launches: Launches, router:
     assert row["max_rel"] <= STEPS_REL, _public(row)
 
 
-def test_expert_parallel_resumes_after_kill_on_two_gpus(launches: Launches) -> None:
-    """The run killed after checkpoint-50 resumes on 2 GPUs (DCP optimizer state) and continues
+def test_expert_parallel_resumes_after_kill(launches: Launches) -> None:
+    """The run killed after checkpoint-50 resumes on GPUS GPUs (DCP optimizer state) and continues
     the uninterrupted run: steps 51-55 within 0.5%, all 100 within 2%; checkpoint-100 intact
     with whole experts."""
     from safetensors.torch import load_file
@@ -273,8 +288,8 @@ def test_expert_parallel_resumes_after_kill_on_two_gpus(launches: Launches) -> N
     run = launches.root / "killed" / "maxscore"
     assert (run / f"checkpoint-{KILL_AT}" / "optimizer.dcp").is_dir()
     resumed = _launch(
-        launches.root, "resumed", 2, "--batch-size", "8", "--expert-parallel", "2",
-        "--routers", "maxscore", "--resume", out=launches.root / "killed",
+        launches.root, "resumed", GPUS, *launches.ep_args, "--routers", "maxscore", "--resume",
+        out=launches.root / "killed",
     )  # fmt: skip
     launches.runs["resumed"] = resumed
     resumed.wait(LAUNCH_TIMEOUT_S)
@@ -300,9 +315,9 @@ def test_expert_parallel_resumes_after_kill_on_two_gpus(launches: Launches) -> N
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_on_two_gpus_is_close_to_ddp(launches: Launches, stage: str) -> None:
-    """ZeRO-2 / ZeRO-3 (shipped configs) train 30 steps on 2 GPUs in fp32: finite losses, every
-    step within 2% of plain DDP on the same 2 GPUs, and step 1 to 1e-4 (an expected failure
+def test_deepspeed_is_close_to_ddp(launches: Launches, stage: str) -> None:
+    """ZeRO-2 / ZeRO-3 (shipped configs) train 30 steps on GPUS GPUs in fp32: finite losses, every
+    step within 2% of plain DDP on the same GPUs, and step 1 to 1e-4 (an expected failure
     today: see below)."""
     if stage not in launches.runs:
         pytest.skip("deepspeed is not installed")

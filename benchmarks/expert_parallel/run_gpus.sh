@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Expert parallelism on a machine with 2 GPUs, from the repository root, in under 7 minutes:
-#   1. the GPU tests (tests/test_expert_parallel_gpu.py): expert-parallel training on 2 GPUs
+# Expert parallelism on a machine with GPUS GPUs (default: every GPU it has; 2 and 4 are the
+# layouts the issue asks for), from the repository root, in under 7 minutes:
+#   1. the GPU tests (tests/test_expert_parallel_gpu.py): expert-parallel training on GPUS GPUs
 #      against 1 GPU for gshard, dropless and maxscore (100 steps), resume after a kill on
-#      2 GPUs, DeepSpeed ZeRO-2 / ZeRO-3 on 2 GPUs against DDP;
+#      GPUS GPUs, DeepSpeed ZeRO-2 / ZeRO-3 on GPUS GPUs against DDP;
 #   2. the benchmark (bench.py): base-2x64, compiled, tokens/s on one GPU (gshard on GPU 0 and
-#      maxscore on GPU 1 at the same time) and with the experts over both GPUs (same micro-batch
-#      per GPU), then the XL preset over both GPUs for its MFU.
+#      maxscore on GPU 1 at the same time) and with the experts over all GPUS GPUs (same micro-batch
+#      per GPU), then the XL preset over all of them for its MFU.
 # Each phase has a time limit (TOTAL_LIMIT seconds for the whole script, default 400); the
 # benchmark writes its rows after every run, so a cut-off phase keeps what it measured.
 # Files in $OUT (6): versions.txt, gpu_tests.txt (pytest), gpu_tests.json (measured loss gaps),
-# gpu_test_runs.log (the test runs' output), bench.log, expert_parallel_2gpu.json.
+# gpu_test_runs.log (the test runs' output), bench.log, expert_parallel_<GPUS>gpu.json.
 # DeepSpeed is not in the device image: wheels in .whl/ (git-ignored; README.md says which) are
 # installed into /tmp/site when present, else the ZeRO tests are skipped.
 set -uo pipefail
@@ -17,6 +18,8 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # NVLink multicast stays off on these shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
+GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")}
+[ "$GPUS" -ge 2 ] || { echo "needs 2 or more GPUs (GPUS=$GPUS)"; exit 1; }
 mkdir -p "$OUT"
 TOTAL=${TOTAL_LIMIT:-400}
 say() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*"; }
@@ -38,8 +41,8 @@ fi
 } > "$OUT/versions.txt" 2>&1
 cat "$OUT/versions.txt"
 
-say "1/3 GPU tests (about 2-3 minutes)"
-MAXSCORE_GPU_REPORT="$OUT/gpu_tests.json" MAXSCORE_GPU_LOG="$OUT/gpu_test_runs.log" \
+say "1/3 GPU tests on $GPUS GPUs (about 2-3 minutes)"
+MAXSCORE_GPU_TEST_GPUS=$GPUS MAXSCORE_GPU_REPORT="$OUT/gpu_tests.json" MAXSCORE_GPU_LOG="$OUT/gpu_test_runs.log" \
   timeout -s INT -k 20 "$(limit 200)" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
   tests/test_expert_parallel_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | grep --line-buffered -E \
   "passed|failed|PASSED|FAILED|SKIPPED|ERROR|Error|assert"
@@ -57,12 +60,12 @@ done
 wait
 grep -h -E "^\[" "$B"/one_gpu_*.log
 
-say "3/3 benchmark, two GPUs, experts over both: base-2x64 gshard, maxscore; xl maxscore"
-timeout -k 10 "$(limit 400)" torchrun --nproc-per-node 2 --master-port 29517 \
-  benchmarks/expert_parallel/bench.py run --expert-parallel 2 --tag ep2 "${COMMON[@]}" \
-  --runs base-2x64:gshard,base-2x64:maxscore,xl:maxscore 2>&1 | tee "$B/ep2.log" \
+say "3/3 benchmark, $GPUS GPUs, experts over all: base-2x64 gshard, maxscore; xl maxscore"
+timeout -k 10 "$(limit 400)" torchrun --nproc-per-node "$GPUS" --master-port 29517 \
+  benchmarks/expert_parallel/bench.py run --expert-parallel "$GPUS" --tag "ep$GPUS" "${COMMON[@]}" \
+  --runs base-2x64:gshard,base-2x64:maxscore,xl:maxscore 2>&1 | tee "$B/ep$GPUS.log" \
   | grep --line-buffered -E "^\[|Error|error"
 
-python3 benchmarks/expert_parallel/bench.py summarize "$B" --output "$OUT/expert_parallel_2gpu.json"
+python3 benchmarks/expert_parallel/bench.py summarize "$B" --output "$OUT/expert_parallel_${GPUS}gpu.json"
 for f in "$B"/*.log; do echo "===== $f"; tail -c 20000 "$f"; done > "$OUT/bench.log"
 say "done"
