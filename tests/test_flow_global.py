@@ -49,6 +49,21 @@ def test_backend_table() -> None:
         solve_global(torch.rand(2, 8, 4), 2, torch.full((4,), 4), backend="triton")
 
 
+def test_kernel_picks_its_phase2_search_and_memory_by_shape() -> None:
+    """Dijkstra in one warp below FRONTIER_SEARCH_MIN_E experts, the frontier passes from there
+    (measured faster on each side); the expert graph leaves shared memory when it does not fit."""
+    from maxscore.routing.flow import global_cuda
+
+    budget = GlobalBudget()
+    small = global_cuda.kernel_defines(512, 64, 2, 16, budget, shared_bytes=190 * 1024)
+    large = global_cuda.kernel_defines(512, 256, 8, 16, budget, shared_bytes=190 * 1024)
+    assert small["SEARCH_FRONTIER"] == "0" and large["SEARCH_FRONTIER"] == "1"
+    edge = global_cuda.FRONTIER_SEARCH_MIN_E
+    assert global_cuda.kernel_defines(512, edge, 8, 32, budget)["SEARCH_FRONTIER"] == "1"
+    assert global_cuda.kernel_defines(512, edge - 1, 8, 33, budget)["SEARCH_FRONTIER"] == "0"
+    assert small["GRAPH_SMEM"] == "1" and large["GRAPH_SMEM"] == "0"  # 4 (e + 2)^2 bytes
+
+
 @pytest.mark.parametrize(
     ("n", "e", "k", "bias"),
     [(256, 16, 2, 0.0), (256, 16, 2, 1.0), (128, 8, 1, 1.0), (96, 12, 3, 2.0), (64, 64, 6, 1.0)],
