@@ -8,12 +8,12 @@ routing summary. ``maxscore <command> --help`` shows each command's options and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+from maxscore.cli_options import parse_options
 from maxscore.training.checkpoint import CheckpointSaveError
 from maxscore.training.config import RECIPES, ConfigError, TrainConfig, apply_recipe
 
@@ -45,24 +45,6 @@ comparison.md (validation loss with its standard error, differences to the first
 comparison.csv / .json, loss_curves.png, loss_differences.png and one run directory per
 router (per router and seed with --seeds).
 """
-
-
-def _parse_value(text: str) -> Any:
-    """``KEY=VALUE`` values: JSON when it parses (numbers, true/false, lists), else a string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _parse_options(items: list[str] | None, flag: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = _parse_value(value)
-    return out
 
 
 def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -> None:
@@ -232,8 +214,8 @@ def config_from_args(args: argparse.Namespace, **forced: Any) -> TrainConfig:
         if value is not None and name not in ("model_overrides", "router_overrides"):
             data[name] = value
             explicit.add(name)
-    model_opts = _parse_options(getattr(args, "model_option", None), "--model-option")
-    router_opts = _parse_options(getattr(args, "router_option", None), "--router-option")
+    model_opts = parse_options(getattr(args, "model_option", None), "--model-option")
+    router_opts = parse_options(getattr(args, "router_option", None), "--router-option")
     if model_opts:
         data["model_overrides"] = {**data["model_overrides"], **model_opts}
         explicit.add("model_overrides")

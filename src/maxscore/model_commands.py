@@ -8,11 +8,12 @@ CLI imports this module to build its parser, which ``maxscore --help`` must do w
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from maxscore.cli_options import parse_options
 
 __all__ = ["add_export_parser", "add_upcycle_parser"]
 
@@ -27,19 +28,6 @@ examples:
   maxscore export runs/my-mixtral-gshard/checkpoint-250 ./mixtral-finetuned
   maxscore export runs/my-olmoe-maxscore/checkpoint-250 ./olmoe-out --allow-routing-change
 """
-
-
-def _options(items: list[str] | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--router-option expects KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
 
 
 def _copy_tokenizer(source: str, output: Path) -> None:
@@ -84,7 +72,7 @@ def run_upcycle(args: argparse.Namespace) -> int:
             args.num_experts,
             args.top_k,
             router=args.router,
-            router_config=_options(args.router_option),
+            router_config=parse_options(args.router_option, "--router-option"),
             seed=args.seed,
         )
     except (ConversionError, ValueError) as err:
