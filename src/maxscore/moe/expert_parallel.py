@@ -108,17 +108,6 @@ class ExpertParallel:
         """This rank's experts along the stacked experts' first axis."""
         return slice(self.first_expert, self.first_expert + self.local_experts)
 
-    def __call__(
-        self,
-        experts: SwiGLUExperts,
-        tokens: Tensor,
-        routing: RoutingResult,
-        capacity: int | None,
-        uniform_shapes: bool = True,
-    ) -> Tensor:
-        """:func:`expert_parallel_forward` with this layout."""
-        return expert_parallel_forward(self, experts, tokens, routing, capacity, uniform_shapes)
-
 
 def shard_moe_experts(moe: MoE, ep: ExpertParallel) -> None:
     """Keep only this rank's experts in ``moe`` and run its experts through ``ep`` from now on.

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from maxscore.moe.dispatch import DispatchPlan, grouped_dispatch_plan, padded_dispatch_plan
-from maxscore.moe.expert_parallel import ExpertParallel
+from maxscore.moe.expert_parallel import ExpertParallel, expert_parallel_forward
 from maxscore.moe.experts import DenseMLP, SwiGLUExperts
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.types import RoutingResult
@@ -184,8 +184,14 @@ class MoE(nn.Module):
         result: RoutingResult = self.router(x, token_mask)
         tokens = x.reshape(-1, shape[-1])
         if self.expert_parallel is not None:
-            ep = self.expert_parallel
-            y = ep(self.experts, tokens, result, self.buffer_capacity(result), self.training)
+            y = expert_parallel_forward(
+                self.expert_parallel,
+                self.experts,
+                tokens,
+                result,
+                self.buffer_capacity(result),
+                self.training,
+            )
         else:
             y = self.experts(tokens, dispatch_plan(result, self.buffer_capacity(result)))
         if self.shared_experts is not None:

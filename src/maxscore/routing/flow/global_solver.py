@@ -145,16 +145,18 @@ def solve_global(
                 f"token_mask must have shape [G, n] = {(groups, n)}, got {tuple(mask.shape)}"
             )
     budget = budget or GlobalBudget()
-    name = pick_backend(scores, k) if backend == "auto" else backend
-    if name not in GLOBAL_BACKENDS:
+    if backend == "auto":
+        chosen = GLOBAL_BACKENDS[pick_backend(scores, k)]  # supported by construction
+    elif backend not in GLOBAL_BACKENDS:
         raise ValueError(
-            f"unknown global-solver backend {name!r}; known: {sorted(GLOBAL_BACKENDS)}"
+            f"unknown global-solver backend {backend!r}; known: {sorted(GLOBAL_BACKENDS)}"
         )
-    chosen = GLOBAL_BACKENDS[name]
-    if not chosen.supported(scores, k):
-        raise ValueError(
-            f"the {name!r} backend does not apply to this input ({chosen.description})"
-        )
+    else:
+        chosen = GLOBAL_BACKENDS[backend]
+        if not chosen.supported(scores, k):
+            raise ValueError(
+                f"the {backend!r} backend does not apply to this input ({chosen.description})"
+            )
     try:
         out = chosen.solve(scores, k, cap, holders, budget, mask)
     except global_cuda.KernelCompileError as exc:

@@ -145,6 +145,20 @@ __device__ __forceinline__ int warp_atomic_add(int* counter, int value, bool act
   return base + prefix - (active ? value : 0);
 }
 
+// Token t's bid `value` for expert j through its open entry s: recorded with the bidder (for the
+// deterministic overflow path) and posted to the expert's buffer while it has room (more bids
+// wait a round).
+__device__ __forceinline__ void post_bid(Block& b, int t, int s, int j, float value, int* rec_e,
+                                         float* rec_p, int* bid_t, float* bid_p) {
+  rec_e[t * K + s] = j;
+  rec_p[t * K + s] = value;
+  const int slot = atomicAdd(&b.nbid[j], 1);
+  if (slot < BUF) {
+    bid_t[j * BUF + slot] = (t << 4) | s;
+    bid_p[j * BUF + slot] = value;
+  }
+}
+
 __device__ __forceinline__ int held_count(const int* tok_e, int t) {
   int h = 0;
 #pragma unroll
@@ -638,15 +652,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       if (!w_valid) w = floor_w;
       if (lane < m && my_pick >= 0) {
-        const int j = my_pick, s = open_entry(tok_e, t, lane);
-        const float value = a[t * E + j] - w + b.eps;
-        rec_e[t * K + s] = j;
-        rec_p[t * K + s] = value;
-        const int slot = atomicAdd(&b.nbid[j], 1);
-        if (slot < BUF) {
-          bid_t[j * BUF + slot] = (t << 4) | s;
-          bid_p[j * BUF + slot] = value;
-        }
+        const int j = my_pick;
+        post_bid(b, t, open_entry(tok_e, t, lane), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
+                 bid_t, bid_p);
       }
     }
 #else
@@ -687,15 +695,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int r = 0; r < K; ++r) {
         if (r >= m || topj[r] < 0) continue;
-        const int j = topj[r], s = open_entry(tok_e, t, q2++);
-        const float value = a[t * E + j] - w + b.eps;
-        rec_e[t * K + s] = j;
-        rec_p[t * K + s] = value;
-        const int slot = atomicAdd(&b.nbid[j], 1);
-        if (slot < BUF) {
-          bid_t[j * BUF + slot] = (t << 4) | s;
-          bid_p[j * BUF + slot] = value;
-        }
+        const int j = topj[r];
+        post_bid(b, t, open_entry(tok_e, t, q2++), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
+                 bid_t, bid_p);
       }
     }
 #endif
