@@ -343,10 +343,8 @@ __device__ void shortest_paths_frontier(Block& b, const float* gain, float charg
     const bool reached = d < INF;
     const float path_gain = (v < E && reached) ? b.pot[v] - pd - d : NEG;
     if (v < E) b.pot[v] -= reached ? d : reached_max;
-    b.dist_next[v] = path_gain;  // cur may be either buffer: every thread writes its own v
+    b.dist[v] = path_gain;  // cur may be b.dist: each thread reads and writes its own v only
   }
-  __syncthreads();
-  for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
   __syncthreads();
 }
 
