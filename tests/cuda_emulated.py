@@ -29,6 +29,7 @@ extern "C" void run_solver(const float* a, const int* cap, long long* out, int* 
     global_auction_kernel(a, cap, out, stats, scratch, use_scratch, 1, mask, has_mask);
   }});
 }}
+extern "C" int block_struct_bytes() {{ return (int)sizeof(Block); }}
 """
 
 
@@ -88,6 +89,12 @@ def _library(defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
+def block_struct_bytes(defines: dict[str, str]) -> int:
+    """``sizeof(Block)``, the kernel's static shared memory, as g++ lays it out (the same rules
+    as NVCC's for its int, float and 64-bit members)."""
+    return int(_library(tuple(defines.items())).block_struct_bytes())
+
+
 def solve_emulated(
     affinities: torch.Tensor,
     k: int,
@@ -99,7 +106,7 @@ def solve_emulated(
     defines: dict[str, str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics.
-    ``defines`` overrides compile-time constants (e.g. ``SEARCH_FRONTIER``)."""
+    ``defines`` overrides compile-time constants (e.g. ``GRAPH_IN_WORK``)."""
     groups, n, e = affinities.shape
     cap = capacity.to(torch.int32).expand(groups, e)
     holders = int(cap.clamp(max=n).max()) if cap.numel() else 1

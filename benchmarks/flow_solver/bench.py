@@ -256,6 +256,7 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
                 "kcycles_augment_graph_bf_moves": [int(x) for x in s[:, 11:14].max(0).values],
                 "kcycles_cancel_graph_bf_moves": [int(x) for x in s[:, 14:17].max(0).values],
                 "kcycles_augment_select": int(s[:, 17].max()),
+                "kcycles_graph_rows_augment_cancel": [int(x) for x in s[:, 18:20].max(0).values],
             }
             rows.append(row)
             print(

@@ -28,9 +28,11 @@ __all__ = [
     "MAX_K",
     "KernelCompileError",
     "available",
+    "block_bytes",
     "disable",
     "kernel_defines",
     "kernel_source",
+    "phase1_bytes",
     "shared_and_scratch_bytes",
     "solve_cuda",
     "supported",
@@ -43,12 +45,7 @@ MIN_CAPABILITY = (8, 0)
 KERNEL_NAME = "global_auction_kernel"
 THREADS = 512
 BID_BUFFER = 128  # bids an expert takes per auction round at most (more wait a round)
-# Phase 2's shortest paths: Dijkstra in one warp (V sequential steps) up to this many experts,
-# Bellman-Ford passes over a frontier with every thread above (a pass per hop of the longest
-# path, each a block barrier). Measured on an H100/H200: benchmarks/flow_solver/README.md.
-FRONTIER_SEARCH_MIN_E = 128
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-_STATIC_SHARED_RESERVE = 40 * 1024  # the kernel's static shared memory (Block), upper bound
 
 _disabled_reason: str | None = None
 
@@ -103,7 +100,6 @@ def kernel_defines(
         "EPS_REL": f"{float(budget.epsilon)!r}f",
         "TOL_REL": f"{float(budget.tolerance)!r}f",
         "WARP_BIDS": "1" if e > 32 else "0",
-        "SEARCH_FRONTIER": "1" if e >= FRONTIER_SEARCH_MIN_E else "0",
     }
     state, graph, affinities = work_bytes(defines), 4 * (e + 2) ** 2, 4 * n * e
     room = shared_bytes if shared_bytes is not None else state
@@ -111,8 +107,37 @@ def kernel_defines(
     room -= state if state <= room else 0
     defines["GRAPH_SMEM"] = "1" if graph <= room else "0"
     room -= graph if graph <= room else 0
+    # A graph that does not fit beside the state may take the place of phase 1's bids in it.
+    in_work = defines["GRAPH_SMEM"] == "0" and graph <= phase1_bytes(defines)
+    defines["GRAPH_IN_WORK"] = "1" if in_work else "0"
     defines["A_SMEM"] = "1" if affinities <= room else "0"
     return defines
+
+
+def phase1_bytes(defines: dict[str, str]) -> int:
+    """Bytes at the end of the state that only phase 1 uses (the bids and their records)."""
+    n, e, k, buf = (int(defines[key]) for key in ("N", "E", "K", "BUF"))
+    return 4 * (2 * e * buf + 2 * n * k)
+
+
+def block_bytes(defines: dict[str, str]) -> int:
+    """The kernel's static shared memory (its ``Block`` struct) for these constants."""
+    e, buf = int(defines["E"]), int(defines["BUF"])
+    warps, v = int(defines["THREADS"]) // 32, e + 2
+    words = (
+        3 * warps * buf  # rank, wsort, widx
+        + 3 * warps  # warp_max, warp_rows, part_worst
+        + 5 * e  # price, reserve, cap, held, nbid
+        + 9 * v  # dist, dist_next, pot, pred, jump, jump_next, on_cycle, path_len, path_pos
+        + 2 * e  # tree_best (8 bytes each)
+        + v  # drop_token
+        + 3 * e  # dirty, dirty_list, worst
+        + 1  # ndirty
+        + 3  # lo_ord, hi_ord, real_rows
+        + 4  # lo, hi, eps, tol
+        + 3  # open_count, open_tokens, moves
+    )
+    return 4 * words + 8 * 12 + 16  # prof; alignment padding
 
 
 def shared_and_scratch_bytes(defines: dict[str, str], groups: int) -> tuple[int, int]:
@@ -123,8 +148,8 @@ def shared_and_scratch_bytes(defines: dict[str, str], groups: int) -> tuple[int,
     for flag, size in (("STATE_SMEM", state), ("GRAPH_SMEM", graph), ("A_SMEM", affinities)):
         if defines[flag] == "1":
             shared += size
-        elif flag != "A_SMEM":  # the affinities are read where they are
-            scratch += groups * size
+        elif flag == "STATE_SMEM" or (flag == "GRAPH_SMEM" and defines["GRAPH_IN_WORK"] == "0"):
+            scratch += groups * size  # (the affinities are read where they are)
     return shared, scratch
 
 
@@ -254,8 +279,9 @@ def solve_cuda(
     lower expert), ``-1`` last. ``stats`` (``[G, 20]`` int32), if given, receives per group the
     auction rounds used, the slots open after the auction, the augmenting and cancelling rounds,
     then thousands of SM cycles: setup, auction, phase 2, phase 3, the auction's parts (open
-    list, bids, merges), each graph phase's parts (graph, search, moves) and phase 2's path
-    selection. ``token_mask`` (``[G, n]`` bool), if given, marks the real tokens; padded ones
+    list, bids, merges), each graph phase's parts (graph, search, moves), phase 2's path
+    selection, and the expert rows' share of each graph phase's graph part (D's row apart).
+    ``token_mask`` (``[G, n]`` bool), if given, marks the real tokens; padded ones
     take no expert.
     """
     if not supported(affinities, k):
@@ -272,7 +298,10 @@ def solve_cuda(
         return out
     device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(device_index)
-    room = props.shared_memory_per_block_optin - _STATIC_SHARED_RESERVE
+    # The dynamic part gets what the Block struct leaves of the block's shared memory (its size
+    # does not depend on the memory flags, so any flags give it).
+    static = block_bytes(kernel_defines(n, e, k, holders, budget))
+    room = props.shared_memory_per_block_optin - static
     defines = kernel_defines(n, e, k, holders, budget, shared_bytes=room)
     dynamic, scratch_bytes = shared_and_scratch_bytes(defines, groups)
     kernel = _compiled(device_index, tuple(defines.items()), dynamic)

@@ -30,11 +30,10 @@ solver has three phases:
    network with its token nodes contracted: it gives every token ``k`` experts whenever
    ``sum_j min(c_j, n) >= n k`` (a maximum flow otherwise), and keeps the assignment optimal
    for its loads. Here the paths come from Bellman-Ford with every edge charged ``tol + eps``
-   (the auction leaves no cycle above that); the CUDA kernel runs Dijkstra (or, for many
-   experts, Bellman-Ford passes over a frontier) on reduced costs whose potentials start at the
-   auction's prices (the same paths),
-   and takes each subtree of ``D``'s best target at once (paths that share no node are exactly
-   those in different subtrees).
+   (the auction leaves no cycle above that); the CUDA kernel runs Dijkstra, until every expert
+   with spare capacity is settled, on reduced costs whose potentials start at the auction's
+   prices (the same paths), and takes each subtree of ``D``'s best target at once (paths that
+   share no node are exactly those in different subtrees).
 3. **Cycle cancelling** on the same graph, now also with ``b -> S`` (``b`` has spare capacity),
    ``S -> a`` (any expert may lose a token) and ``a -> D`` (a token gives up its slot at ``a``
    when the flow is not full, gain ``-A_ta``): a feasible assignment is optimal iff this graph

@@ -1,0 +1,133 @@
+"""The shipped solver kernel against an earlier version of it, in one process on one GPU.
+
+Times ``--variants`` in turn with ``bench.py``'s timing (CUDA graph, 32 groups x 512 tokens,
+median of ``--reps`` replays, random and near-tied inputs, the kernel's clocks): ``shipped`` is
+the kernel in the working tree, ``baseline`` the kernel file ``--baseline`` (a path, or a git
+revision whose kernel file is taken; a device machine's copy of the tree may have no git
+history, so save it to a file first) with the compile-time constants ``--baseline-define
+KEY=VALUE[@MIN_E]`` added (``@MIN_E``: only from that many experts), for switches that the
+shipped kernel no longer has. After timing, each variant's objective is checked against the
+reference backend's on small shapes. The first variant runs again at the end, so the spread
+between its two runs bounds the noise.
+
+    git show 34ebd6f:src/maxscore/routing/flow/kernels/global_auction.cu > /tmp/baseline.cu
+    PYTHONPATH=src python benchmarks/flow_solver/compare_kernels.py --baseline /tmp/baseline.cu \\
+        --baseline-define SEARCH_FRONTIER=1@128 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from maxscore.routing.flow import global_cuda
+from maxscore.routing.flow.global_reference import GlobalBudget
+from maxscore.routing.flow.global_solver import solve_global
+
+HERE = Path(__file__).resolve().parent
+KERNEL = "src/maxscore/routing/flow/kernels/global_auction.cu"
+
+
+def _bench_module() -> Any:
+    spec = importlib.util.spec_from_file_location("flow_bench", HERE / "bench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
+    """Make ``global_cuda`` compile ``source`` with the ``extra`` (key, value, min_e) defines."""
+    shipped_defines = global_cuda.kernel_defines
+
+    def defines(n: int, e: int, *args: Any, **kwargs: Any) -> dict[str, str]:
+        d = shipped_defines(n, e, *args, **kwargs)
+        d.update({key: value for key, value, min_e in extra if e >= min_e})
+        return d
+
+    global_cuda.kernel_source = lambda: source
+    global_cuda.kernel_defines = defines
+    global_cuda._compiled.cache_clear()
+
+
+def objective_matches_reference() -> bool:
+    """The CUDA objective equals the reference backend's (relative 1e-5) on small shapes."""
+    bench = _bench_module()
+    ok = True
+    for n, e, k in [(512, 16, 2), (512, 64, 2), (512, 64, 6)]:
+        for family in ["random", "near-tied-0.03"]:
+            a = bench.synthetic(family, 3, n, e, seed=3)
+            cap = torch.full((e,), -(-k * n // e), dtype=torch.int32)
+            gpu = solve_global(a.cuda(), k, cap.cuda(), backend="cuda").cpu()
+            ref = solve_global(a, k, cap, backend="reference")
+            value = a.gather(2, gpu.clamp(min=0)).mul(gpu >= 0).sum().item()
+            target = a.gather(2, ref.clamp(min=0)).mul(ref >= 0).sum().item()
+            ok &= bool((gpu >= 0).all()) and abs(value - target) <= 1e-5 * abs(target)
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", required=True, help="kernel file, or a git revision")
+    parser.add_argument("--baseline-define", action="append", default=[])
+    parser.add_argument("--variants", default="shipped,baseline")
+    parser.add_argument(
+        "--shapes", default="512x16x2,512x32x2,512x64x2,512x64x6,512x128x8,512x256x8"
+    )
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    root = HERE.parents[1]
+    if Path(args.baseline).is_file():
+        baseline = Path(args.baseline).read_text()
+    else:
+        baseline = subprocess.run(
+            ["git", "show", f"{args.baseline}:{KERNEL}"],
+            cwd=root,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    extra = []
+    for item in args.baseline_define:
+        pair, _, min_e = item.partition("@")
+        key, _, value = pair.partition("=")
+        extra.append((key, value, int(min_e or 0)))
+    # The baseline keeps its graph out of phase 1's buffers (older kernels have no such place).
+    extra.append(("GRAPH_IN_WORK", "0", 0))
+    kernels = {
+        "shipped": (global_cuda.kernel_source(), []),
+        "baseline": (baseline, extra),
+    }
+    bench = _bench_module()
+    names = args.variants.split(",")
+    names.append(names[0])
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "baseline": args.baseline,
+        "baseline_defines": args.baseline_define,
+        "runs": [],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        use_kernel(*kernels[name])
+        timing_args = argparse.Namespace(shapes=args.shapes, reps=args.reps, budget=GlobalBudget())
+        rows: dict[str, Any] = {}
+        bench.run_timing(timing_args, rows)
+        run = {"variant": name, "objective_ok": objective_matches_reference(), **rows}
+        out["runs"].append(run)
+        print(f"== {name}: objective ok {run['objective_ok']}", flush=True)
+        (args.out / "compare_kernels.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

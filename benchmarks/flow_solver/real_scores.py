@@ -1,0 +1,115 @@
+"""The global solver on a real router's scores, taken from training.
+
+Trains each ``--presets`` model with the ``maxscore`` router for ``--steps`` compiled steps
+(``benchmarks/expert_parallel/bench.py``'s path: HF Trainer, bf16, the embedded corpus, micro-batch
+64 x 512, so 64 routing groups of 512 tokens per MoE layer), keeps the selection scores of the
+last solver call, and then times the CUDA kernel on exactly those scores (CUDA graph, median of
+``--reps`` replays) with its phase statistics: the rounds of the auction and of phase 2 per group
+(median and maximum: a call lasts as long as its slowest group) and the kernel's clocks.
+
+    PYTHONPATH=src python benchmarks/flow_solver/real_scores.py --steps 200 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from maxscore.routing.flow import global_cuda
+from maxscore.routing.flow.global_reference import GlobalBudget
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def solver_on_real_scores(preset: str, steps: int, reps: int) -> dict[str, Any]:
+    """Train ``preset`` with maxscore, then time the kernel on its last call's scores."""
+    train_bench = _load(HERE.parent / "expert_parallel" / "bench.py", "ep_bench")
+    timing = _load(HERE / "bench.py", "flow_bench")
+    kept: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
+    solve = global_cuda.solve_cuda
+
+    def recording(a: torch.Tensor, k: int, cap: torch.Tensor, holders: int, budget, **kw):
+        kept[:] = [(a.detach().clone(), k, cap.detach().clone(), holders)]
+        return solve(a, k, cap, holders, budget, **kw)
+
+    global_cuda.solve_cuda = recording  # the backend looks it up on the module at each call
+    try:
+        args = argparse.Namespace(
+            batch_size=64,
+            seq_len=512,
+            steps=steps,
+            warmup=steps - 5,
+            compile=True,
+            expert_parallel=1,
+            runs_dir="/tmp/maxscore-real-scores",
+        )
+        row = train_bench.run_one(preset, "maxscore", args)
+    finally:
+        global_cuda.solve_cuda = solve
+    a, k, cap, holders = kept[-1]
+    groups, n, e = a.shape
+    stats = torch.zeros(groups, 20, dtype=torch.int32, device=a.device)
+    solve(a, k, cap, holders, GlobalBudget(), stats=stats)
+    s = stats.cpu()
+    ms = timing.graph_time_ms(lambda: solve(a, k, cap, holders, GlobalBudget()), reps)
+    top = a.topk(k + 1, dim=-1).values
+
+    def median_max(column: int) -> list[int]:
+        return [int(s[:, column].median()), int(s[:, column].max())]
+
+    return {
+        "preset": preset,
+        "step_ms": row["step_ms"],
+        "G": groups,
+        "n": n,
+        "e": e,
+        "k": k,
+        "ms_per_call": ms,
+        "auction_rounds_median_max": median_max(0),
+        "open_after_auction_median_max": median_max(1),
+        "augment_rounds_median_max": median_max(2),
+        "cancel_rounds_max": int(s[:, 3].max()),
+        "kcycles_setup_auction_augment_cancel_max": [int(x) for x in s[:, 4:8].max(0).values],
+        "kcycles_augment_graph_search_moves_max": [int(x) for x in s[:, 11:14].max(0).values],
+        "row_max_mean": float(a.amax(-1).mean()),
+        "row_min_mean": float(a.amin(-1).mean()),
+        "gap_k_to_k1_median": float((top[..., k - 1] - top[..., k]).median()),
+        "top1_expert_share_max": float(
+            torch.bincount(a.argmax(-1).flatten(), minlength=e).max() / (groups * n)
+        ),
+        "dtype": str(a.dtype),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="base,base-2x64")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "steps": args.steps, "rows": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for preset in args.presets.split(","):
+        info = solver_on_real_scores(preset, args.steps, args.reps)
+        print(json.dumps(info), flush=True)
+        out["rows"].append(info)
+        (args.out / "real_scores.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
