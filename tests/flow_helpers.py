@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +37,18 @@ def near_tied(seed: int, count: int, n: int, e: int, noise: float) -> torch.Tens
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(1, 1, e, generator=gen) + noise * torch.randn(count, n, e, generator=gen)
     return torch.softmax(logits, -1)
+
+
+REAL_SCORES = Path(__file__).resolve().parent / "data" / "router_scores.npz"
+
+
+def real_router_scores(key: str) -> torch.Tensor:
+    """Two routing groups (``[2, 512, e]``) of the selection scores a MaxScore router passed to
+    the solver in training: the last MoE layer of ``base`` (``key="e16_k2"``) and of
+    ``base-2x64`` (``"e64_k2"``) after 200 compiled bf16 steps on the embedded corpus
+    (micro-batch 64 x 512), captured by ``benchmarks/flow_solver/real_scores.py``'s recording."""
+    with np.load(REAL_SCORES) as data:
+        return torch.from_numpy(data[key].copy())
 
 
 # (name, n, e, k, capacities): ties, one popular expert (also of zero capacity), n < e, unequal,

@@ -68,6 +68,19 @@ def test_kernel_places_its_memory_by_shape() -> None:
     assert scratch == 0  # nothing in global memory but the affinities
 
 
+@pytest.mark.parametrize("key", ["e16_k2", "e64_k2"])
+def test_real_router_scores_near_optimal(key: str) -> None:
+    """Scores a MaxScore router produced in training (a real Base / base-2x64 layer): Eq. 7
+    exactly and the gap targets, on the CPU path."""
+    affinities = fh.real_router_scores(key).double()
+    n, e, k = affinities.shape[1], affinities.shape[2], 2
+    capacity = torch.full((e,), -(-k * n // e), dtype=torch.long)
+    index = _reference(affinities, k, capacity)
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
+
+
 @pytest.mark.parametrize(
     ("n", "e", "k", "bias"),
     [(256, 16, 2, 0.0), (256, 16, 2, 1.0), (128, 8, 1, 1.0), (96, 12, 3, 2.0), (64, 64, 6, 1.0)],
@@ -247,6 +260,19 @@ def test_kernel_emulated_near_optimal(n: int, e: int, k: int, family: str) -> No
         affinities = fh.near_tied(3, 2, n, e, 0.03)
     else:
         affinities = fh.instances(5 + e, 2, n, e, 1.0 if family == "skewed" else 0.0)
+    capacity = torch.full((e,), -(-k * n // e))
+    index, stats = emu.solve_emulated(affinities, k, capacity)
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, (gaps, stats)
+
+
+def test_kernel_emulated_real_router_scores() -> None:
+    """The kernel on a real router's scores (the first 128 tokens of each captured group of
+    base-2x64, capacity for those 128): Eq. 7 exactly and the gap targets."""
+    emu = _emulated()
+    affinities = fh.real_router_scores("e64_k2")[:, :128].contiguous()
+    n, e, k = 128, 64, 2
     capacity = torch.full((e,), -(-k * n // e))
     index, stats = emu.solve_emulated(affinities, k, capacity)
     fh.check_constraints(index, k, capacity, e)

@@ -6,6 +6,8 @@ Trains each ``--presets`` model with the ``maxscore`` router for ``--steps`` com
 last solver call, and then times the CUDA kernel on exactly those scores (CUDA graph, median of
 ``--reps`` replays) with its phase statistics: the rounds of the auction and of phase 2 per group
 (median and maximum: a call lasts as long as its slowest group) and the kernel's clocks.
+``--save-scores`` also writes two groups of each preset's scores to ``OUT/router_scores.npz``
+(keys ``e{e}_k{k}``; the tests' ``tests/data/router_scores.npz`` came from such a run).
 
     PYTHONPATH=src python benchmarks/flow_solver/real_scores.py --steps 200 --out OUT
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from maxscore.routing.flow import global_cuda
@@ -35,8 +38,11 @@ def _load(path: Path, name: str) -> ModuleType:
     return module
 
 
-def solver_on_real_scores(preset: str, steps: int, reps: int) -> dict[str, Any]:
-    """Train ``preset`` with maxscore, then time the kernel on its last call's scores."""
+def solver_on_real_scores(
+    preset: str, steps: int, reps: int, saved: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Train ``preset`` with maxscore, then time the kernel on its last call's scores (two
+    groups of which go into ``saved`` when given)."""
     train_bench = _load(HERE.parent / "expert_parallel" / "bench.py", "ep_bench")
     timing = _load(HERE / "bench.py", "flow_bench")
     kept: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
@@ -62,6 +68,8 @@ def solver_on_real_scores(preset: str, steps: int, reps: int) -> dict[str, Any]:
         global_cuda.solve_cuda = solve
     a, k, cap, holders = kept[-1]
     groups, n, e = a.shape
+    if saved is not None:
+        saved[f"e{e}_k{k}"] = a[:2].float().cpu().numpy()
     stats = torch.zeros(groups, 20, dtype=torch.int32, device=a.device)
     solve(a, k, cap, holders, GlobalBudget(), stats=stats)
     s = stats.cpu()
@@ -101,14 +109,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--save-scores", action="store_true", help="two groups per preset")
     args = parser.parse_args()
+    saved: dict[str, Any] = {}
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "steps": args.steps, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for preset in args.presets.split(","):
-        info = solver_on_real_scores(preset, args.steps, args.reps)
+        info = solver_on_real_scores(
+            preset, args.steps, args.reps, saved if args.save_scores else None
+        )
         print(json.dumps(info), flush=True)
         out["rows"].append(info)
         (args.out / "real_scores.json").write_text(json.dumps(out, indent=1) + "\n")
+    if saved:
+        np.savez_compressed(args.out / "router_scores.npz", **saved)
 
 
 if __name__ == "__main__":
