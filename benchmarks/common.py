@@ -6,9 +6,12 @@ The scripts live one folder per study (``benchmarks/<study>/``) and import this 
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -37,6 +40,77 @@ def flops_per_token(model: Any, seq_len: int) -> tuple[float, int]:
     n_active = counts["activated"] - model.get_input_embeddings().weight.numel()
     attention = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
     return 6.0 * n_active + attention, n_active
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import the benchmark script at ``path`` as module ``name`` (scripts of different studies
+    share file names such as ``bench.py``, so they cannot all be imported by name)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:
+    """A ``transformers.TrainerCallback`` timing optimizer steps ``warmup + 1 .. max_steps``.
+
+    After training: ``t0`` / ``t1`` (host clock, CUDA-synchronised at both ends), ``steps``
+    (the timed steps), ``first_step_s`` (step 1's arrival: model build and compilation, also
+    passed to ``say``) and ``model`` (the trained model, for :func:`flops_per_token`).
+    """
+    from transformers import TrainerCallback
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.t0 = self.t1 = 0.0
+            self.steps = 0
+            self.started = time.perf_counter()
+            self.first_step_s: float | None = None
+            self.model: Any = None
+
+        def on_step_end(
+            self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+        ) -> Any:
+            if state.global_step == 1:
+                self.first_step_s = time.perf_counter() - self.started
+                if say is not None:
+                    say(f"  step 1 after {self.first_step_s:.0f} s (model build, compilation)")
+            if state.global_step == warmup:
+                sync()
+                self.t0 = time.perf_counter()
+            if state.global_step == state.max_steps:
+                sync()
+                self.t1 = time.perf_counter()
+                self.steps = state.global_step - warmup
+                self.model = model
+            return control
+
+    return StepTimer()
+
+
+def timing_train_config(**fields: Any) -> Any:
+    """A ``maxscore.training.TrainConfig`` for a timing run: lr 3e-4 after 10 warmup steps, bf16
+    on a GPU, no evaluation, checkpoints or reports, the run folder overwritten; ``fields`` give
+    the rest (model, router, batch, steps, output_dir, ...) and may override these."""
+    from maxscore.training import TrainConfig
+
+    settings: dict[str, Any] = {
+        "lr": 3e-4,
+        "warmup_steps": 10,
+        "precision": "bf16" if torch.cuda.is_available() else "fp32",
+        "eval_steps": 0,
+        "save_steps": 0,
+        "save_final": False,
+        "overwrite": True,
+        "report_to": "none",
+        "quiet": True,
+    }
+    return TrainConfig(**{**settings, **fields})
 
 
 def timed(

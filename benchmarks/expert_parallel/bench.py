@@ -38,15 +38,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import H100_BF16_PEAK, flops_per_token
+from common import H100_BF16_PEAK, flops_per_token, step_timer, timing_train_config
 
 #: Micro-batch per GPU by preset where the default (``--batch-size``) would not fit an 80 GB GPU.
 BATCH_BY_PRESET = {"xl": 32}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _rank() -> int:
@@ -56,33 +51,6 @@ def _rank() -> int:
 def _say(message: str) -> None:
     if _rank() == 0:
         print(f"[{datetime.now(UTC).strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def _timer(warmup: int) -> Any:
-    """A ``TrainerCallback`` timing steps ``warmup + 1 .. max_steps`` (and step 1's arrival)."""
-    from transformers import TrainerCallback
-
-    class Timer(TrainerCallback):
-        def __init__(self) -> None:
-            self.t0 = self.t1 = 0.0
-            self.steps = 0
-            self.started = time.perf_counter()
-            self.first_step_s: float | None = None
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
-            if state.global_step == 1:
-                self.first_step_s = time.perf_counter() - self.started
-                _say(f"  step 1 after {self.first_step_s:.0f} s (model build, compilation)")
-            if state.global_step == warmup:
-                _sync()
-                self.t0 = time.perf_counter()
-            if state.global_step == state.max_steps:
-                _sync()
-                self.t1 = time.perf_counter()
-                self.steps = state.global_step - warmup
-            return control
-
-    return Timer()
 
 
 def _full_model_flops(model_config: Any, seq_len: int) -> tuple[float, int, int]:
@@ -97,37 +65,28 @@ def _full_model_flops(model_config: Any, seq_len: int) -> tuple[float, int, int]
 
 def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``preset`` with ``router`` for ``args.steps`` steps; the timed row."""
-    from maxscore.training import TrainConfig, prepare, train
+    from maxscore.training import prepare, train
     from maxscore.training.distributed import world_size
 
     batch = BATCH_BY_PRESET.get(preset, args.batch_size)
-    config = TrainConfig(
+    config = timing_train_config(
         model=preset,
         router=router,
         seq_len=args.seq_len,
         batch_size=batch,
         compile=args.compile,
         max_steps=args.steps,
-        lr=3e-4,
-        warmup_steps=10,
-        precision="bf16" if torch.cuda.is_available() else "fp32",
         expert_parallel=args.expert_parallel,
-        eval_steps=0,
-        save_steps=0,
-        save_final=False,
         logging_steps=args.steps,
         max_eval_blocks=1,
         output_dir=str(Path(args.runs_dir) / f"{preset}-{router}-ep{args.expert_parallel}"),
-        overwrite=True,
-        report_to="none",
-        quiet=True,
     )
     prepared = prepare(config)
     # Timing only: no validation set, so no final evaluation (and no eval-mode compilation).
     prepared.data = dataclasses.replace(prepared.data, validation=[])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    timer = _timer(args.warmup)
+    timer = step_timer(args.warmup, _say)
     started = time.perf_counter()
     result = train(config, callbacks=[timer], prepared=prepared)
     gpus = world_size()

@@ -18,9 +18,9 @@ between its two runs bounds the noise.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,15 +32,10 @@ from maxscore.routing.flow.global_reference import GlobalBudget
 from maxscore.routing.flow.global_solver import solve_global
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
+from common import load_script  # noqa: E402
+
 KERNEL = "src/maxscore/routing/flow/kernels/global_auction.cu"
-
-
-def _bench_module() -> Any:
-    spec = importlib.util.spec_from_file_location("flow_bench", HERE / "bench.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
@@ -54,12 +49,13 @@ def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
 
     global_cuda.kernel_source = lambda: source
     global_cuda.kernel_defines = defines
+    global_cuda.launch_defines.cache_clear()
     global_cuda._compiled.cache_clear()
 
 
-def objective_matches_reference() -> bool:
-    """The CUDA objective equals the reference backend's (relative 1e-5) on small shapes."""
-    bench = _bench_module()
+def objective_matches_reference(bench: Any) -> bool:
+    """The CUDA objective equals the reference backend's (relative 1e-5) on small shapes
+    (``bench``: this folder's ``bench.py``, for its input families)."""
     ok = True
     for n, e, k in [(512, 16, 2), (512, 64, 2), (512, 64, 6)]:
         for family in ["random", "near-tied-0.03"]:
@@ -106,7 +102,7 @@ def main() -> None:
         "shipped": (global_cuda.kernel_source(), []),
         "baseline": (baseline, extra),
     }
-    bench = _bench_module()
+    bench = load_script(HERE / "bench.py", "flow_bench")
     names = args.variants.split(",")
     names.append(names[0])
     out: dict[str, Any] = {
@@ -123,7 +119,7 @@ def main() -> None:
         timing_args = argparse.Namespace(shapes=args.shapes, reps=args.reps, budget=GlobalBudget())
         rows: dict[str, Any] = {}
         bench.run_timing(timing_args, rows)
-        run = {"variant": name, "objective_ok": objective_matches_reference(), **rows}
+        run = {"variant": name, "objective_ok": objective_matches_reference(bench), **rows}
         out["runs"].append(run)
         print(f"== {name}: objective ok {run['objective_ok']}", flush=True)
         (args.out / "compare_kernels.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -15,10 +15,9 @@ last solver call, and then times the CUDA kernel on exactly those scores (CUDA g
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -28,14 +27,8 @@ from maxscore.routing.flow import global_cuda
 from maxscore.routing.flow.global_reference import GlobalBudget
 
 HERE = Path(__file__).resolve().parent
-
-
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
+from common import load_script  # noqa: E402
 
 
 def solver_on_real_scores(
@@ -43,8 +36,8 @@ def solver_on_real_scores(
 ) -> dict[str, Any]:
     """Train ``preset`` with maxscore, then time the kernel on its last call's scores (two
     groups of which go into ``saved`` when given)."""
-    train_bench = _load(HERE.parent / "expert_parallel" / "bench.py", "ep_bench")
-    timing = _load(HERE / "bench.py", "flow_bench")
+    train_bench = load_script(HERE.parent / "expert_parallel" / "bench.py", "ep_bench")
+    timing = load_script(HERE / "bench.py", "flow_bench")
     kept: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
     solve = global_cuda.solve_cuda
 

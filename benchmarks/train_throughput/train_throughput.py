@@ -36,7 +36,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
-from common import H100_BF16_PEAK, SDPA_BACKENDS, flops_per_token
+from common import H100_BF16_PEAK, SDPA_BACKENDS, flops_per_token, step_timer, timing_train_config
 
 
 def _sync() -> None:
@@ -66,34 +66,12 @@ def _sdpa_backends(first: str) -> contextlib.AbstractContextManager:
 def run_throughput(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
 
-    from maxscore.training import TrainConfig, train
+    from maxscore.training import train
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-    class Timer(TrainerCallback):
-        """Wall time of steps warmup+1 .. max (CUDA-synchronised at both ends)."""
-
-        def __init__(self, warmup: int) -> None:
-            self.warmup = warmup
-            self.t0 = self.t1 = 0.0
-            self.steps = 0
-            self.model: Any = None
-
-        def on_step_end(
-            self, a: Any, state: Any, control: Any, model: Any = None, **kw: Any
-        ) -> Any:
-            if state.global_step == self.warmup:
-                _sync()
-                self.t0 = time.perf_counter()
-            if state.global_step == state.max_steps:
-                _sync()
-                self.t1 = time.perf_counter()
-                self.steps = state.global_step - self.warmup
-                self.model = model
-            return control
 
     class StepProfiler(TrainerCallback):
         """torch.profiler + cProfile over optimizer steps warmup+1 .. warmup+n (``--profile-steps``):
@@ -168,7 +146,7 @@ def run_throughput(args: argparse.Namespace) -> None:
 
     for router in args.routers.split(","):
         model_preset = args.model  # router "dense" makes every MLP a dense SwiGLU
-        cfg = TrainConfig(
+        cfg = timing_train_config(
             model=model_preset,
             model_overrides={k: v for k, v in (_parse_option(o) for o in args.model_option)},
             router=router,
@@ -178,23 +156,14 @@ def run_throughput(args: argparse.Namespace) -> None:
             compile=args.compile,
             compile_mode=args.compile_mode,
             max_steps=args.steps,
-            lr=3e-4,
-            warmup_steps=10,
-            precision="bf16" if torch.cuda.is_available() else "fp32",
             gradient_checkpointing=args.gradient_checkpointing,
-            eval_steps=0,
-            save_steps=0,
-            save_final=False,
             logging_steps=args.log_every,
             max_eval_blocks=4,
             output_dir=str(Path(args.runs_dir) / router),
-            overwrite=True,
-            report_to="none",
-            quiet=True,
         )
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        timer = Timer(args.warmup)
+        timer = step_timer(args.warmup)
         print(f"== {router} ({model_preset})", flush=True)
         callbacks: list[Any] = [timer]
         if args.profile_steps:

@@ -32,6 +32,7 @@ __all__ = [
     "disable",
     "kernel_defines",
     "kernel_source",
+    "launch_defines",
     "phase1_bytes",
     "shared_and_scratch_bytes",
     "solve_cuda",
@@ -262,6 +263,18 @@ def _compiled(device_index: int, defines: tuple[tuple[str, str], ...], dynamic_b
     return kernel
 
 
+@functools.cache
+def launch_defines(
+    device_index: int, n: int, e: int, k: int, holders: int, budget: GlobalBudget
+) -> tuple[tuple[str, str], ...]:
+    """The kernel's constants for a launch on this device (worked out once per shape): the
+    dynamic shared memory gets what the Block struct leaves of a block's (the struct's size does
+    not depend on the memory flags, so any flags give it)."""
+    room = torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    room -= block_bytes(kernel_defines(n, e, k, holders, budget))
+    return tuple(kernel_defines(n, e, k, holders, budget, shared_bytes=room).items())
+
+
 def solve_cuda(
     affinities: Tensor,
     k: int,
@@ -297,14 +310,10 @@ def solve_cuda(
     if groups == 0:
         return out
     device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(device_index)
-    # The dynamic part gets what the Block struct leaves of the block's shared memory (its size
-    # does not depend on the memory flags, so any flags give it).
-    static = block_bytes(kernel_defines(n, e, k, holders, budget))
-    room = props.shared_memory_per_block_optin - static
-    defines = kernel_defines(n, e, k, holders, budget, shared_bytes=room)
+    items = launch_defines(device_index, n, e, k, holders, budget)
+    defines = dict(items)
     dynamic, scratch_bytes = shared_and_scratch_bytes(defines, groups)
-    kernel = _compiled(device_index, tuple(defines.items()), dynamic)
+    kernel = _compiled(device_index, items, dynamic)
     scratch = torch.empty(max(1, scratch_bytes), dtype=torch.uint8, device=a.device)
     mask = None
     if token_mask is not None:
