@@ -132,8 +132,8 @@ def block_bytes(defines: dict[str, str]) -> int:
         + 9 * v  # dist, dist_next, pot, pred, jump, jump_next, on_cycle, path_len, path_pos
         + 2 * e  # tree_best (8 bytes each)
         + v  # drop_token
-        + 3 * e  # dirty, dirty_list, worst
-        + 1  # ndirty
+        + 4 * e  # dirty, dirty_list, col_rows, worst
+        + 2  # ndirty, ncol
         + 3  # lo_ord, hi_ord, real_rows
         + 4  # lo, hi, eps, tol
         + 3  # open_count, open_tokens, moves
@@ -160,7 +160,7 @@ def work_bytes(defines: dict[str, str]) -> int:
     cb, buf = int(defines["CB"]), int(defines["BUF"])
     warps = int(defines["THREADS"]) // 32
     v, mw = e + 2, (e + 31) // 32
-    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + 2 * n * k
+    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + e * mw + 2 * n * k
     return 4 * (words + warps * e)
 
 

@@ -64,7 +64,8 @@ typedef unsigned int u32;
 #define OFF_HOLD_P (OFF_HOLD_T + 4 * E * CB) // float [E * CB]
 #define OFF_OPEN (OFF_HOLD_P + 4 * E * CB)   // int [N]
 #define OFF_MOVE (OFF_OPEN + 4 * N)          // int [3 * V]
-#define OFF_TMP (OFF_MOVE + 12 * V)          // float [WARPS * E]: column sums, partial rows
+#define OFF_COLS (OFF_MOVE + 12 * V)         // u32 [E * MW]: each row's entries to recompute
+#define OFF_TMP (OFF_COLS + 4 * E * MW)      // float [WARPS * E]: column sums, partial rows
 #define OFF_BID_T (OFF_TMP + 4 * WARPS * E)  // int [E * BUF] (token << 4 | entry)
 #define OFF_BID_P (OFF_BID_T + 4 * E * BUF)  // float [E * BUF]
 #define OFF_REC_E (OFF_BID_P + 4 * E * BUF)  // int [N * K]: expert of each posted bid
@@ -90,6 +91,7 @@ struct Block {
   int drop_token[V];  // the open token realising each edge D -> v
   int dirty[E];       // rows of the expert graph to recompute (their holders or holders' sets changed)
   int dirty_list[E], ndirty;  // the dirty rows of a round, listed
+  int col_rows[E], ncol;      // the rows with only some entries to recompute, listed
   float part_worst[WARPS];    // a split row's chunks: their b.worst
   float worst[E];     // -(lowest affinity among each expert's holders): the edge u -> D
   int lo_ord, hi_ord, real_rows;
@@ -369,26 +371,64 @@ __device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
   }
 }
 
-// The rows of the expert graph whose holders, or whose holders' expert sets, changed (b.dirty):
-// gain(u, v) = the best move of one of u's holders to v (A_tv - A_tu over the holders t of u that
-// do not hold v), and b.worst[u] = -(the lowest affinity among u's holders). The dirty rows are
-// listed first and shared evenly by the warps; when there are fewer of them than warps, each
-// row's holders are split among several warps (each holder's E loads are independent, so the
-// row's latency shrinks with its share) and their partial rows, in `partial` (WARPS x E), are
-// combined after a barrier. Every thread calls it; its writes are visible after the next barrier.
-__device__ void expert_rows(Block& b, float* gain, float* partial, const float* a, const int* hold_t,
-                            const u32* mask) {
+// The rows of the expert graph whose holders changed (b.dirty): gain(u, v) = the best move of one
+// of u's holders to v (A_tv - A_tu over the holders t of u that do not hold v), and
+// b.worst[u] = -(the lowest affinity among u's holders); and the single entries (u, v) marked in
+// `cols` (a holder of u changed its expert set, which changes only the entries of the experts it
+// left or joined). The dirty rows are listed first and shared evenly by the warps; when there are
+// fewer of them than warps, each row's holders are split among several warps (each holder's E
+// loads are independent, so the row's latency shrinks with its share) and their partial rows, in
+// `partial` (WARPS x E), are combined after a barrier. A marked entry is one warp-wide max over
+// the row's holders. Every thread calls it; its writes are visible after the next barrier.
+__device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, const float* a,
+                            const int* hold_t, const u32* mask) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) b.ndirty = 0;
+  if (tid == 0) {
+    b.ndirty = 0;
+    b.ncol = 0;
+  }
   __syncthreads();
   for (int base = 0; base < E; base += THREADS) {
     const int u = base + tid;
     const bool dirty = u < E && b.dirty[u];
+    bool marked = false;
+    if (u < E) {
+      for (int w = 0; w < MW; ++w) {
+        marked |= cols[u * MW + w] != 0u;
+        if (dirty) cols[u * MW + w] = 0u;  // the whole row is computed again
+      }
+    }
     const int slot = warp_atomic_add(&b.ndirty, 1, dirty);
     if (dirty) b.dirty_list[slot] = u;
+    const int col_slot = warp_atomic_add(&b.ncol, 1, marked && !dirty);
+    if (marked && !dirty) b.col_rows[col_slot] = u;
   }
   __syncthreads();
-  const int rows = b.ndirty;
+  const int rows = b.ndirty, col_rows = b.ncol;
+  // The marked entries of the other rows: a warp per row, a warp-wide max per entry.
+  for (int r = warp; r < col_rows; r += WARPS) {
+    const int u = b.col_rows[r];
+    const int h = b.held[u];
+    const int* ht = hold_t + u * CB;
+    for (int w = 0; w < MW; ++w) {
+      u32 bits = cols[u * MW + w];
+      while (bits) {
+        const int v = 32 * w + __ffs(bits) - 1;
+        bits &= bits - 1;
+        float best = NEG;
+        if (b.cap[v] > 0) {
+          for (int q = lane; q < h; q += 32) {
+            const int t = ht[q];
+            if (!has_bit(mask + t * MW, v)) best = fmaxf(best, a[t * E + v] - a[t * E + u]);
+          }
+        }
+        best = unord_float(__reduce_max_sync(FULL_MASK, ord_float(best)));
+        if (lane == 0) gain[GAIN(u, v)] = best;
+      }
+      __syncwarp();
+      if (lane == 0) cols[u * MW + w] = 0u;
+    }
+  }
   if (rows == 0) return;
   // Chunks per row: the warps left over, while a chunk keeps at least 4 holders.
   const int fit = min(WARPS / rows, (CB + 3) / 4);
@@ -504,6 +544,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   int* rec_e = (int*)(work + OFF_REC_E);
   float* rec_p = (float*)(work + OFF_REC_P);
   float* tmp = (float*)(work + OFF_TMP);
+  u32* cols = (u32*)(work + OFF_COLS);
 
   // ---- setup: capacities, warm prices, scales (deterministic: no float atomics) ----
   for (int j = tid; j < E; j += THREADS) {
@@ -522,6 +563,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     rec_e[i] = -1;
   }
   for (int i = tid; i < N * MW; i += THREADS) mask[i] = 0u;
+  for (int i = tid; i < E * MW; i += THREADS) cols[i] = 0u;
   __syncthreads();
   {
     // A warp per row: column sums in registers, row maxima, the group's min / max.
@@ -920,7 +962,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       // Rows of the experts: the best move of one of their holders to every other expert. Only
       // the rows whose holders, or whose holders' expert sets, the last round changed are
       // computed again (all of them the first time).
-      expert_rows(b, gain, tmp, a, hold_t, mask);
+      expert_rows(b, gain, tmp, cols, a, hold_t, mask);
       if (cycles) __syncthreads();  // b.worst of every row
       for (int u = tid; u < E; u += THREADS) {
         // u -> S (u may take one more), u -> D (its worst holder gives up its slot)
@@ -1122,8 +1164,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         atomicOr(&mask[t * MW + (v >> 5)], 1u << (v & 31));
       }
       __syncthreads();
-      // Rows to compute again: the experts a token left or joined, and every expert a moved
-      // token now holds (its set changed, so its best moves from there did).
+      // Rows to compute again: the experts a token left or joined (their holders changed);
+      // in the rows of every other expert a moved token holds, only the entries of the experts
+      // it left or joined (its eligibility for those changed, nothing else did).
       for (int q = tid; q < nm; q += THREADS) {
         const int t = move[3 * q], u = move[3 * q + 1], v = move[3 * q + 2];
         if (u < E) b.dirty[u] = 1;
@@ -1131,7 +1174,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (t < 0) continue;
         for (int s = 0; s < K; ++s) {
           const int w = tok_e[t * K + s];
-          if (w >= 0) b.dirty[w] = 1;
+          if (w < 0 || w == v) continue;
+          if (u < E) atomicOr(&cols[w * MW + (u >> 5)], 1u << (u & 31));
+          if (v < E) atomicOr(&cols[w * MW + (v >> 5)], 1u << (v & 31));
         }
       }
       __syncthreads();
