@@ -3,8 +3,12 @@
 # (bench.py --timing), runs the GPU tests of the solver and measures the gaps (bench.py --gaps);
 # GPUs 1-3 train each model preset with maxscore and with its baseline router, one after the
 # other on the same GPU, and time the steps after the routers have left their collapsed start
-# (STEPS steps, the last STEPS - WARMUP timed). Every part stops at DEADLINE seconds (default
-# 520); the results go to $OUT as flow_solver.tar.gz (unpack into benchmarks/flow_solver/).
+# (STEPS steps, the last STEPS - WARMUP timed); GPU 1 then times the solver on the scores of a
+# real router after 200 training steps (real_scores.py). Every part stops at DEADLINE seconds
+# (default 520); the results go to $OUT as flow_solver.tar.gz (unpack into
+# benchmarks/flow_solver/). BASELINE=FILE: GPU 0 first times the shipped kernel against that
+# earlier kernel file (compare_kernels.py; save one with
+# `git show REV:src/maxscore/routing/flow/kernels/global_auction.cu > FILE`).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
@@ -24,12 +28,22 @@ train() {  # GPU, tag, runs
 solver() {
   export CUDA_VISIBLE_DEVICES=0
   timeout -k 10 "$DEADLINE" bash -c "
+    if [ -n '${BASELINE:-}' ]; then
+      python3 benchmarks/flow_solver/compare_kernels.py --baseline '${BASELINE:-}' --reps 20 \\
+        --out '$RES/compare' > '$RES/compare.log' 2>&1
+    fi
     python3 benchmarks/flow_solver/bench.py --timing --reps 20 --out '$RES/timing' > '$RES/timing.log' 2>&1
     python3 -m pytest -q -m gpu tests/test_flow_global.py > '$RES/gpu_tests.txt' 2>&1
     python3 benchmarks/flow_solver/bench.py --gaps --out '$RES/gaps' > '$RES/gaps.log' 2>&1"
 }
 solver &
-train 1 throughput_gpu1 "base-8x128:gshard,base-8x128:maxscore" &
+real_scores() {  # the solver on the scores of a real router after 200 training steps
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 10 "$2" python3 benchmarks/flow_solver/real_scores.py \
+    --steps 200 --out "$RES/real_scores" > "$RES/real_scores.log" 2>&1
+}
+start=$(date +%s)
+{ train 1 throughput_gpu1 "base-8x128:gshard,base-8x128:maxscore"
+  real_scores 1 $((DEADLINE - $(date +%s) + start)); } &
 train 2 throughput_gpu2 "base-2x64:gshard,base-2x64:maxscore,base-2x32:gshard,base-2x32:maxscore" &
 train 3 throughput_gpu3 "deepseek-base:deepseek,deepseek-base:maxscore,base:gshard,base:maxscore" &
 wait

@@ -16,7 +16,8 @@
 //      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left (on
 //      capacities with no spare slot phase 2 leaves none: measured, 0-1 rounds).
 // Then each token's experts are written by decreasing affinity (ties: lower index), -1 last.
-// Only the rows of the expert graph that a round's moves touched are computed again.
+// Only the rows of the expert graph that a round's moves touched are computed again, and in the
+// rows of the other experts a moved token holds only the entries of the experts it left or joined.
 //
 // Memory. The per-group state (each token's K held experts (-1 = open) and held set as a bit
 // mask, each expert's holders with the prices they paid (ascending during phase 1), the bids an
@@ -250,11 +251,19 @@ __device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charg
     targets -= __ballot_sync(FULL_MASK, settled_target) ? 1 : 0;
     if (targets == 0) break;
     const float pu = bu == DROP ? pd : b.pot[bu];
+    // The settled node's row first, every load issued before any is used: with the graph in
+    // global memory, loads behind the per-node branches below would each wait their own latency.
+    float row[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int v = lane + 32 * r;
+      row[r] = v < E ? gain[GAIN(bu, v)] : NEG;
+    }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int v = lane + 32 * r;
       if (v >= E || done[r]) continue;
-      const float g = gain[GAIN(bu, v)];
+      const float g = row[r];
       if (g <= NEG) continue;
       const float rc = fmaxf(0.0f, -g + pv[r] - pu + charge);
       if (best + rc < dist[r]) {
@@ -447,11 +456,17 @@ __device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, co
       const int t = ht[q];
       const u32* mt = mask + t * MW;
       const float from = a[t * E + u];
+      // The holder's affinities first, every load issued before any is used (see Dijkstra).
+      float at[LANE_E];
 #pragma unroll
       for (int c = 0; c < LANE_E; ++c) {
         const int v = lane + 32 * c;
-        if (v < E && b.cap[v] > 0 && !has_bit(mt, v))
-          best[c] = fmaxf(best[c], a[t * E + v] - from);
+        at[c] = v < E ? a[t * E + v] : NEG;
+      }
+#pragma unroll
+      for (int c = 0; c < LANE_E; ++c) {
+        const int v = lane + 32 * c;
+        if (v < E && b.cap[v] > 0 && !has_bit(mt, v)) best[c] = fmaxf(best[c], at[c] - from);
       }
       worst = fmaxf(worst, -from);
     }
@@ -668,9 +683,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       __syncwarp();
       float val[LANE_E];
 #pragma unroll
+      for (int c = 0; c < LANE_E; ++c) {  // loads first, all in flight at once (see Dijkstra)
+        const int j = lane + 32 * c;
+        val[c] = j < E ? a[t * E + j] : NEG;
+      }
+#pragma unroll
       for (int c = 0; c < LANE_E; ++c) {
         const int j = lane + 32 * c;
-        val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? a[t * E + j] - b.price[j] : NEG;
+        val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? val[c] - b.price[j] : NEG;
       }
       int my_pick = -1;  // lane r < m keeps the r-th pick
       float w = NEG;
@@ -759,30 +779,72 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       int* bt = bid_t + j * BUF;
       float* bp = bid_p + j * BUF;
       if (posted > BUF) {
-        // More bids than the buffer holds: keep the BUF best, found deterministically from the
-        // bidders' own records (value descending, then token ascending); the rest wait.
-        float last_v = 3.0e38f;
-        int last_r = -1;
-        for (int p = 0; p < BUF; ++p) {
-          float best = NEG;
-          int best_r = 0x7fffffff;
-          for (int q = lane; q < open_tokens * K; q += 32) {
+        // More bids than the buffer holds: keep the BUF best (value descending, then record =
+        // token ascending), found deterministically from the bidders' own records; the rest
+        // wait. The cut value T is found by bisection on the values' order-preserving integer
+        // keys (about 32 counting passes over the records, against BUF argmax passes), ties at
+        // T by a second bisection on the record index; then one pass gathers the kept bids.
+        const int records = open_tokens * K;
+        int key_lo = 0x7fffffff, key_hi = -0x7fffffff - 1;
+        for (int q = lane; q < records; q += 32) {
+          const int r = open_list[q / K] * K + q % K;
+          if (rec_e[r] != j) continue;
+          const int key = ord_float(rec_p[r]);
+          key_lo = key < key_lo ? key : key_lo;
+          key_hi = key > key_hi ? key : key_hi;
+        }
+        key_lo = __reduce_min_sync(FULL_MASK, key_lo);
+        key_hi = __reduce_max_sync(FULL_MASK, key_hi);
+        // The bids with key >= thr, and of those with key == thr the ones with record <= r_max.
+        auto count_from = [&](int thr, int r_max) {
+          int n = 0;
+          for (int q = lane; q < records; q += 32) {
             const int r = open_list[q / K] * K + q % K;
             if (rec_e[r] != j) continue;
-            const float x = rec_p[r];
-            const bool after_last = x < last_v || (x == last_v && r > last_r);
-            if (after_last && (x > best || (x == best && r < best_r))) {
-              best = x;
-              best_r = r;
+            const int key = ord_float(rec_p[r]);
+            n += key > thr || (key == thr && r <= r_max);
+          }
+          return __reduce_add_sync(FULL_MASK, n);
+        };
+        // Largest T with count(key >= T) >= BUF (true at key_lo: every posted bid).
+        while (key_lo < key_hi) {
+          const int mid = (int)(((long long)key_lo + key_hi + 1) >> 1);
+          if (count_from(mid, 0x7fffffff) >= BUF) key_lo = mid;
+          else key_hi = mid - 1;
+        }
+        const int cut = key_lo;
+        // Of the bids at T, the lowest records up to BUF in all: smallest r_max that reaches it.
+        int r_lo = 0, r_hi = 0x7fffffff;
+        if (count_from(cut, 0x7fffffff) > BUF) {
+          r_hi = N * K - 1;
+          while (r_lo < r_hi) {
+            const int mid = (r_lo + r_hi) >> 1;
+            if (count_from(cut, mid) >= BUF) r_hi = mid;
+            else r_lo = mid + 1;
+          }
+        }
+        const int r_cut = r_hi;
+        int filled = 0;
+        for (int q0 = 0; q0 < records; q0 += 32) {
+          const int q = q0 + lane;
+          int r = 0;
+          float x = NEG;
+          bool take = false;
+          if (q < records) {
+            r = open_list[q / K] * K + q % K;
+            if (rec_e[r] == j) {
+              x = rec_p[r];
+              const int key = ord_float(x);
+              take = key > cut || (key == cut && r <= r_cut);
             }
           }
-          warp_argmax(best, best_r);  // ties: lower record index = lower token
-          if (lane == 0) {
-            bt[p] = ((best_r / K) << 4) | (best_r % K);
-            bp[p] = best;
+          const u32 takers = __ballot_sync(FULL_MASK, take);
+          if (take) {
+            const int p = filled + __popc(takers & ((1u << lane) - 1u));
+            bt[p] = ((r / K) << 4) | (r % K);
+            bp[p] = x;
           }
-          last_v = best;
-          last_r = best_r;
+          filled += __popc(takers);
         }
         __syncwarp();
       }
@@ -792,18 +854,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       float* hp = hold_p + j * CB;
       // Rank of each bid (price descending, ties: lower token first); the r-th best bid wins
       // if it beats the r-th cheapest slot (the free slots, at the reserve price, come first).
+      // A lane's bids sit in registers and each other bid is read once for all of them.
+      constexpr int BID_R = (BUF + 31) / 32;
+      float bx[BID_R];
+      int btok[BID_R], brank[BID_R];
+#pragma unroll
+      for (int r = 0; r < BID_R; ++r) {
+        const int q = lane + 32 * r;
+        bx[r] = q < nb ? bp[q] : NEG;
+        btok[r] = q < nb ? bt[q] >> 4 : 0;
+        brank[r] = 0;
+      }
+      for (int p = 0; p < nb; ++p) {
+        const float y = bp[p];
+        const int yt = bt[p] >> 4;
+#pragma unroll
+        for (int r = 0; r < BID_R; ++r) brank[r] += (y > bx[r]) || (y == bx[r] && yt < btok[r]);
+      }
       int win = 0;
-      for (int q = lane; q < nb; q += 32) {
-        const float x = bp[q];
-        const int xt = bt[q] >> 4;
-        int rank = 0;
-        for (int p = 0; p < nb; ++p) {
-          const float y = bp[p];
-          rank += (y > x) || (y == x && (bt[p] >> 4) < xt);
-        }
+#pragma unroll
+      for (int r = 0; r < BID_R; ++r) {
+        const int q = lane + 32 * r, rank = brank[r];
+        if (q >= nb) continue;
         b.rank[warp][q] = rank;
         const float slot = rank < f ? b.reserve[j] : (rank - f < h ? hp[rank - f] : 3.0e38f);
-        win += (rank < c && x > slot);
+        win += (rank < c && bx[r] > slot);
       }
       // the winners are a prefix of the ranking (bids descending, slots ascending)
       win = __reduce_add_sync(FULL_MASK, win);
