@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,33 @@ def test_empty_results_say_every_number_is_pending(tmp_path: Path) -> None:
     text = readme.read_text()
     assert "no run has been made yet" in text and "pending" in text
     assert "reproduces**" not in text
+
+
+def test_worker_skips_lm_eval_of_runs_trained_on_another_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run trained in an earlier device call has its result files but no checkpoint here: the
+    # worker neither evaluates it (that raised, and marked the run failed) nor retrains it.
+    results, runs, queue = tmp_path / "results", tmp_path / "runs", tmp_path / "queue"
+    queue.mkdir()
+    _write_run(results, "gshard", 42, [3.0, 3.1])
+    (results / "raw" / "gshard" / "seed-42" / "eval_causal.json").unlink()
+    config = StudyConfig(routers=("gshard",), seeds_override=(42,))
+    assert study.status(config, results)[0]["trained"]
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("must not be called")
+
+    monkeypatch.setattr(study, "evaluate_run", forbidden)
+    monkeypatch.setattr(study, "train_run", forbidden)
+    assert study.work(config, runs, results, queue, time.time() + 60, "w0") == 0
+    assert not list(queue.glob("*.failed")) and not list(queue.glob("*.claim"))
+    # With its checkpoint on this machine the same run is evaluated.
+    (runs / "gshard" / "seed-42").mkdir(parents=True)
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(study, "evaluate_run", lambda c, r, s, *a: calls.append((r, s)))
+    assert study.work(config, runs, results, queue, time.time() + 60, "w0") == 0
+    assert calls == [("gshard", 42)]
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@
 # PROFILE=full runs the full study instead (resumable calls; lm-eval needs its wheels and data).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 MAXSCORE_NO_DOWNLOAD=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/study_out}
@@ -21,9 +21,29 @@ start=$(date +%s)
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 } | tee "$OUT/status.txt"
+# lm-eval (full profile): the wheels and task documents lmeval_wheels.sh packs into .whl/lmeval,
+# when carried here; only the packages the image lacks are installed (into /tmp/site).
+if [ "${PROFILE:-one-call}" = full ] && ! python3 -c "import lm_eval" 2>/dev/null && ls .whl/lmeval/*.whl > /dev/null 2>&1; then
+  missing=$(python3 - .whl/lmeval/*.whl <<'PY'
+import importlib.metadata, re, sys
+for path in sys.argv[1:]:
+    name = re.split(r"-\d", path.rsplit("/", 1)[-1], maxsplit=1)[0]
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        print(path)
+PY
+)
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $missing 2>&1 | tail -3
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  export MAXSCORE_CACHE_DIR=${MAXSCORE_CACHE_DIR:-/tmp/maxscore-cache}
+  mkdir -p "$MAXSCORE_CACHE_DIR" && tar -xzf .whl/lmeval/eval_data.tgz -C "$MAXSCORE_CACHE_DIR"
+  python3 -c "import lm_eval.evaluator, lm_eval.models.huggingface, datasets; print('lm-eval', lm_eval.__version__ if hasattr(lm_eval, '__version__') else '', 'datasets', datasets.__version__)" 2>&1 | tail -2 | tee -a "$OUT/status.txt"
+fi
 DEVICES=${DEVICES:-$(python3 -c "import torch; n = torch.cuda.device_count(); print(','.join(f'cuda:{i}' for i in range(n)) or 'cpu')")}
 EVAL_FLAG=--no-eval
-if [ "${PROFILE:-one-call}" = full ] && python3 -c "import lm_eval" 2>/dev/null; then EVAL_FLAG=; fi
+if [ "${PROFILE:-one-call}" = full ] && python3 -c "import lm_eval.evaluator, lm_eval.models.huggingface, datasets" 2>/dev/null; then EVAL_FLAG=; fi
 echo "devices $DEVICES, profile ${PROFILE:-one-call}, deadline ${DEADLINE:-480} s ${EVAL_FLAG}" | tee -a "$OUT/status.txt"
 timeout -k 10 "$(( ${DEADLINE:-480} + 45 ))" python3 "$STUDY/study.py" --profile "${PROFILE:-one-call}" \
   run --devices "$DEVICES" --deadline-s "${DEADLINE:-480}" --runs-dir "$RUNS" --results-dir "$RESULTS" \

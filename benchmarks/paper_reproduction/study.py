@@ -127,6 +127,12 @@ def train_run(
     return _trained(results, router, seed)
 
 
+def checkpoint_here(runs: Path, router: str, seed: int) -> bool:
+    """Whether the run's directory (its final checkpoint) is on this machine: a run trained in an
+    earlier device call keeps only its small result files, so its lm-eval needs it trained again."""
+    return (runs / router / f"seed-{seed}").is_dir()
+
+
 def evaluate_run(config: StudyConfig, router: str, seed: int, runs: Path, results: Path) -> None:
     """lm-eval on the run's final checkpoint, each routing of :func:`routings_for` not done yet."""
     from maxscore.evaluation.runner import evaluate_model
@@ -173,7 +179,7 @@ def run_study(
             break
         if not row["trained"] and not train_run(config, *key, runs, results, deadline):
             break  # cut by the deadline: the next call resumes it
-        if evaluate and time.time() < deadline:
+        if evaluate and time.time() < deadline and checkpoint_here(runs, *key):
             evaluate_run(config, *key, runs, results)
     return status(config, results)
 
@@ -227,6 +233,8 @@ def work(
             continue
         if row["trained"] and (not evaluate or row["evaluated"] == row["routings"]):
             continue
+        if row["trained"] and not checkpoint_here(runs, *key):
+            continue  # trained in an earlier call: no checkpoint here to evaluate
         left = deadline - time.time()
         slowest = max([float(p.read_text()) for p in queue.glob("*.took")] or [0.0])
         if left < 1.1 * slowest or left <= 0:

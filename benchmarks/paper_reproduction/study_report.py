@@ -416,7 +416,14 @@ def render_readme(
         "tar -xzf /tmp/out/results.tar.gz -C benchmarks/paper_reproduction",
         "python benchmarks/paper_reproduction/study.py plan     # done / pending, per run",
         "python benchmarks/paper_reproduction/study.py report   # results.json, figures, README",
-        "# the full study, in calls that resume: --profile full run --deadline-s 540 [--devices ...]",
+        "# the full study (25M tokens per run, lm-eval), one run per GPU per ~10-minute call on",
+        "# H200s; first, once, on a machine with registry access: pack lm-eval's wheels and the",
+        "# tasks' documents into .whl/lmeval/ and carry that folder to the GPU machine",
+        "bash benchmarks/paper_reproduction/lmeval_wheels.sh",
+        "PROFILE=full RESULTS=benchmarks/paper_reproduction/results_full DEADLINE=510 \\",
+        "  OUT=/tmp/out bash benchmarks/paper_reproduction/run_gpu.sh",
+        "python benchmarks/paper_reproduction/study.py report --results-dir \\",
+        "  benchmarks/paper_reproduction/results_full --readme benchmarks/paper_reproduction/results_full/README.md",
         "```",
         "",
         "`run` takes the pending (router, seed) pairs in queue order (the claims first: GShard and "
@@ -427,9 +434,12 @@ def render_readme(
         "where the profile asks for it (both routings for capacity / flow routers) and copies the "
         "small result files to `results/raw/`; `results/study.json` records the settings. A run "
         "cut by the deadline is not counted (the `full` profile keeps checkpoints and resumes "
-        "it in the next call while its machine is held; lm-eval then needs its wheels and task "
-        "data carried to the machine, `MAXSCORE_CACHE_DIR` pointing at a copy of "
-        "`~/.cache/maxscore`).",
+        "it in the next call while its machine is held). lm-eval needs the run's final "
+        "checkpoint, which lives only on the machine that trained it: a run trained in an "
+        "earlier call without lm-eval is evaluated only if trained again (move its folder out of "
+        "`raw/` first). `run_gpu.sh` installs "
+        "the carried wheels the machine lacks and points `MAXSCORE_CACHE_DIR` at the carried "
+        "documents.",
         "",
         "## Runs",
         "",
@@ -529,7 +539,13 @@ def render_readme(
         "Accuracy in percent, mean over seeds; `*`: within two standard errors of chance "
         "(uniform guessing; BoolQ: the majority class), where models this small are expected to "
         "sit. Causal: the evaluation routing without capacity (no token's experts depend on later "
-        "tokens); train: the training routing, for the capacity / flow routers.",
+        "tokens); train: the training routing, for the capacity / flow routers."
+        + (
+            f" Each task's first {s['eval_limit']:,} documents (lm-eval's `limit`; OpenBookQA "
+            "has 500), so a task's standard error is about 1.5 points."
+            if s.get("eval_limit")
+            else ""
+        ),
         "",
         "| router | routing | " + " | ".join(CHANCE) + " |",
         "|---|---|" + "---:|" * len(CHANCE),
