@@ -12,10 +12,14 @@ set -euo pipefail
 DEST=.whl/lmeval
 mkdir -p "$DEST"
 PY="--python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any"
-# lm-eval and what it imports (sacrebleu, datasets and evaluate included), pure or small.
-WHEELS="lm_eval==0.4.13 datasets evaluate dill multiprocess xxhash fsspec sacrebleu portalocker colorama
+# lm-eval and what it imports (sacrebleu, datasets and evaluate included), pure or small, at the
+# versions installed here (the ones the tests ran with).
+NAMES="lm_eval datasets evaluate dill multiprocess xxhash fsspec sacrebleu portalocker colorama
   tabulate lxml regex nltk absl-py six click joblib defusedxml pytablewriter typepy mbstrdecoder chardet
-  tcolorpy tabledata dataproperty pathvalidate more-itertools jsonlines sortedcontainers"
+  tcolorpy tabledata dataproperty pathvalidate more-itertools sortedcontainers"
+# shellcheck disable=SC2086
+WHEELS=$(python3 -c "import importlib.metadata as m, sys; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" $NAMES)
+rm -f "$DEST"/*.whl
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps $PY -d "$DEST" $WHEELS
 # Published as source only (pure Python): built here.

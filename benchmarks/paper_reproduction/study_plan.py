@@ -109,7 +109,8 @@ class StudyConfig:
             per task (``None``: all), the first ones of each task's split. All eight tasks'
             documents make 75,725 loglikelihood requests per routing, about 4 minutes on an
             H200 at batch 32 (measured), so two routings do not fit the device call that trains
-            the run; 1,000 per task (7,500 documents, about 23,000 requests) take a third of that.
+            the run; 1,000 per task (7,500 documents, about 23,000 requests by the tasks' numbers of
+            choices) should take a third of that (not measured yet).
         routers / seeds_override: restrict the plan (tests, partial studies).
     """
 
