@@ -1035,8 +1035,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (!cycles && b.open_count == 0) break;
       const int open_tokens = b.open_tokens;
       // Rows of the experts: the best move of one of their holders to every other expert. Only
-      // the rows whose holders, or whose holders' expert sets, the last round changed are
-      // computed again (all of them the first time).
+      // the rows whose holders the last round changed are computed again (all of them the first
+      // time), and of the rows whose holders' expert sets it changed, the marked entries.
       expert_rows(b, gain, tmp, cols, a, hold_t, mask);
       if (cycles) __syncthreads();  // b.worst of every row
       for (int u = tid; u < E; u += THREADS) {
