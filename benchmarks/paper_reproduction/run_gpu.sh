@@ -39,11 +39,10 @@ PY
   export PYTHONPATH=$PYTHONPATH:/tmp/site
   export MAXSCORE_CACHE_DIR=${MAXSCORE_CACHE_DIR:-/tmp/maxscore-cache}
   mkdir -p "$MAXSCORE_CACHE_DIR" && tar -xzf .whl/lmeval/eval_data.tgz -C "$MAXSCORE_CACHE_DIR"
-  python3 -c "import lm_eval.evaluator, lm_eval.models.huggingface, datasets; print('lm-eval', lm_eval.__version__ if hasattr(lm_eval, '__version__') else '', 'datasets', datasets.__version__)" 2>&1 | tail -2 | tee -a "$OUT/status.txt"
 fi
 DEVICES=${DEVICES:-$(python3 -c "import torch; n = torch.cuda.device_count(); print(','.join(f'cuda:{i}' for i in range(n)) or 'cpu')")}
 EVAL_FLAG=--no-eval
-if [ "${PROFILE:-one-call}" = full ] && python3 -c "import lm_eval.evaluator, lm_eval.models.huggingface, datasets" 2>/dev/null; then EVAL_FLAG=; fi
+if [ "${PROFILE:-one-call}" = full ] && python3 -c "import importlib.metadata as m, lm_eval.evaluator, lm_eval.models.huggingface, datasets; print('lm-eval', m.version('lm_eval'), 'datasets', datasets.__version__)" >> "$OUT/status.txt" 2>/dev/null; then EVAL_FLAG=; fi
 echo "devices $DEVICES, profile ${PROFILE:-one-call}, deadline ${DEADLINE:-480} s ${EVAL_FLAG}" | tee -a "$OUT/status.txt"
 timeout -k 10 "$(( ${DEADLINE:-480} + 45 ))" python3 "$STUDY/study.py" --profile "${PROFILE:-one-call}" \
   run --devices "$DEVICES" --deadline-s "${DEADLINE:-480}" --runs-dir "$RUNS" --results-dir "$RESULTS" \
