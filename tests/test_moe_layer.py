@@ -262,6 +262,41 @@ def test_key_positions_kernel_matches_running_count(groups: int, m: int, num_key
     assert torch.equal(position.cpu(), expected)
 
 
+def test_key_positions_kernel_variants_do_not_grow_with_row_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows of every length from 1 to 8,192 (evaluation batches of varying sequence length) launch
+    the slot-position kernel with a handful of compile-time constants: each new set would
+    compile a new kernel (seconds each, which stalled lm-eval runs every few batches)."""
+    device = triton_device()
+    if device is None:
+        pytest.skip("needs Triton on a GPU or TRITON_INTERPRET=1")
+    seen: set[tuple[object, ...]] = set()
+    kernel = dispatch_mod._key_positions_kernel
+
+    class Recorder:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> object:
+                seen.add(tuple(sorted((k, v) for k, v in kwargs.items() if k != "num_warps")))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(dispatch_mod, "_key_positions_kernel", Recorder())
+    gen = torch.Generator().manual_seed(0)
+    for m in [1, 2, 7, 16, 33, 100, 255, 511, 512, 513, 1000, 1500, 2047, 3000, 4097, 8192]:
+        key = torch.randint(0, 17, (1, m), generator=gen)
+        position, _ = dispatch_mod._positions(key.to(device), 16)
+        expected = torch.empty_like(key)
+        seen_per_key = [0] * 17
+        for i, j in enumerate(key[0].tolist()):
+            expected[0, i] = seen_per_key[j]
+            seen_per_key[j] += 1
+        assert torch.equal(position.cpu(), expected)
+    # 17 keys -> 32 columns, 512-entry chunks: 1, 2, 4, 8 or 16 chunks
+    assert len(seen) <= 5, seen
+
+
 # --------------------------------------------------------------------------------------------
 # Layer-level tests for every router preset
 # --------------------------------------------------------------------------------------------

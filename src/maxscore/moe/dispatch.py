@@ -268,7 +268,7 @@ try:  # pragma: no cover - exercised on GPU machines (and with TRITON_INTERPRET=
         _sum_slot_rows_kernel
     )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["m", "k1"])
     def _key_positions_kernel(
         key_ptr, position_ptr, count_ptr, m, k1, block: tl.constexpr, keys: tl.constexpr,
         chunks: tl.constexpr,
@@ -279,6 +279,7 @@ try:  # pragma: no cover - exercised on GPU machines (and with TRITON_INTERPRET=
         cols = tl.arange(0, keys)
         carry = tl.zeros([keys], dtype=tl.int32)
         for chunk in tl.static_range(chunks):  # (a runtime bound breaks Triton 3.6's interpreter)
+            # chunks past the row are masked out: they count nothing
             offs = chunk * block + tl.arange(0, block)
             inside = offs < m
             key = tl.load(key_ptr + row * m + offs, mask=inside, other=-1)
@@ -315,10 +316,14 @@ def _key_positions_triton(key: Tensor, k1: int) -> tuple[Tensor, Tensor]:
         return position, torch.zeros(g, k1, dtype=torch.long, device=key.device)
     counts = torch.empty(g, k1, dtype=torch.long, device=key.device)
     keys = max(16, triton.next_power_of_2(k1))
-    block = max(16, min(1024, triton.next_power_of_2(m), 16384 // keys))
+    # Every constexpr depends on the keys and on a power of two of the chunks only, and `m` is not
+    # specialised: rows whose length changes from call to call (evaluation batches of varying
+    # sequence length) reuse a few compiled variants instead of compiling one per length.
+    block = min(1024, 16384 // keys)
+    chunks = triton.next_power_of_2(triton.cdiv(m, block))
     warps = 8 if block * keys >= 8192 else 4
     _key_positions_kernel[(g,)](
-        key, position, counts, m, k1, block=block, keys=keys, chunks=triton.cdiv(m, block),
+        key, position, counts, m, k1, block=block, keys=keys, chunks=chunks,
         num_warps=warps,
     )  # fmt: skip
     return position, counts
