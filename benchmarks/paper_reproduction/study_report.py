@@ -145,6 +145,22 @@ def _mean_std(values: list[float]) -> dict[str, Any] | None:
     }
 
 
+def _card(device: str) -> str:
+    """A short card name for tables: ``NVIDIA H100 80GB HBM3`` -> ``H100``."""
+    words = device.removeprefix("NVIDIA ").split()
+    return words[0] if words else device
+
+
+def _per_card(speeds: dict[str, Any]) -> str:
+    """``mean (card)`` per card, ``; ``-separated; ``pending`` without runs."""
+    parts = [
+        f"{v['mean']:,.0f} ({_card(device)}{', n=' + str(v['n']) if len(speeds) > 1 else ''})"
+        for device, v in speeds.items()
+        if v is not None
+    ]
+    return "; ".join(parts) or "pending"
+
+
 def _paired(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, Any] | None:
     """``loss(a) - loss(b)`` per common seed (paired by validation document), over seeds."""
     by_seed = {r["seed"]: r for r in runs.get(b, [])}
@@ -220,7 +236,11 @@ def summarize(config: StudyConfig, results: Path) -> dict[str, Any]:
             "seeds_done": [r["seed"] for r in done],
             "eval_loss": _mean_std([r["eval_loss"] for r in done]),
             "eval_loss_se": _mean_std([r["eval_loss_se"] for r in done]),
-            "tokens_per_s": _mean_std([r["tokens_per_s"] for r in done]),
+            # Speeds compare only on one card: one mean per card the runs trained on.
+            "tokens_per_s": {
+                device: _mean_std([r["tokens_per_s"] for r in done if r.get("device") == device])
+                for device in sorted({r.get("device") or "unknown" for r in done})
+            },
             "delta_vs_gshard": _paired(runs, plan.router, "gshard")
             if plan.router != "gshard"
             else None,
@@ -257,7 +277,8 @@ def summarize(config: StudyConfig, results: Path) -> dict[str, Any]:
                     per_task[task] = {
                         "score": mean,
                         "stderr": stderr,
-                        "at_chance": abs(mean - CHANCE[task]) < 2 * max(stderr, 1e-9),
+                        # below chance counts too: such a score tells routers apart no better
+                        "no_better_than_chance": mean < CHANCE[task] + 2 * max(stderr, 1e-9),
                     }
             if per_task:
                 lm[routing] = per_task
@@ -416,8 +437,9 @@ def render_readme(
         "tar -xzf /tmp/out/results.tar.gz -C benchmarks/paper_reproduction",
         "python benchmarks/paper_reproduction/study.py plan     # done / pending, per run",
         "python benchmarks/paper_reproduction/study.py report   # results.json, figures, README",
-        "# the full study (25M tokens per run, lm-eval), one run per GPU per ~10-minute call on",
-        "# H200s; first, once, on a machine with registry access: pack lm-eval's wheels and the",
+        "# the full study (25M tokens per run, lm-eval), one run per GPU per ~10-minute call",
+        "# (training: ~5 min on an H200, ~6.5 on an H100; then lm-eval, ~1 min per routing on an",
+        "# H200); first, once, on a machine with registry access: pack lm-eval's wheels and the",
         "# tasks' documents into .whl/lmeval/ and carry that folder to the GPU machine",
         "bash benchmarks/paper_reproduction/lmeval_wheels.sh",
         "PROFILE=full RESULTS=benchmarks/paper_reproduction/results_full DEADLINE=510 \\",
@@ -452,8 +474,14 @@ def render_readme(
             f"| {name} | {r['paper_name']} | {len(r['seeds_planned'])} | {len(r['seeds_done'])} | "
             f"{_pm(r['eval_loss'])} | {_f((r['eval_loss_se'] or {}).get('mean'))} | "
             f"{_gain(r['delta_vs_gshard']) if name != 'gshard' else '0'} | "
-            f"{_f((r['tokens_per_s'] or {}).get('mean'), '{:,.0f}')} |"
+            f"{_per_card(r['tokens_per_s'])} |"
         )
+    lines += [
+        "",
+        "tokens/s: training tokens per second, the mean of the router's runs on each card (named "
+        "in parentheses, with the number of runs when there are several cards); compare speeds "
+        "only on one card.",
+    ]
     ranking = claims["ranking"]
     rho = ranking["spearman"]
     lines += [
@@ -536,9 +564,9 @@ def render_readme(
         "",
         "## lm-eval (eight offline tasks, zero-shot)",
         "",
-        "Accuracy in percent, mean over seeds; `*`: within two standard errors of chance "
-        "(uniform guessing; BoolQ: the majority class), where models this small are expected to "
-        "sit. Causal: the evaluation routing without capacity (no token's experts depend on later "
+        "Accuracy in percent, mean over seeds; `*`: no better than chance (less than two "
+        "standard errors above it, or below it; chance: uniform guessing, BoolQ: the majority "
+        "class), where models this small are expected to sit. Causal: the evaluation routing without capacity (no token's experts depend on later "
         "tokens); train: the training routing, for the capacity / flow routers."
         + (
             f" Each task's first {s['eval_limit']:,} documents (lm-eval's `limit`; OpenBookQA "
@@ -567,10 +595,36 @@ def render_readme(
             cells = [
                 "-"
                 if t not in tasks
-                else f"{tasks[t]['score']:.1f}{'*' if tasks[t]['at_chance'] else ''}"
+                else f"{tasks[t]['score']:.1f}{'*' if tasks[t]['no_better_than_chance'] else ''}"
                 for t in CHANCE
             ]
             lines.append(f"| {name} | {routing} | " + " | ".join(cells) + " |")
+    if s.get("lm_eval", True):
+        above = {
+            task: sorted(
+                name
+                for name, r in routers.items()
+                if any(
+                    task in tasks and not tasks[task]["no_better_than_chance"]
+                    for tasks in r["lm_eval"].values()
+                )
+            )
+            for task in CHANCE
+        }
+        evaluated = any(r["lm_eval"] for r in routers.values())
+        lines += [
+            "",
+            "Above chance: "
+            + (
+                "; ".join(
+                    f"{task} ({len(names)} router(s))" for task, names in above.items() if names
+                )
+                or "no task, for any router evaluated so far"
+                if evaluated
+                else "pending"
+            )
+            + ". Where every router sits at chance the task cannot rank routers at this scale.",
+        ]
     lines += [
         "",
         "## What reproduces and what does not",
@@ -624,7 +678,16 @@ def write_figures(config: StudyConfig, results: Path) -> list[str]:
                 break
     if not dirs:
         return []
-    names = [d.parent.name for d in dirs]
+    # The throughput figure compares speeds: name each run's card where the runs used several.
+    cards = [
+        json.loads((d / "config.json").read_text()).get("resolved", {}).get("device") or "unknown"
+        for d in dirs
+    ]
+    several = len(set(cards)) > 1
+    names = [
+        f"{d.parent.name} ({_card(c)})" if several else d.parent.name
+        for d, c in zip(dirs, cards, strict=True)
+    ]
     result = analyze(dirs, results / "analysis", names=names)
     return sorted(p.name for p in result.figures.values())
 
