@@ -236,7 +236,9 @@ try:  # pragma: no cover - exercised on GPU machines (and with TRITON_INTERPRET=
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # `t` (tokens per call) is not specialised: evaluation batches change it from call to call,
+    # and each new specialisation would compile (and first autotune) the kernel again.
+    @triton.jit(do_not_specialize=["t"])
     def _sum_slot_rows_kernel(
         src_ptr, row_ptr, out_ptr, t, d, slots: tl.constexpr, tokens: tl.constexpr,
         block: tl.constexpr,
