@@ -5,6 +5,7 @@ the CPU, resumed without retraining."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -206,3 +207,73 @@ def test_tiny_study_trains_evaluates_resumes_and_reports(tmp_path: Path) -> None
     assert data["routers"]["maxscore"]["delta_vs_gshard"]["n"] == 1
     assert "piqa" in data["routers"]["gshard"]["lm_eval"]["causal"]
     assert "2 of 2 runs trained" in (tmp_path / "README.md").read_text()
+
+
+def test_retraining_for_lm_eval_replaces_a_run_only_once_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run trained in an earlier call has its causal lm-eval but not the training-routing one,
+    # and no checkpoint here. --retrain-for-eval trains it again and evaluates the new weights;
+    # the old files (their lm-eval included) move aside, and a retraining cut by the deadline
+    # leaves the old complete results as they were.
+    import maxscore.training
+
+    results, runs, queue = tmp_path / "results", tmp_path / "runs", tmp_path / "queue"
+    queue.mkdir()
+    _write_run(results, "gshard", 42, [3.0, 3.1])
+    raw = results / "raw" / "gshard" / "seed-42"
+    old_summary = json.loads((raw / "summary.json").read_text())
+    config = StudyConfig(routers=("gshard",), seeds_override=(42,))
+    finish = {"steps": 10}
+
+    def fake_train(cfg: object, callbacks: object = None) -> None:
+        out = Path(cfg.output_dir)  # type: ignore[attr-defined]
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = {"total_steps": 10, "train_blocks": 100, "device": "cpu"}
+        (out / "config.json").write_text(
+            json.dumps({"train": {"seq_len": 16}, "resolved": resolved})
+        )
+        summary = {**old_summary, "eval_loss": 2.5, **finish}
+        (out / "summary.json").write_text(json.dumps(summary))
+        for name in ("metrics.jsonl", "validation.json"):
+            shutil.copyfile(raw / name, out / name)
+
+    evaluated: list[tuple[str, int]] = []
+
+    def fake_eval(c: object, router: str, seed: int, runs_: Path, results_: Path) -> None:
+        evaluated.append((router, seed))
+        for routing in study.routings_for(router):
+            target = study.raw_dir(results_, router, seed) / f"eval_{routing}.json"
+            if not target.is_file():
+                target.write_text(json.dumps({"eval_routing": routing, "metrics": {}}))
+
+    monkeypatch.setattr(maxscore.training, "train", fake_train)
+    monkeypatch.setattr(study, "evaluate_run", fake_eval)
+    # Cut by the deadline (fewer steps than planned): nothing in the results changes.
+    finish["steps"] = 4
+    study.work(config, runs, results, queue, time.time() + 60, "w0", retrain_for_eval=True)
+    assert json.loads((raw / "summary.json").read_text()) == old_summary
+    assert not (raw / study.SUPERSEDED).exists() and not evaluated
+    # Complete: the new run's files replace the old ones, which move aside with their lm-eval.
+    finish["steps"] = 10
+    shutil.rmtree(runs)
+    shutil.rmtree(queue)
+    queue.mkdir()
+    study.work(config, runs, results, queue, time.time() + 60, "w0", retrain_for_eval=True)
+    assert json.loads((raw / "summary.json").read_text())["eval_loss"] == 2.5
+    assert json.loads((raw / study.SUPERSEDED / "summary.json").read_text()) == old_summary
+    assert (raw / study.SUPERSEDED / "eval_causal.json").is_file()
+    assert evaluated == [("gshard", 42)]
+    assert {p.name for p in raw.glob("eval_*.json")} == {"eval_causal.json", "eval_train.json"}
+    row = study.status(config, results)[0]
+    assert row["trained"] and row["evaluated"] == ["causal", "train"]
+
+
+def test_runs_never_trained_come_before_retraining() -> None:
+    rows = [
+        {"router": "gshard", "seed": 42, "trained": True},
+        {"router": "deepseek", "seed": 42, "trained": False},
+        {"router": "maxscore", "seed": 42, "trained": True},
+    ]
+    order = [row["router"] for row in study._work_order(rows)]
+    assert order == ["deepseek", "gshard", "maxscore"]

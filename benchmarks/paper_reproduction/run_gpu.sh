@@ -6,6 +6,8 @@
 # go to $OUT as results.tar.gz (unpack into benchmarks/paper_reproduction/, then
 # `study.py report`), logs.tar.gz (worker logs, the queue's claims and failures) and status.txt.
 # PROFILE=full runs the full study instead (resumable calls; lm-eval needs its wheels and data).
+# Arguments go to `study.py run`: `--retrain-for-eval` also trains again, and evaluates, the runs
+# of earlier calls whose lm-eval is missing (their checkpoints stayed on those machines).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true

@@ -22,8 +22,10 @@ to take (its slowest run so far) is left before the deadline. For each (router, 
 A stage whose result file is already in ``<results-dir>`` is skipped, so a call made with a
 10-minute limit does what it can and the next call continues (copy ``<results-dir>`` back
 between calls; run directories only help while the machine that holds them is kept).
-``report`` needs only ``<results-dir>``: it writes ``results.json`` (every number) and
-``README.md`` (generated from it; a claim without its runs says "pending").
+lm-eval needs the run's final checkpoint, which only the machine that trained it holds:
+``run --retrain-for-eval`` trains such runs again (after the runs never trained) and evaluates
+them (:func:`work`). ``report`` needs only ``<results-dir>``: it writes ``results.json`` (every
+number) and ``README.md`` (generated from it; a claim without its runs says "pending").
 
 ``--profile`` picks the study's settings (:data:`study_plan.PROFILES`); ``run`` records them in
 ``<results-dir>/study.json``, which ``plan`` and ``report`` use when no profile is given.
@@ -63,7 +65,11 @@ def routings_for(router: str) -> list[str]:
 
 def _trained(results: Path, router: str, seed: int) -> bool:
     """Whether the run's summary in ``results`` is that of a complete run."""
-    path = raw_dir(results, router, seed)
+    return _complete(raw_dir(results, router, seed))
+
+
+def _complete(path: Path) -> bool:
+    """Whether ``path`` (a run directory or its copy in the results) holds a complete run."""
     if not (path / "summary.json").is_file() or not (path / "config.json").is_file():
         return False
     summary = json.loads((path / "summary.json").read_text())
@@ -107,10 +113,20 @@ class _Deadline:
         self.callback = Callback()
 
 
+#: Where a run trained again for its lm-eval keeps the files of the run it replaces.
+SUPERSEDED = "before-retraining"
+
+
 def train_run(
     config: StudyConfig, router: str, seed: int, runs: Path, results: Path, deadline: float
 ) -> bool:
-    """Train (or resume) one run; copy its small files to ``results``. Returns completeness."""
+    """Train (or resume) one run; copy its small files to ``results``. Returns completeness.
+
+    A run whose complete results are already in ``results`` (trained again because its lm-eval
+    needs the checkpoint) replaces them only once it is complete itself: the files it replaces,
+    with the lm-eval of the weights they describe, move to ``SUPERSEDED/`` beside them. A run cut
+    by the deadline never overwrites complete results.
+    """
     from maxscore.training import train
 
     run_dir = runs / router / f"seed-{seed}"
@@ -120,6 +136,16 @@ def train_run(
     print(f"study: training {router} seed {seed} -> {run_dir}", flush=True)
     train(cfg, callbacks=[_Deadline(deadline, save=config.save_steps > 0).callback])
     out = raw_dir(results, router, seed)
+    replacing = _trained(results, router, seed)
+    if replacing and not _complete(run_dir):
+        return False
+    if replacing:
+        old = out / SUPERSEDED
+        shutil.rmtree(old, ignore_errors=True)
+        old.mkdir()
+        for path in out.iterdir():
+            if path.is_file():
+                path.rename(old / path.name)
     out.mkdir(parents=True, exist_ok=True)
     for name in RESULT_FILES:
         if (run_dir / name).is_file():
@@ -164,24 +190,40 @@ def run_study(
     deadline_s: float,
     only: set[tuple[str, int]] | None = None,
     evaluate: bool = True,
+    retrain_for_eval: bool = False,
 ) -> list[dict[str, Any]]:
     """Train and evaluate pending runs until the deadline; return the status afterwards.
 
     A stage starts only while time is left; training stops at the deadline with a checkpoint.
+    ``retrain_for_eval``: see :func:`work`.
     """
     deadline = time.time() + deadline_s
     evaluate = evaluate and config.lm_eval
-    for row in status(config, results):
+    for row in _work_order(status(config, results)):
         key = (row["router"], row["seed"])
         if only is not None and key not in only:
             continue
         if time.time() >= deadline:
             break
-        if not row["trained"] and not train_run(config, *key, runs, results, deadline):
+        retrain = _needs_retraining(row, runs, evaluate) and retrain_for_eval
+        if (not row["trained"] or retrain) and not train_run(config, *key, runs, results, deadline):
             break  # cut by the deadline: the next call resumes it
         if evaluate and time.time() < deadline and checkpoint_here(runs, *key):
             evaluate_run(config, *key, runs, results)
     return status(config, results)
+
+
+def _needs_retraining(row: dict[str, Any], runs: Path, evaluate: bool) -> bool:
+    """A trained run whose lm-eval is not complete and whose checkpoint is not on this machine."""
+    missing = evaluate and set(row["routings"]) - set(row["evaluated"])
+    return bool(
+        row["trained"] and missing and not checkpoint_here(runs, row["router"], row["seed"])
+    )
+
+
+def _work_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runs never trained first (queue order), then the others (queue order)."""
+    return sorted(rows, key=lambda row: row["trained"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,21 +261,27 @@ def work(
     worker: str,
     only: set[tuple[str, int]] | None = None,
     evaluate: bool = True,
+    retrain_for_eval: bool = False,
 ) -> int:
     """One worker: take the next unclaimed pending run, train (and evaluate) it, repeat.
 
     A run starts only while its expected duration (the slowest run of any worker so far, 10%
-    more; each finished run leaves ``<queue>/<router>@<seed>.took``) is left before ``deadline``. Returns 0, or 3 when the GPU memory of finished runs was not
+    more; each finished run leaves ``<queue>/<router>@<seed>.took``) is left before
+    ``deadline``. Runs never trained come first. A run trained in an earlier call whose lm-eval
+    is missing has no checkpoint here: it is skipped, or with ``retrain_for_eval`` trained again
+    (same seed and settings) and evaluated, its new results replacing the old ones only once
+    complete (:func:`train_run`). Returns 0, or 3 when the GPU memory of finished runs was not
     freed (the caller starts a fresh worker).
     """
     evaluate = evaluate and config.lm_eval
-    for row in status(config, results):
+    for row in _work_order(status(config, results)):
         key = (row["router"], row["seed"])
         if only is not None and key not in only:
             continue
         if row["trained"] and (not evaluate or row["evaluated"] == row["routings"]):
             continue
-        if row["trained"] and not checkpoint_here(runs, *key):
+        retrain = _needs_retraining(row, runs, evaluate)
+        if retrain and not retrain_for_eval:
             continue  # trained in an earlier call: no checkpoint here to evaluate
         left = deadline - time.time()
         slowest = max([float(p.read_text()) for p in queue.glob("*.took")] or [0.0])
@@ -247,7 +295,9 @@ def work(
             f"study[{worker}]: {key[0]} seed {key[1]}, {left:.0f} s before the deadline", flush=True
         )
         try:
-            done = row["trained"] or train_run(config, *key, runs, results, deadline)
+            done = (row["trained"] and not retrain) or train_run(
+                config, *key, runs, results, deadline
+            )
             if done and evaluate and time.time() < deadline:
                 evaluate_run(config, *key, runs, results)
         except Exception:  # one failing run must not end the others
@@ -278,10 +328,11 @@ def run_parallel(
     deadline_s: float,
     only: str | None = None,
     evaluate: bool = True,
+    retrain_for_eval: bool = False,
 ) -> list[dict[str, Any]]:
     """One worker process per device (``cuda:N`` or ``cpu``) until the queue is empty or the
     deadline passes; a worker that dies is replaced while time is left (its run is not retried).
-    Worker logs: ``<runs>/worker-<i>.log``."""
+    Worker logs: ``<runs>/worker-<i>.log``. ``retrain_for_eval``: see :func:`work`."""
     deadline = time.time() + deadline_s
     queue = runs / "queue"
     shutil.rmtree(queue, ignore_errors=True)
@@ -291,6 +342,7 @@ def run_parallel(
     base += ["--runs-dir", str(runs), "--deadline-at", f"{deadline:.3f}"]
     base += ["--study-config", str(queue / "study.json")] + (["--no-eval"] if not evaluate else [])
     base += ["--only", only] if only else []
+    base += ["--retrain-for-eval"] if retrain_for_eval else []
 
     def start(i: int, generation: int) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
@@ -320,7 +372,11 @@ def run_parallel(
             # rc 3: the worker left GPU memory behind and asks for a fresh process; any other
             # non-zero rc is a crash (at most three restarts per device).
             crashes[i] += rc not in (0, 3)
-            pending = [r for r in status(config, results) if not r["trained"]]
+            pending = [
+                r
+                for r in status(config, results)
+                if not r["trained"] or (retrain_for_eval and _needs_retraining(r, runs, evaluate))
+            ]
             if rc != 0 and crashes[i] <= 3 and pending and deadline - time.time() > 30:
                 print(f"study: worker {i} exited with {rc}; starting a fresh one", flush=True)
                 generations[i] += 1
@@ -388,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=540.0, help="time for this call")
     parser.add_argument("--only", help="ROUTER:SEED,... (default: the whole plan, in order)")
     parser.add_argument("--no-eval", action="store_true", help="train only")
+    parser.add_argument(
+        "--retrain-for-eval",
+        action="store_true",
+        help="train again (after the runs never trained) the runs whose lm-eval is missing and "
+        "whose checkpoint is not on this machine, then evaluate them; their new results replace "
+        "the old ones, which move to raw/<router>/seed-<seed>/before-retraining/",
+    )
     parser.add_argument("--devices", help="cuda:0,cuda:1 (or cpu,cpu): one worker per device")
     # Set by run --devices for its workers.
     parser.add_argument("--worker-name", default="0", help=argparse.SUPPRESS)
@@ -420,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
             args.worker_name,
             only=_parse_only(args.only),
             evaluate=not args.no_eval,
+            retrain_for_eval=args.retrain_for_eval,
         )
     if args.command == "run":
         args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -434,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.deadline_s,
                 only=args.only,
                 evaluate=not args.no_eval,
+                retrain_for_eval=args.retrain_for_eval,
             )
         else:
             rows = run_study(
@@ -443,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.deadline_s,
                 only=_parse_only(args.only),
                 evaluate=not args.no_eval,
+                retrain_for_eval=args.retrain_for_eval,
             )
     elif args.command == "report":
         from study_report import write_report

@@ -458,8 +458,10 @@ def render_readme(
         "cut by the deadline is not counted (the `full` profile keeps checkpoints and resumes "
         "it in the next call while its machine is held). lm-eval needs the run's final "
         "checkpoint, which lives only on the machine that trained it: a run trained in an "
-        "earlier call without lm-eval is evaluated only if trained again (move its folder out of "
-        "`raw/` first). `run_gpu.sh` installs "
+        "earlier call without its lm-eval is evaluated only if trained again: `run "
+        "--retrain-for-eval` (`run_gpu.sh --retrain-for-eval`) does that after the runs never "
+        "trained, and the new run's files replace the old ones once it is complete (the old ones "
+        "move to `raw/<router>/seed-<seed>/before-retraining/`). `run_gpu.sh` installs "
         "the carried wheels the machine lacks and points `MAXSCORE_CACHE_DIR` at the carried "
         "documents.",
         "",
