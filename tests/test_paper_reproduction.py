@@ -240,7 +240,9 @@ def test_retraining_for_lm_eval_replaces_a_run_only_once_complete(
 
     evaluated: list[tuple[str, int]] = []
 
-    def fake_eval(c: object, router: str, seed: int, runs_: Path, results_: Path) -> None:
+    def fake_eval(
+        c: object, router: str, seed: int, runs_: Path, results_: Path, *a: object
+    ) -> None:
         evaluated.append((router, seed))
         for routing in study.routings_for(router):
             target = study.raw_dir(results_, router, seed) / f"eval_{routing}.json"
@@ -277,3 +279,35 @@ def test_runs_never_trained_come_before_retraining() -> None:
     ]
     order = [row["router"] for row in study._work_order(rows)]
     assert order == ["deepseek", "gshard", "maxscore"]
+
+
+def test_lm_eval_starts_only_when_its_shortest_recorded_time_fits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import maxscore.evaluation.runner
+
+    results = tmp_path / "results"
+    _write_run(results, "gshard", 42, [3.0, 3.1])  # its causal lm-eval took 80 s
+    _write_run(results, "maxscore", 42, [3.0, 3.1])  # its causal lm-eval took 50 s
+    for router, seconds in (("gshard", 80.0), ("maxscore", 50.0)):
+        path = results / "raw" / router / "seed-42" / "eval_causal.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "seconds": seconds}))
+    _write_run(results, "gshard", 43, [3.0, 3.1])
+    (results / "raw" / "gshard" / "seed-43" / "eval_causal.json").unlink()
+    assert study.shortest_eval_s(results, "gshard", "causal") == 80.0  # its own router's
+    assert study.shortest_eval_s(results, "gshard-s", "causal") == 50.0  # any router's
+    assert study.shortest_eval_s(results, "gshard", "train") == 0.0  # none recorded
+    calls: list[str] = []
+
+    def fake_evaluate_model(*args: object, routing: str, **kwargs: object) -> object:
+        calls.append(routing)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(maxscore.evaluation.runner, "evaluate_model", fake_evaluate_model)
+    config = StudyConfig(routers=("gshard",))
+    # 60 s left: less than gshard's 80 s, so its causal lm-eval does not start
+    study.evaluate_run(config, "gshard", 43, tmp_path / "runs", results, time.time() + 60)
+    assert calls == []
+    with pytest.raises(RuntimeError, match="stop here"):
+        study.evaluate_run(config, "gshard", 43, tmp_path / "runs", results, time.time() + 100)
+    assert calls == ["causal"]

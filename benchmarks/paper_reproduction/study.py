@@ -159,8 +159,34 @@ def checkpoint_here(runs: Path, router: str, seed: int) -> bool:
     return (runs / router / f"seed-{seed}").is_dir()
 
 
-def evaluate_run(config: StudyConfig, router: str, seed: int, runs: Path, results: Path) -> None:
-    """lm-eval on the run's final checkpoint, each routing of :func:`routings_for` not done yet."""
+def shortest_eval_s(results: Path, router: str, routing: str) -> float:
+    """The shortest lm-eval of ``routing`` recorded in ``results`` for ``router`` (else for any
+    router; 0 before the first): less time than that left, it cannot finish."""
+    mine: list[float] = []
+    anyone: list[float] = []
+    for path in (results / "raw").glob(f"*/seed-*/eval_{routing}.json"):
+        try:
+            seconds = float(json.loads(path.read_text()).get("seconds") or 0.0)
+        except (ValueError, OSError):
+            continue
+        anyone.append(seconds)
+        if path.parent.parent.name == router:
+            mine.append(seconds)
+    return min(mine or anyone or [0.0])
+
+
+def evaluate_run(
+    config: StudyConfig,
+    router: str,
+    seed: int,
+    runs: Path,
+    results: Path,
+    deadline: float = float("inf"),
+) -> None:
+    """lm-eval on the run's final checkpoint, each routing of :func:`routings_for` not done yet.
+
+    A routing starts only while its shortest recorded duration fits before ``deadline``: one
+    cut by the deadline gives nothing and keeps the device call running for nothing."""
     from maxscore.evaluation.runner import evaluate_model
 
     run_dir = runs / router / f"seed-{seed}"
@@ -169,6 +195,9 @@ def evaluate_run(config: StudyConfig, router: str, seed: int, runs: Path, result
         target = out / f"eval_{routing}.json"
         if target.is_file():
             continue
+        if deadline - time.time() < shortest_eval_s(results, router, routing):
+            print(f"study: no time left for lm-eval of {router} seed {seed}, {routing}", flush=True)
+            return
         print(f"study: lm-eval {router} seed {seed}, {routing} routing", flush=True)
         result = evaluate_model(
             run_dir,
@@ -209,7 +238,7 @@ def run_study(
         if (not row["trained"] or retrain) and not train_run(config, *key, runs, results, deadline):
             break  # cut by the deadline: the next call resumes it
         if evaluate and time.time() < deadline and checkpoint_here(runs, *key):
-            evaluate_run(config, *key, runs, results)
+            evaluate_run(config, *key, runs, results, deadline)
     return status(config, results)
 
 
@@ -299,7 +328,7 @@ def work(
                 config, *key, runs, results, deadline
             )
             if done and evaluate and time.time() < deadline:
-                evaluate_run(config, *key, runs, results)
+                evaluate_run(config, *key, runs, results, deadline)
         except Exception:  # one failing run must not end the others
             traceback.print_exc()
             (queue / f"{key[0]}@{key[1]}.failed").write_text(traceback.format_exc())
