@@ -362,6 +362,43 @@ def test_kernel_emulated_token_mask() -> None:
         fh.check_constraints(index[g : g + 1, mask[g]], 2, capacity, 8)
 
 
+def test_cuda_backend_pads_group_sizes_to_a_few_compiled_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Group sizes that change from call to call (evaluation batches) reach the kernel padded
+    to global_cuda.compiled_size with masked tokens, so a handful of compiled kernels serve
+    them; the real tokens still get an optimal assignment (the kernel through its emulator)."""
+    emu = _emulated()
+    sizes = [global_cuda.compiled_size(n) for n in range(1, 2049)]
+    assert len(set(sizes)) <= 14 and all(s >= n for n, s in zip(range(1, 2049), sizes))
+    assert all(global_cuda.compiled_size(n) == n for n in (32, 64, 128, 256, 512, 1024, 4096))
+    seen: list[tuple[int, int]] = []
+
+    def kernel(affinities, k, capacity, holders, budget, *, token_mask=None):  # type: ignore[no-untyped-def]
+        seen.append((affinities.shape[1], holders))
+        return emu.solve_emulated(affinities, k, capacity, budget, token_mask=token_mask)[0]
+
+    monkeypatch.setattr(global_cuda, "solve_cuda", kernel)
+    solve = GLOBAL_BACKENDS["cuda"].solve
+    for n in (100, 120):  # two sizes, one compiled size
+        affinities = fh.instances(n, 2, n, 8, 1.0)
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, n - 7 :] = False  # the caller's own padding stays padding
+        capacity = torch.full((2, 8), -(-2 * n // 8))
+        index = solve(affinities, 2, capacity, int(capacity.max()), GlobalBudget(), mask)
+        assert index.shape == (2, n, 2) and index.is_contiguous()
+        assert bool((index[1, n - 7 :] == -1).all())
+        fh.check_constraints(index[:1], 2, capacity[0], 8)
+        fh.check_constraints(index[1:, : n - 7], 2, capacity[1], 8)
+        gaps = fh.optimality_gaps(affinities[:1], index[:1], 2, capacity[0])
+        assert gaps.max() <= fh.WORST_GAP
+    assert seen == [(128, 32), (128, 32)]
+    # A size on the list runs as it is, with the caller's holders bound.
+    affinities = fh.instances(3, 1, 64, 8, 1.0)
+    solve(affinities, 2, torch.full((1, 8), 16), 16, GlobalBudget(), None)
+    assert seen[-1] == (64, 16)
+
+
 def test_kernel_emulated_property() -> None:
     """Hypothesis over shapes, capacities (zero, above n, short) and ties through the emulator."""
     emu = _emulated()
@@ -423,6 +460,25 @@ def test_cuda_graph_capture_and_no_sync() -> None:
     torch.cuda.synchronize()
     assert torch.equal(static_out, solve(fresh))
     fh.check_constraints(static_out.cpu(), 2, capacity.cpu(), 16)
+
+
+@pytest.mark.gpu
+def test_cuda_group_sizes_off_the_compiled_list() -> None:
+    """Group sizes that are padded to a compiled size (evaluation batches): every constraint and
+    the gap targets hold for the real tokens, and the caller's own padding stays padding."""
+    for n, e, k in [(100, 16, 2), (300, 64, 6), (700, 32, 2)]:
+        affinities = fh.instances(n, 2, n, e, 1.0)
+        mask = torch.ones(2, n, dtype=torch.bool)
+        mask[1, n // 2 :] = False
+        capacity = torch.full((e,), -(-k * n // e))
+        index = solve_global(
+            affinities.cuda(), k, capacity.cuda(), token_mask=mask.cuda(), capacity_bound=n
+        ).cpu()
+        assert bool((index[1, n // 2 :] == -1).all())
+        fh.check_constraints(index[:1], k, capacity, e)
+        fh.check_constraints(index[1:, : n // 2], k, capacity, e)
+        gaps = fh.optimality_gaps(affinities[:1], index[:1], k, capacity)
+        assert gaps.max() <= fh.WORST_GAP, (n, e, k, gaps)
 
 
 @pytest.mark.gpu

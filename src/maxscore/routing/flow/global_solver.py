@@ -71,7 +71,25 @@ def _solve_cuda(
     budget: GlobalBudget,
     token_mask: Tensor | None,
 ) -> Tensor:
-    return global_cuda.solve_cuda(affinities, k, capacity, holders, budget, token_mask=token_mask)
+    # The kernel is compiled per (group size, holders). A group size off the short list of
+    # global_cuda.compiled_size (evaluation batches padded to their longest sequence change it
+    # from call to call) is padded with masked tokens, which take no expert and leave the real
+    # tokens' optimum as it was, and the holders bound is rounded up the same way: a few
+    # compiled kernels serve every size. Sizes on the list (training's) run as they are.
+    groups, n, _ = affinities.shape
+    size = global_cuda.compiled_size(n)
+    if size == n or size * k >= 1 << 27:
+        return global_cuda.solve_cuda(
+            affinities, k, capacity, holders, budget, token_mask=token_mask
+        )
+    real = torch.ones(groups, n, dtype=torch.bool, device=affinities.device)
+    mask = torch.nn.functional.pad(
+        real if token_mask is None else token_mask, (0, size - n), value=False
+    )
+    padded = torch.nn.functional.pad(affinities, (0, 0, 0, size - n))
+    holders = min(global_cuda.compiled_size(holders), size)
+    out = global_cuda.solve_cuda(padded, k, capacity, holders, budget, token_mask=mask)
+    return out[:, :n].contiguous()
 
 
 #: The backends, the reference first; :func:`pick_backend` takes the last one that applies.
