@@ -105,6 +105,10 @@ def test_report_verdicts_from_raw_results_and_pending_claims(tmp_path: Path) -> 
     assert gain["mean"] == pytest.approx(0.02) and gain["n"] == 3
     assert claims["maxscore_beats_gshard"]["verdict"] == "reproduces"
     assert claims["s_and_m_superadditive"]["superadditive"] is True
+    assert claims["s_and_m_superadditive"]["verdict"] == "reproduces"
+    assert claims["s_and_m_superadditive"]["excess"]["mean"] == pytest.approx(0.01)
+    assert claims["flow_alone_negligible"]["verdict"] == "reproduces (no clear gain)"
+    assert claims["rerouting_alone_negligible"]["verdict"] == "pending"  # no GShard-I run
     assert data["passes_over_corpus"] == pytest.approx(3200 / 1600)
     assert data["routers"]["dense"]["eval_loss"] is None  # no run: pending
     maxscore = data["routers"]["maxscore"]
@@ -117,7 +121,8 @@ def test_report_verdicts_from_raw_results_and_pending_claims(tmp_path: Path) -> 
     assert not maxscore["lm_eval"]["causal"]["arc_easy"]["no_better_than_chance"]
     assert maxscore["lm_eval"]["causal"]["sciq"]["no_better_than_chance"]
     text = readme.read_text()
-    assert "MaxScore ahead of GShard: **reproduces**" in text
+    assert "- MaxScore beats GShard (Table 2): **reproduces**" in text
+    assert "- S and M superadditive: **reproduces**" in text
     assert "| dense | Dense | 1 | 0 | pending |" in text
     assert "Above chance: arc_easy (4 router(s))." in text
     assert json.loads((results / "results.json").read_text())["claims"]["ranking"]["routers"]
@@ -311,3 +316,12 @@ def test_lm_eval_starts_only_when_its_shortest_recorded_time_fits(
     with pytest.raises(RuntimeError, match="stop here"):
         study.evaluate_run(config, "gshard", 43, tmp_path / "runs", results, time.time() + 100)
     assert calls == ["causal"]
+
+
+def test_negligible_gain_verdicts() -> None:
+    gain = {"sem": 0.002, "validation_se": 0.0, "n": 3}
+    assert study_report.negligible_verdict({**gain, "mean": 0.001}) == "reproduces (no clear gain)"
+    assert study_report.negligible_verdict({**gain, "mean": 0.01}).startswith("does not reproduce")
+    assert "worse than GShard" in study_report.negligible_verdict({**gain, "mean": -0.01})
+    assert study_report.negligible_verdict({"mean": 0.0, "sem": None}).startswith("inconclusive")
+    assert study_report.negligible_verdict(None) == "pending"
