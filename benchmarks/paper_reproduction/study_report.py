@@ -9,6 +9,9 @@ its error: the standard error over seeds (``sem = std / sqrt(n)``) combined with
 validation standard error over documents. "reproduces" when the difference has the paper's sign
 and is more than two errors from 0, "opposite" when it is more than two errors the other way,
 "inconclusive" otherwise, and always with a single seed (the spread over seeds is unknown).
+The paper's "negligible gain" claims (GShard-M, GShard-I alone) reproduce unless the gain is more
+than two errors above 0; superadditivity is the excess gain(SM) - gain(S) - gain(M) tested like a
+gain.
 """
 
 from __future__ import annotations
