@@ -159,16 +159,22 @@ def test_empty_results_say_every_number_is_pending(tmp_path: Path) -> None:
     assert "reproduces**" not in text
 
 
+def _run_of_an_earlier_call(tmp_path: Path) -> tuple[Path, Path, Path, StudyConfig]:
+    """A study of one run (gshard, seed 42) whose results came from an earlier device call:
+    (results, runs, queue, config); no run directory (checkpoint) on this machine."""
+    results, runs, queue = tmp_path / "results", tmp_path / "runs", tmp_path / "queue"
+    queue.mkdir()
+    _write_run(results, "gshard", 42, [3.0, 3.1])
+    return results, runs, queue, StudyConfig(routers=("gshard",), seeds_override=(42,))
+
+
 def test_worker_skips_lm_eval_of_runs_trained_on_another_machine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A run trained in an earlier device call has its result files but no checkpoint here: the
     # worker neither evaluates it (that raised, and marked the run failed) nor retrains it.
-    results, runs, queue = tmp_path / "results", tmp_path / "runs", tmp_path / "queue"
-    queue.mkdir()
-    _write_run(results, "gshard", 42, [3.0, 3.1])
+    results, runs, queue, config = _run_of_an_earlier_call(tmp_path)
     (results / "raw" / "gshard" / "seed-42" / "eval_causal.json").unlink()
-    config = StudyConfig(routers=("gshard",), seeds_override=(42,))
     assert study.status(config, results)[0]["trained"]
 
     def forbidden(*args: object, **kwargs: object) -> None:
@@ -223,12 +229,9 @@ def test_retraining_for_lm_eval_replaces_a_run_only_once_complete(
     # leaves the old complete results as they were.
     import maxscore.training
 
-    results, runs, queue = tmp_path / "results", tmp_path / "runs", tmp_path / "queue"
-    queue.mkdir()
-    _write_run(results, "gshard", 42, [3.0, 3.1])
+    results, runs, queue, config = _run_of_an_earlier_call(tmp_path)
     raw = results / "raw" / "gshard" / "seed-42"
     old_summary = json.loads((raw / "summary.json").read_text())
-    config = StudyConfig(routers=("gshard",), seeds_override=(42,))
     finish = {"steps": 10}
 
     def fake_train(cfg: object, callbacks: object = None) -> None:
