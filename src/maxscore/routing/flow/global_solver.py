@@ -8,7 +8,8 @@ preference reversed (the reference first):
   it synchronises; it is the CPU path and the tests' reference.
 - ``"cuda"``: one CUDA kernel per call (:mod:`.global_cuda`), no host synchronisation,
   capturable in CUDA graphs: a CUDA GPU of compute capability 8.0+ with NVRTC, ``e <= 256``,
-  ``k <= 8``, any group size.
+  ``k <= 8``, any group size (sizes off :func:`.global_cuda.compiled_size`'s list are padded
+  with masked tokens, so a few compiled kernels serve group sizes that vary between calls).
 
 :func:`pick_backend` is the one place that chooses: the last backend of the table whose
 ``supported`` accepts the input.
