@@ -8,7 +8,9 @@
 # (default 520); the results go to $OUT as flow_solver.tar.gz (unpack into
 # benchmarks/flow_solver/). BASELINE=FILE: GPU 0 first times the shipped kernel against that
 # earlier kernel file (compare_kernels.py; save one with
-# `git show REV:src/maxscore/routing/flow/kernels/global_auction.cu > FILE`).
+# `git show REV:src/maxscore/routing/flow/kernels/global_auction.cu > FILE`); BASELINE_DEFINE=
+# "KEY=VALUE[@MIN_E] ..." adds compile-time constants to that baseline (e.g. the shipped kernel
+# file as BASELINE with THREADS=768@64 times larger blocks against the shipped ones).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
@@ -30,6 +32,7 @@ solver() {
   timeout -k 10 "$DEADLINE" bash -c "
     if [ -n '${BASELINE:-}' ]; then
       python3 benchmarks/flow_solver/compare_kernels.py --baseline '${BASELINE:-}' --reps 20 \\
+        $(for d in ${BASELINE_DEFINE:-}; do printf -- '--baseline-define %s ' "$d"; done) \\
         --out '$RES/compare' > '$RES/compare.log' 2>&1
     fi
     python3 benchmarks/flow_solver/bench.py --timing --reps 20 --out '$RES/timing' > '$RES/timing.log' 2>&1
