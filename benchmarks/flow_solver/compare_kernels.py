@@ -95,8 +95,8 @@ def main() -> None:
         pair, _, min_e = item.partition("@")
         key, _, value = pair.partition("=")
         extra.append((key, value, int(min_e or 0)))
-    # The baseline keeps its graph out of phase 1's buffers (older kernels have no such place).
-    extra.append(("GRAPH_IN_WORK", "0", 0))
+    if "GRAPH_IN_WORK" not in baseline:  # an older kernel: its graph has no place in phase 1's
+        extra.append(("GRAPH_IN_WORK", "0", 0))  # buffers, so the host must not count on one
     kernels = {
         "shipped": (global_cuda.kernel_source(), []),
         "baseline": (baseline, extra),
