@@ -148,6 +148,10 @@ def _mean_std(values: list[float]) -> dict[str, Any] | None:
     }
 
 
+def _device(run: dict[str, Any]) -> str:
+    return run.get("device") or "unknown"
+
+
 def _card(device: str) -> str:
     """A short card name for tables: ``NVIDIA H100 80GB HBM3`` -> ``H100``."""
     words = device.removeprefix("NVIDIA ").split()
@@ -209,18 +213,12 @@ def verdict(diff: dict[str, Any] | None, expected_sign: int) -> str:
 
 def negligible_verdict(diff: dict[str, Any] | None) -> str:
     """The paper's "negligible improvement" claims (GShard-M, GShard-I): ``reproduces`` unless
-    the gain is more than two errors above 0 (errors as in :func:`verdict`); a loss more than
-    two errors below 0 is no improvement either, and is named."""
-    if diff is None:
-        return "pending"
-    if diff["sem"] is None:
-        return "inconclusive (one seed)"
-    error = math.hypot(diff["sem"], diff.get("validation_se") or 0.0)
-    if diff["mean"] > 2 * error:
-        return "does not reproduce (a clear gain)"
-    if diff["mean"] < -2 * error:
-        return "reproduces (no gain; worse than GShard)"
-    return "reproduces (no clear gain)"
+    :func:`verdict` finds a clear gain; a clear loss is no improvement either, and is named."""
+    return {
+        "reproduces": "does not reproduce (a clear gain)",
+        "opposite": "reproduces (no gain; worse than GShard)",
+        "inconclusive": "reproduces (no clear gain)",
+    }.get(verdict(diff, 1), verdict(diff, 1))
 
 
 def _spearman(a: list[float], b: list[float]) -> float | None:
@@ -257,8 +255,8 @@ def summarize(config: StudyConfig, results: Path) -> dict[str, Any]:
             "eval_loss_se": _mean_std([r["eval_loss_se"] for r in done]),
             # Speeds compare only on one card: one mean per card the runs trained on.
             "tokens_per_s": {
-                device: _mean_std([r["tokens_per_s"] for r in done if r.get("device") == device])
-                for device in sorted({r.get("device") or "unknown" for r in done})
+                card: _mean_std([r["tokens_per_s"] for r in done if _device(r) == card])
+                for card in sorted({_device(r) for r in done})
             },
             "delta_vs_gshard": _paired(runs, plan.router, "gshard")
             if plan.router != "gshard"
@@ -612,8 +610,9 @@ def render_readme(
         "",
         "Accuracy in percent, mean over seeds; `*`: no better than chance (less than two "
         "standard errors above it, or below it; chance: uniform guessing, BoolQ: the majority "
-        "class), where models this small are expected to sit. Causal: the evaluation routing without capacity (no token's experts depend on later "
-        "tokens); train: the training routing, for the capacity / flow routers."
+        "class), where models this small are expected to sit. Causal: the evaluation routing "
+        "without capacity (no token's experts depend on later tokens); train: the training "
+        "routing, for the capacity / flow routers."
         + (
             f" Each task's first {s['eval_limit']:,} documents (lm-eval's `limit`; OpenBookQA "
             "has 500), so a task's standard error is about 1.5 points."
@@ -646,14 +645,13 @@ def render_readme(
             ]
             lines.append(f"| {name} | {routing} | " + " | ".join(cells) + " |")
     if s.get("lm_eval", True):
-        above = {
-            task: sorted(
-                name
-                for name, r in routers.items()
-                if any(
+        above = {  # routers above chance on the task, in either routing
+            task: sum(
+                any(
                     task in tasks and not tasks[task]["no_better_than_chance"]
                     for tasks in r["lm_eval"].values()
                 )
+                for r in routers.values()
             )
             for task in CHANCE
         }
@@ -662,9 +660,7 @@ def render_readme(
             "",
             "Above chance: "
             + (
-                "; ".join(
-                    f"{task} ({len(names)} router(s))" for task, names in above.items() if names
-                )
+                "; ".join(f"{task} ({count} router(s))" for task, count in above.items() if count)
                 or "no task, for any router evaluated so far"
                 if evaluated
                 else "pending"
