@@ -321,12 +321,11 @@ def _key_positions_triton(key: Tensor, k1: int) -> tuple[Tensor, Tensor]:
     # Every constexpr depends on the keys and on a power of two of the chunks only, and `m` is not
     # specialised: rows whose length changes from call to call (evaluation batches of varying
     # sequence length) reuse a few compiled variants instead of compiling one per length.
+    # A [block, keys] tile of 16,384 entries per chunk (8 warps).
     block = min(1024, 16384 // keys)
     chunks = triton.next_power_of_2(triton.cdiv(m, block))
-    warps = 8 if block * keys >= 8192 else 4
     _key_positions_kernel[(g,)](
-        key, position, counts, m, k1, block=block, keys=keys, chunks=chunks,
-        num_warps=warps,
+        key, position, counts, m, k1, block=block, keys=keys, chunks=chunks, num_warps=8,
     )  # fmt: skip
     return position, counts
 
