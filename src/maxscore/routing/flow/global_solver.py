@@ -77,16 +77,16 @@ def _solve_cuda(
     # from call to call) is padded with masked tokens, which take no expert and leave the real
     # tokens' optimum as it was, and the holders bound is rounded up the same way: a few
     # compiled kernels serve every size. Sizes on the list (training's) run as they are.
-    groups, n, _ = affinities.shape
+    n = affinities.shape[1]
     size = global_cuda.compiled_size(n)
     if size == n or size * k >= 1 << 27:
         return global_cuda.solve_cuda(
             affinities, k, capacity, holders, budget, token_mask=token_mask
         )
-    real = torch.ones(groups, n, dtype=torch.bool, device=affinities.device)
-    mask = torch.nn.functional.pad(
-        real if token_mask is None else token_mask, (0, size - n), value=False
-    )
+    if token_mask is None:  # [size], broadcast over the groups
+        mask = torch.arange(size, device=affinities.device) < n
+    else:
+        mask = torch.nn.functional.pad(token_mask, (0, size - n), value=False)
     padded = torch.nn.functional.pad(affinities, (0, 0, 0, size - n))
     holders = min(global_cuda.compiled_size(holders), size)
     out = global_cuda.solve_cuda(padded, k, capacity, holders, budget, token_mask=mask)
