@@ -280,13 +280,40 @@ def test_retraining_for_lm_eval_replaces_a_run_only_once_complete(
 
 
 def test_runs_never_trained_come_before_retraining() -> None:
+    both = ["causal", "train"]
     rows = [
-        {"router": "gshard", "seed": 42, "trained": True},
-        {"router": "deepseek", "seed": 42, "trained": False},
-        {"router": "maxscore", "seed": 42, "trained": True},
+        {"router": "gshard", "seed": 42, "trained": True, "routings": both, "evaluated": []},
+        {
+            "router": "deepseek",
+            "seed": 42,
+            "trained": False,
+            "routings": ["causal"],
+            "evaluated": [],
+        },
+        {"router": "maxscore", "seed": 42, "trained": True, "routings": both, "evaluated": []},
     ]
     order = [row["router"] for row in study._work_order(rows)]
     assert order == ["deepseek", "gshard", "maxscore"]
+
+
+def test_retraining_gives_every_router_its_lm_eval_before_a_second_seed() -> None:
+    both = ["causal", "train"]
+
+    def row(router: str, seed: int, evaluated: list[str]) -> dict[str, object]:
+        return dict(router=router, seed=seed, trained=True, routings=both, evaluated=evaluated)
+
+    rows = [
+        row("gshard", 42, []),
+        row("gshard", 43, []),
+        row("gshard-i", 42, []),
+        row("gshard-i", 44, both),  # complete: gshard-i needs no retraining first
+        row("maxscore-i", 42, []),
+        row("maxscore-i", 43, ["causal"]),  # incomplete: maxscore-i is not covered yet
+        row("sbase", 42, []),
+    ]
+    order = [(r["router"], r["seed"]) for r in study._work_order(rows)]
+    assert order[:3] == [("gshard", 42), ("maxscore-i", 42), ("sbase", 42)]
+    assert order[3:] == [("gshard", 43), ("gshard-i", 42), ("gshard-i", 44), ("maxscore-i", 43)]
 
 
 def test_lm_eval_starts_only_when_its_shortest_recorded_time_fits(

@@ -251,8 +251,20 @@ def _needs_retraining(row: dict[str, Any], runs: Path, evaluate: bool) -> bool:
 
 
 def _work_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The runs never trained first (queue order), then the others (queue order)."""
-    return sorted(rows, key=lambda row: row["trained"])
+    """The runs never trained first; then, of each router with no run whose lm-eval is
+    complete, its first run (so every router gets its lm-eval before any router gets a second
+    seed's); then the others. Queue order within each."""
+    complete = {row["router"] for row in rows if set(row["routings"]) <= set(row["evaluated"])}
+    first: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        if row["trained"] and row["router"] not in complete:
+            first.setdefault(row["router"], i)
+
+    def rank(item: tuple[int, dict[str, Any]]) -> int:
+        i, row = item
+        return 0 if not row["trained"] else 1 if first.get(row["router"]) == i else 2
+
+    return [row for _, row in sorted(enumerate(rows), key=rank)]
 
 
 # ------------------------------------------------------------------------------------------------
