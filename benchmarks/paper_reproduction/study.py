@@ -23,8 +23,8 @@ A stage whose result file is already in ``<results-dir>`` is skipped, so a call 
 10-minute limit does what it can and the next call continues (copy ``<results-dir>`` back
 between calls; run directories only help while the machine that holds them is kept).
 lm-eval needs the run's final checkpoint, which only the machine that trained it holds:
-``run --retrain-for-eval`` trains such runs again (after the runs never trained) and evaluates
-them (:func:`work`). ``report`` needs only ``<results-dir>``: it writes ``results.json`` (every
+``run --retrain-for-eval`` trains such runs again (after the runs never trained; one run of each
+router without a complete lm-eval before the others) and evaluates them (:func:`work`). ``report`` needs only ``<results-dir>``: it writes ``results.json`` (every
 number) and ``README.md`` (generated from it; a claim without its runs says "pending").
 
 ``--profile`` picks the study's settings (:data:`study_plan.PROFILES`); ``run`` records them in
@@ -488,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--retrain-for-eval",
         action="store_true",
-        help="train again (after the runs never trained) the runs whose lm-eval is missing and "
+        help="train again (after the runs never trained; first one run of each router without a "
+        "complete lm-eval) the runs whose lm-eval is missing and "
         "whose checkpoint is not on this machine, then evaluate them; their new results replace "
         "the old ones, which move to raw/<router>/seed-<seed>/before-retraining/",
     )

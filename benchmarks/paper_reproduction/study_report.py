@@ -515,7 +515,7 @@ def render_readme(
         "checkpoint, which lives only on the machine that trained it: a run trained in an "
         "earlier call without its lm-eval is evaluated only if trained again: `run "
         "--retrain-for-eval` (`run_gpu.sh --retrain-for-eval`) does that after the runs never "
-        "trained, and the new run's files replace the old ones once it is complete (the old ones "
+        "trained, one run of each router without a complete lm-eval first, and the new run's files replace the old ones once it is complete (the old ones "
         "move to `raw/<router>/seed-<seed>/before-retraining/`). `run_gpu.sh` installs "
         "the carried wheels the machine lacks and points `MAXSCORE_CACHE_DIR` at the carried "
         "documents.",
