@@ -68,6 +68,29 @@ def test_kernel_places_its_memory_by_shape() -> None:
     assert scratch == 0  # nothing in global memory but the affinities
 
 
+@pytest.mark.parametrize("e", [64, 128, 256])
+def test_kernel_memory_plan_counts_overridden_constants(e: int) -> None:
+    """A constant given as an override (a kernel experiment: larger blocks) is planned for: the
+    Block struct and the state grow with the warps, and the plan still fits a block's shared
+    memory (an override applied after planning overflowed it: a failed launch at e = 256)."""
+    from maxscore.routing.flow import global_cuda
+
+    budget, optin, wide = GlobalBudget(), 227 * 1024, {"THREADS": "768"}
+    base = global_cuda.kernel_defines(512, e, 8, 32, budget)
+    plain = global_cuda.kernel_defines(512, e, 8, 32, budget, overrides=wide)
+    assert plain["THREADS"] == "768"
+    assert global_cuda.block_bytes(plain) > global_cuda.block_bytes(base)
+    room = optin - global_cuda.block_bytes(plain)
+    planned = global_cuda.kernel_defines(512, e, 8, 32, budget, shared_bytes=room, overrides=wide)
+    shared, _ = global_cuda.shared_and_scratch_bytes(planned, 4)
+    assert shared + global_cuda.block_bytes(planned) <= optin
+    # a memory flag given as an override is kept as given (older kernels lack GRAPH_IN_WORK)
+    kept = global_cuda.kernel_defines(
+        512, e, 8, 32, budget, shared_bytes=room, overrides={"GRAPH_IN_WORK": "0"}
+    )
+    assert kept["GRAPH_IN_WORK"] == "0"
+
+
 @pytest.mark.parametrize("key", ["e16_k2", "e64_k2"])
 def test_real_router_scores_near_optimal(key: str) -> None:
     """Scores a MaxScore router produced in training (a real Base / base-2x64 layer): Eq. 7

@@ -43,9 +43,9 @@ def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
     shipped_defines = global_cuda.kernel_defines
 
     def defines(n: int, e: int, *args: Any, **kwargs: Any) -> dict[str, str]:
-        d = shipped_defines(n, e, *args, **kwargs)
-        d.update({key: value for key, value, min_e in extra if e >= min_e})
-        return d
+        # Given to the planner, so a constant that changes the memory (THREADS) is counted.
+        overrides = {key: value for key, value, min_e in extra if e >= min_e}
+        return shipped_defines(n, e, *args, overrides=overrides, **kwargs)
 
     global_cuda.kernel_source = lambda: source
     global_cuda.kernel_defines = defines

@@ -84,6 +84,10 @@ def _threads(n: int) -> int:
     return min(THREADS, 32 * max(1, math.ceil(n / 32)))
 
 
+#: The constants that say where the state, the expert graph and the affinities live.
+MEMORY_FLAGS = ("STATE_SMEM", "GRAPH_SMEM", "GRAPH_IN_WORK", "A_SMEM")
+
+
 def kernel_defines(
     n: int,
     e: int,
@@ -92,13 +96,18 @@ def kernel_defines(
     budget: GlobalBudget,
     *,
     shared_bytes: int | None = None,
+    overrides: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The compile-time constants of the kernel for one shape, capacity bound and budget.
 
     ``holders``: the most tokens an expert can hold (the largest capacity, clamped to ``n``).
     ``shared_bytes``: the dynamic shared memory a block may use (``None``: only the state, in
     shared memory); the expert graph and then the affinities go there too where they fit.
+    ``overrides``: constants to use instead of these (kernel experiments, e.g. ``THREADS``),
+    set before the memory is planned, so the plan counts them; a memory flag among them
+    (``STATE_SMEM``, ``GRAPH_SMEM``, ``GRAPH_IN_WORK``, ``A_SMEM``) is kept as given.
     """
+    overrides = overrides or {}
     cb = max(1, min(holders, n))
     defines = {
         "N": str(n),
@@ -114,6 +123,7 @@ def kernel_defines(
         "EPS_REL": f"{float(budget.epsilon)!r}f",
         "TOL_REL": f"{float(budget.tolerance)!r}f",
         "WARP_BIDS": "1" if e > 32 else "0",
+        **overrides,
     }
     state, graph, affinities = work_bytes(defines), 4 * (e + 2) ** 2, 4 * n * e
     room = shared_bytes if shared_bytes is not None else state
@@ -125,7 +135,7 @@ def kernel_defines(
     in_work = defines["GRAPH_SMEM"] == "0" and graph <= phase1_bytes(defines)
     defines["GRAPH_IN_WORK"] = "1" if in_work else "0"
     defines["A_SMEM"] = "1" if affinities <= room else "0"
-    return defines
+    return {**defines, **{key: v for key, v in overrides.items() if key in MEMORY_FLAGS}}
 
 
 def phase1_bytes(defines: dict[str, str]) -> int:
