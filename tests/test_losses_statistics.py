@@ -204,6 +204,10 @@ def test_compiled_gpu_statistics_equal_the_eager_ones(capacity: int | None) -> N
     from maxscore import compiled
     from maxscore.routing.statistics import LazyRoutingStatistics
 
+    # A fresh compile cache: earlier tests of this process may have used up the variants
+    # torch.compile allows one function, and this test must see the compiled statistics.
+    torch._dynamo.reset()
+    compiled._AT_LIMIT.discard("routing_statistics")
     gen = torch.Generator().manual_seed(0)
     affinities = torch.rand(4, 64, 8, generator=gen).softmax(-1).cuda()
     index = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(256)]).view(4, 64, 2)
@@ -214,3 +218,4 @@ def test_compiled_gpu_statistics_equal_the_eager_ones(capacity: int | None) -> N
     for key in STAT_KEYS:
         torch.testing.assert_close(lazy[key], eager[key])
     assert "routing_statistics" not in compiled._FAILED, "fell back to the eager statistics"
+    assert "routing_statistics" not in compiled._AT_LIMIT, "ran eagerly past the recompile limit"

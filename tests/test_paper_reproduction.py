@@ -50,7 +50,7 @@ def _write_run(
     tokens_per_s: float = 1000.0,
 ) -> None:
     folder = results / "raw" / router / f"seed-{seed}"
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     tokens = [10.0] * len(doc_losses)
     sums = [loss * t for loss, t in zip(doc_losses, tokens, strict=True)]
     loss = sum(sums) / sum(tokens)
@@ -146,6 +146,28 @@ def test_speeds_are_reported_per_card(tmp_path: Path) -> None:
     text = readme.read_text()
     assert "| 300 (H100, n=1); 410 (H200, n=2) |" in text
     assert "| 290 (H100) |" in text
+
+
+def test_a_run_trained_twice_reports_its_run_to_run_variation(tmp_path: Path) -> None:
+    """A run trained again (same seed, for its lm-eval) keeps the first run's files in
+    before-retraining/: the report gives how far the two losses are apart, and on which cards."""
+    results = tmp_path / "results"
+    config = StudyConfig(routers=("gshard", "maxscore"))
+    _write_run(results, "gshard", 42, [3.0, 3.2], device="NVIDIA H200")  # loss 3.1
+    folder = results / "raw" / "gshard" / "seed-42"
+    (folder / study.SUPERSEDED).mkdir()
+    for path in list(folder.glob("*.*")):
+        path.rename(folder / study.SUPERSEDED / path.name)
+    _write_run(results, "gshard", 42, [3.0, 3.0], device="NVIDIA H100 80GB HBM3")  # loss 3.0
+    _write_run(results, "maxscore", 42, [3.0, 3.1])  # trained once: not a pair
+    readme = tmp_path / "README.md"
+    data = study_report.write_report(config, results, readme, study.status(config, results))
+    found = data["reruns"]
+    assert [p["run"] for p in found["pairs"]] == ["gshard/42"]
+    assert found["pairs"][0]["difference"] == pytest.approx(-0.1)
+    assert found["pairs"][0]["cards"] == ["H200", "H100"]
+    assert found["max_abs_difference"] == pytest.approx(0.1)
+    assert "gshard/42 3.1000 -> 3.0000 (-0.1000, H200 -> H100)" in readme.read_text()
 
 
 def test_empty_results_say_every_number_is_pending(tmp_path: Path) -> None:

@@ -237,6 +237,37 @@ def _spearman(a: list[float], b: list[float]) -> float | None:
     return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb, strict=True)) / (n * (n * n - 1))
 
 
+def reruns(config: StudyConfig, results: Path) -> dict[str, Any]:
+    """Runs trained twice with the same seed and settings (again for their lm-eval, the first
+    run's files kept in ``before-retraining/``): how far apart the two validation losses are,
+    the run-to-run variation that no seed explains (GPU nondeterminism, another card)."""
+    pairs = []
+    for router, seed in config.runs():
+        folder = results / "raw" / router / f"seed-{seed}"
+        new = _read(folder / "summary.json")
+        old = _read(folder / "before-retraining" / "summary.json")
+        cards = [
+            (_read(f / "config.json") or {}).get("resolved", {}).get("device")
+            for f in (folder / "before-retraining", folder)
+        ]
+        if new and old and new.get("eval_loss") is not None and old.get("eval_loss") is not None:
+            pairs.append(
+                {
+                    "run": f"{router}/{seed}",
+                    "first": old["eval_loss"],
+                    "second": new["eval_loss"],
+                    "difference": new["eval_loss"] - old["eval_loss"],
+                    "cards": [_card(c or "unknown") for c in cards],
+                }
+            )
+    gaps = [abs(p["difference"]) for p in pairs]
+    return {
+        "pairs": pairs,
+        "mean_abs_difference": statistics.fmean(gaps) if gaps else None,
+        "max_abs_difference": max(gaps) if gaps else None,
+    }
+
+
 def summarize(config: StudyConfig, results: Path) -> dict[str, Any]:
     """Everything the README says, as data (written to ``results.json``)."""
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -311,6 +342,7 @@ def summarize(config: StudyConfig, results: Path) -> dict[str, Any]:
         "devices": sorted({r["device"] for rs in runs.values() for r in rs if r.get("device")}),
         "routers": routers,
         "claims": claims,
+        "reruns": reruns(config, results),
         "runs": {
             f"{r['router']}/{r['seed']}": {k: v for k, v in r.items() if k != "validation"}
             for rs in runs.values()
@@ -384,6 +416,27 @@ CLAIM_LABELS: tuple[tuple[str, str], ...] = (
     ("flow_alone_negligible", "Flow alone gives a negligible gain: GShard-M (Table 3)"),
     ("rerouting_alone_negligible", "Rerouting alone gives a negligible gain: GShard-I (Table 3)"),
 )
+
+
+def _rerun_lines(found: dict[str, Any] | None) -> list[str]:
+    """The paragraph on runs trained twice with one seed (none: nothing)."""
+    if not found or not found["pairs"]:
+        return []
+    listed = "; ".join(
+        f"{p['run']} {p['first']:.4f} -> {p['second']:.4f} ({p['difference']:+.4f}, "
+        f"{' -> '.join(p['cards'])})"
+        for p in found["pairs"]
+    )
+    return [
+        f"Run-to-run variation: {len(found['pairs'])} runs were trained twice with the same seed "
+        "and settings (again, for their lm-eval: the later run's numbers are the ones above). "
+        f"Their validation losses differ by {found['mean_abs_difference']:.4f} on average and "
+        f"by up to {found['max_abs_difference']:.4f}: {listed}. Nondeterministic GPU kernels (and "
+        "another card, where the cards differ) move a run's loss this much with its seed fixed: "
+        "between two routers on one seed, a difference of this size says nothing; the claims' "
+        "errors over seeds include this variation.",
+        "",
+    ]
 
 
 def _additivity(add: dict[str, Any]) -> str:
@@ -523,7 +576,7 @@ def render_readme(
         "## Runs",
         "",
         "| router | paper name | seeds planned | seeds done | val loss (mean ± std over seeds) | "
-        "val SE (documents) | Δ vs GShard (paired) | tokens/s |",
+        "val SE (documents) | Δ loss vs GShard (paired; < 0: better) | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in routers.items():
@@ -567,6 +620,7 @@ def render_readme(
         f"Our order by validation loss: {', '.join(ranking['our_order_by_loss']) or 'pending'}.",
         f"The paper's by average accuracy: {', '.join(ranking['paper_order_by_accuracy']) or 'pending'}.",
         "",
+        *_rerun_lines(data.get("reruns")),
         "## Routing (the paper's Fig. 2, Fig. 7 and Fig. 8)",
         "",
         "Mean over MoE layers of the last training log (training routing), mean over seeds. Dropped: "
