@@ -8,6 +8,11 @@
 # PROFILE=full runs the full study instead (resumable calls; lm-eval needs its wheels and data).
 # Arguments go to `study.py run`: `--retrain-for-eval` also trains again, and evaluates, the runs
 # of earlier calls whose lm-eval is missing (their checkpoints stayed on those machines).
+# Chained calls: every call leaves a copy of the results in $RUNS/kept-results/ (ignored by git,
+# so it stays on the machine while the machine is held); a call made with RESTORE=1 on the same
+# machine first takes those results back (the working tree it was copied from lacks the last
+# call's), then evaluates from the checkpoints that call left, e.g. the train-routing lm-eval
+# that did not fit in a 10-minute call. On a fresh machine RESTORE=1 stops with a message.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
@@ -19,10 +24,18 @@ RUNS=${RUNS:-runs/paper_reproduction}
 RESULTS=${RESULTS:-$STUDY/results}
 mkdir -p "$OUT" "$RUNS"
 start=$(date +%s)
+KEPT=$RUNS/kept-results/$(basename "$RESULTS")
+if [ "${RESTORE:-0}" = 1 ]; then
+  if [ ! -d "$KEPT" ]; then
+    echo "RESTORE=1: no $KEPT here (a fresh machine, not the previous call's): nothing to do" | tee "$OUT/status.txt"
+    exit 3
+  fi
+  cp -r "$KEPT/." "$RESULTS/" && echo "restored the previous call's results from $KEPT" | tee "$OUT/status.txt"
+fi
 {
   nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
-} | tee "$OUT/status.txt"
+} | tee -a "$OUT/status.txt"
 # lm-eval (full profile): the wheels and task documents lmeval_wheels.sh packs into .whl/lmeval,
 # when carried here; only the packages the image lacks are installed (into /tmp/site).
 if [ "${PROFILE:-one-call}" = full ] && ! python3 -c "import lm_eval" 2>/dev/null && ls .whl/lmeval/*.whl > /dev/null 2>&1; then
@@ -51,6 +64,7 @@ timeout -k 10 "$(( ${DEADLINE:-480} + 45 ))" python3 "$STUDY/study.py" --profile
   $EVAL_FLAG ${ONLY:+--only "$ONLY"} "$@" 2>&1 | tee -a "$OUT/status.txt"
 echo "exit ${PIPESTATUS[0]} after $(( $(date +%s) - start )) s" | tee -a "$OUT/status.txt"
 python3 "$STUDY/study.py" plan --results-dir "$RESULTS" 2>&1 | tee -a "$OUT/status.txt"
+rm -rf "$KEPT" && mkdir -p "$(dirname "$KEPT")" && cp -r "$RESULTS" "$KEPT"
 tar -czf "$OUT/results.tar.gz" -C "$RESULTS/.." "$(basename "$RESULTS")"
-tar -czf "$OUT/logs.tar.gz" -C "$RUNS" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' .
+tar -czf "$OUT/logs.tar.gz" -C "$RUNS" --exclude=./kept-results --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' .
 ls -la "$OUT"
