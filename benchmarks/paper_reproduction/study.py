@@ -24,8 +24,9 @@ A stage whose result file is already in ``<results-dir>`` is skipped, so a call 
 between calls; run directories only help while the machine that holds them is kept).
 lm-eval needs the run's final checkpoint, which only the machine that trained it holds:
 ``run --retrain-for-eval`` trains such runs again (after the runs never trained; one run of each
-router without a complete lm-eval before the others) and evaluates them (:func:`work`). ``report`` needs only ``<results-dir>``: it writes ``results.json`` (every
-number) and ``README.md`` (generated from it; a claim without its runs says "pending").
+router without a complete lm-eval before the others) and evaluates them (:func:`work`).
+``report`` needs only ``<results-dir>``: it writes ``results.json`` (every number) and
+``README.md`` (generated from it; a claim without its runs says "pending").
 
 ``--profile`` picks the study's settings (:data:`study_plan.PROFILES`); ``run`` records them in
 ``<results-dir>/study.json``, which ``plan`` and ``report`` use when no profile is given.
