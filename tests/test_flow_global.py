@@ -516,3 +516,22 @@ def test_cuda_kernel_matches_emulation() -> None:
     gaps = fh.optimality_gaps(affinities, gpu, 2, capacity)
     assert gaps.max() <= fh.WORST_GAP
     assert flow_objective(affinities, gpu).allclose(flow_objective(affinities, cpu), rtol=1e-6)
+
+
+@pytest.mark.parametrize(("e", "k", "bias"), [(16, 2, 0.0), (64, 6, 1.0)])
+def test_auction_leaves_every_held_slot_eps_complementary(e: int, k: int, bias: float) -> None:
+    """Phase 1's state at its prices (the experts' cheapest slots): every held slot is within
+    eps of its token's best expert not held, the property phase 2's paths rely on."""
+    from maxscore.routing.flow import global_reference as ref
+
+    budget = GlobalBudget()
+    for a in fh.instances(7, 2, 256, e, bias).double().numpy():
+        cap = np.full(e, -(-k * 256 // e))
+        prices: list[np.ndarray] = []
+        held = ref._auction(a, k, cap, budget, prices)
+        (price,) = prices
+        assert price.shape == (e,) and held.sum(axis=1).max() <= k
+        reduced = a - price
+        best_other = np.where(held, -np.inf, reduced).max(axis=1, keepdims=True)
+        eps = ref.auction_epsilon(a, budget)
+        assert bool((reduced >= best_other - eps - 1e-12)[held].all())

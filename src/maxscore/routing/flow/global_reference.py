@@ -183,11 +183,18 @@ def warm_prices(a: np.ndarray) -> np.ndarray:
     return mean - mean.min()
 
 
-def _auction(a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget) -> np.ndarray:
+def _auction(
+    a: np.ndarray,
+    k: int,
+    cap: np.ndarray,
+    budget: GlobalBudget,
+    prices_out: list[np.ndarray] | None = None,
+) -> np.ndarray:
     """Phase 1: ``[n, e]`` bool holdings after at most ``budget.auction_rounds`` rounds.
 
     Each expert has ``c_j`` slots, each with a price (the warm price while nobody holds it, then
-    the winning bid), so prices never fall.
+    the winning bid), so prices never fall. ``prices_out``, if given, receives the experts'
+    final prices (their cheapest slots').
     """
     n, e = a.shape
     closed = cap == 0  # an expert without capacity is never offered
@@ -229,6 +236,8 @@ def _auction(a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget) -> np
     reduced = a - price
     best_alt = np.where(held | closed, -np.inf, reduced).max(axis=1, keepdims=True)
     held &= ~(reduced < best_alt - eps)
+    if prices_out is not None:
+        prices_out.append(price)
     return held
 
 
