@@ -527,9 +527,7 @@ def test_auction_leaves_every_held_slot_eps_complementary(e: int, k: int, bias: 
     budget = GlobalBudget()
     for a in fh.instances(7, 2, 256, e, bias).double().numpy():
         cap = np.full(e, -(-k * 256 // e))
-        prices: list[np.ndarray] = []
-        held = ref._auction(a, k, cap, budget, prices)
-        (price,) = prices
+        held, price = ref._auction(a, k, cap, budget)
         assert price.shape == (e,) and held.sum(axis=1).max() <= k
         reduced = a - price
         best_other = np.where(held, -np.inf, reduced).max(axis=1, keepdims=True)

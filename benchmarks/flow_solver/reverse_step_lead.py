@@ -75,12 +75,13 @@ def reverse_steps(a: np.ndarray, k: int, cap: np.ndarray, held: np.ndarray, pric
 def run(a: np.ndarray, k: int, cap: np.ndarray, reverse: bool) -> dict[str, Any]:
     original = ref._auction
 
-    def auction(a_: np.ndarray, k_: int, cap_: np.ndarray, budget: GlobalBudget) -> np.ndarray:
-        prices: list[np.ndarray] = []
-        held = original(a_, k_, cap_, budget, prices)
+    def auction(
+        a_: np.ndarray, k_: int, cap_: np.ndarray, budget: GlobalBudget
+    ) -> tuple[np.ndarray, np.ndarray]:
+        held, price = original(a_, k_, cap_, budget)
         if reverse:
-            reverse_steps(a_, k_, cap_, held, prices[0].copy(), ref.auction_epsilon(a_, budget))
-        return held
+            reverse_steps(a_, k_, cap_, held, price, ref.auction_epsilon(a_, budget))
+        return held, price
 
     stats: dict[str, Any] = {}
     ref._auction = auction

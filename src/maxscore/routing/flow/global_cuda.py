@@ -26,6 +26,7 @@ from .global_reference import GlobalBudget, stop_open_slots
 __all__ = [
     "MAX_EXPERTS",
     "MAX_K",
+    "MAX_SLOTS",
     "KernelCompileError",
     "available",
     "block_bytes",
@@ -43,6 +44,7 @@ __all__ = [
 
 MAX_EXPERTS = 256  # a warp's lanes hold E / 32 experts each in the bidding and graph scans
 MAX_K = 8  # a token's open entry is packed in 4 bits; 8 keeps the per-token loops short
+MAX_SLOTS = 1 << 27  # n k below this: bid records pack (token << 4 | entry) in an int
 MIN_CAPABILITY = (8, 0)
 KERNEL_NAME = "global_auction_kernel"
 THREADS = 512
@@ -221,7 +223,7 @@ def supported(affinities: Tensor, k: int) -> bool:
     _, n, e = affinities.shape
     if not (n >= 1 and 1 <= e <= MAX_EXPERTS and 1 <= k <= min(e, MAX_K)):
         return False
-    if n * k >= 1 << 27:  # bid records pack (token << 4 | entry) in an int
+    if n * k >= MAX_SLOTS:
         return False
     props = torch.cuda.get_device_properties(affinities.device)
     return (props.major, props.minor) >= MIN_CAPABILITY

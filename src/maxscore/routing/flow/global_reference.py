@@ -132,7 +132,7 @@ def solve_group(
     cap = np.minimum(np.asarray(capacity, dtype=np.int64), n)
     if n == 0 or e == 0:
         return np.zeros((n, e), dtype=bool)
-    held = _auction(a, k, cap, budget)
+    held, _ = _auction(a, k, cap, budget)
     stats.update(
         open_after_auction=int(k * n - held.sum()), augment_rounds=0, paths=0, cancel_rounds=0
     )
@@ -184,17 +184,13 @@ def warm_prices(a: np.ndarray) -> np.ndarray:
 
 
 def _auction(
-    a: np.ndarray,
-    k: int,
-    cap: np.ndarray,
-    budget: GlobalBudget,
-    prices_out: list[np.ndarray] | None = None,
-) -> np.ndarray:
-    """Phase 1: ``[n, e]`` bool holdings after at most ``budget.auction_rounds`` rounds.
+    a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget
+) -> tuple[np.ndarray, np.ndarray]:
+    """Phase 1: ``[n, e]`` bool holdings after at most ``budget.auction_rounds`` rounds, and the
+    experts' final prices (their cheapest slots').
 
     Each expert has ``c_j`` slots, each with a price (the warm price while nobody holds it, then
-    the winning bid), so prices never fall. ``prices_out``, if given, receives the experts'
-    final prices (their cheapest slots').
+    the winning bid), so prices never fall.
     """
     n, e = a.shape
     closed = cap == 0  # an expert without capacity is never offered
@@ -236,9 +232,7 @@ def _auction(
     reduced = a - price
     best_alt = np.where(held | closed, -np.inf, reduced).max(axis=1, keepdims=True)
     held &= ~(reduced < best_alt - eps)
-    if prices_out is not None:
-        prices_out.append(price)
-    return held
+    return held, price
 
 
 def _bids(

@@ -79,7 +79,7 @@ def _solve_cuda(
     # compiled kernels serve every size. Sizes on the list (training's) run as they are.
     n = affinities.shape[1]
     size = global_cuda.compiled_size(n)
-    if size == n or size * k >= 1 << 27:
+    if size == n or size * k >= global_cuda.MAX_SLOTS:  # on the list, or no room to pad
         return global_cuda.solve_cuda(
             affinities, k, capacity, holders, budget, token_mask=token_mask
         )
