@@ -50,7 +50,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from study_plan import BOTH_ROUTINGS, PROFILES, StudyConfig  # noqa: E402
+from study_plan import BOTH_ROUTINGS, PROFILES, SUPERSEDED, StudyConfig  # noqa: E402
 
 RESULT_FILES = ("config.json", "summary.json", "metrics.jsonl", "validation.json")
 
@@ -112,10 +112,6 @@ class _Deadline:
                 return control
 
         self.callback = Callback()
-
-
-#: Where a run trained again for its lm-eval keeps the files of the run it replaces.
-SUPERSEDED = "before-retraining"
 
 
 def train_run(
@@ -235,20 +231,27 @@ def run_study(
             continue
         if time.time() >= deadline:
             break
-        retrain = _needs_retraining(row, runs, evaluate) and retrain_for_eval
-        if (not row["trained"] or retrain) and not train_run(config, *key, runs, results, deadline):
+        step = _next_step(row, runs, evaluate, retrain_for_eval)
+        if step == "train" and not train_run(config, *key, runs, results, deadline):
             break  # cut by the deadline: the next call resumes it
-        if evaluate and time.time() < deadline and checkpoint_here(runs, *key):
+        if step is not None and evaluate and time.time() < deadline:
             evaluate_run(config, *key, runs, results, deadline)
     return status(config, results)
 
 
-def _needs_retraining(row: dict[str, Any], runs: Path, evaluate: bool) -> bool:
-    """A trained run whose lm-eval is not complete and whose checkpoint is not on this machine."""
-    missing = evaluate and set(row["routings"]) - set(row["evaluated"])
-    return bool(
-        row["trained"] and missing and not checkpoint_here(runs, row["router"], row["seed"])
-    )
+def _next_step(
+    row: dict[str, Any], runs: Path, evaluate: bool, retrain_for_eval: bool
+) -> str | None:
+    """What a run needs on this machine: ``"train"`` (never trained, or trained in an earlier
+    call whose lm-eval is missing and ``retrain_for_eval``: its checkpoint is not here),
+    ``"evaluate"`` (its checkpoint is here and lm-eval is missing), or ``None``."""
+    if not row["trained"]:
+        return "train"
+    if not (evaluate and set(row["routings"]) - set(row["evaluated"])):
+        return None
+    if checkpoint_here(runs, row["router"], row["seed"]):
+        return "evaluate"
+    return "train" if retrain_for_eval else None
 
 
 def _work_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -320,11 +323,9 @@ def work(
         key = (row["router"], row["seed"])
         if only is not None and key not in only:
             continue
-        if row["trained"] and (not evaluate or row["evaluated"] == row["routings"]):
+        step = _next_step(row, runs, evaluate, retrain_for_eval)
+        if step is None:
             continue
-        retrain = _needs_retraining(row, runs, evaluate)
-        if retrain and not retrain_for_eval:
-            continue  # trained in an earlier call: no checkpoint here to evaluate
         left = deadline - time.time()
         slowest = max([float(p.read_text()) for p in queue.glob("*.took")] or [0.0])
         if left < 1.1 * slowest or left <= 0:
@@ -337,9 +338,7 @@ def work(
             f"study[{worker}]: {key[0]} seed {key[1]}, {left:.0f} s before the deadline", flush=True
         )
         try:
-            done = (row["trained"] and not retrain) or train_run(
-                config, *key, runs, results, deadline
-            )
+            done = step == "evaluate" or train_run(config, *key, runs, results, deadline)
             if done and evaluate and time.time() < deadline:
                 evaluate_run(config, *key, runs, results, deadline)
         except Exception:  # one failing run must not end the others
@@ -417,7 +416,7 @@ def run_parallel(
             pending = [
                 r
                 for r in status(config, results)
-                if not r["trained"] or (retrain_for_eval and _needs_retraining(r, runs, evaluate))
+                if _next_step(r, runs, evaluate, retrain_for_eval) == "train"
             ]
             if rc != 0 and crashes[i] <= 3 and pending and deadline - time.time() > 30:
                 print(f"study: worker {i} exited with {rc}; starting a fresh one", flush=True)
@@ -492,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         help="train again (after the runs never trained; first one run of each router without a "
         "complete lm-eval) the runs whose lm-eval is missing and "
         "whose checkpoint is not on this machine, then evaluate them; their new results replace "
-        "the old ones, which move to raw/<router>/seed-<seed>/before-retraining/",
+        f"the old ones, which move to raw/<router>/seed-<seed>/{SUPERSEDED}/",
     )
     parser.add_argument("--devices", help="cuda:0,cuda:1 (or cpu,cpu): one worker per device")
     # Set by run --devices for its workers.

@@ -70,6 +70,10 @@ def priority(router: str, seed_index: int) -> int:
     return 4
 
 
+#: Where a run trained again for its lm-eval keeps the files of the run it replaced (inside the
+#: run's results folder).
+SUPERSEDED = "before-retraining"
+
 #: Routers whose training routing differs from the causal evaluation routing (capacity or
 #: flow): lm-eval runs for them with both routings.
 BOTH_ROUTINGS: frozenset[str] = frozenset(
@@ -109,11 +113,11 @@ class StudyConfig:
             per task (``None``: all), the first ones of each task's split. All eight tasks'
             documents make 75,725 loglikelihood requests per routing, about 4 minutes on an
             H200 at batch 32 (measured), so two routings do not fit the device call that trains
-            the run; 1,000 per task (7,500 documents, 22,996 requests) took 52-54 s per MoE run
-            in causal routing (DropLess 88 s: its lm-eval still pauses several seconds a few
-            times) and 110 s in training routing (GShard-I) on an H200 at batch 64 (Dense 33 s),
-            so a run and its causal lm-eval fit one call, and its training-routing lm-eval
-            mostly does too.
+            the run; 1,000 per task (7,500 documents, 22,996 requests) at batch 64 takes about a
+            minute per routing and MoE run (causal: 52-54 s on an H200, 58-72 s on an H100;
+            training routing 62-111 s on an H100; Dense 33 s). On an H200 a run and both its
+            lm-eval routings fit one call; on an H100 the training routing needs a second call
+            on the same machine (``run_gpu.sh`` with ``RESTORE=1``).
         routers / seeds_override: restrict the plan (tests, partial studies).
     """
 

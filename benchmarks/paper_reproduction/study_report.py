@@ -23,7 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from study_plan import ROUTERS, StudyConfig
+from study_plan import ROUTERS, SUPERSEDED, StudyConfig
 
 from maxscore.evaluation.registry import PAPER_TASK_BY_NAME
 from maxscore.training.validation_set import paired_difference
@@ -239,16 +239,16 @@ def _spearman(a: list[float], b: list[float]) -> float | None:
 
 def reruns(config: StudyConfig, results: Path) -> dict[str, Any]:
     """Runs trained twice with the same seed and settings (again for their lm-eval, the first
-    run's files kept in ``before-retraining/``): how far apart the two validation losses are,
+    run's files kept in ``SUPERSEDED/``): how far apart the two validation losses are,
     the run-to-run variation that no seed explains (GPU nondeterminism, another card)."""
     pairs = []
     for router, seed in config.runs():
         folder = results / "raw" / router / f"seed-{seed}"
         new = _read(folder / "summary.json")
-        old = _read(folder / "before-retraining" / "summary.json")
+        old = _read(folder / SUPERSEDED / "summary.json")
         cards = [
             (_read(f / "config.json") or {}).get("resolved", {}).get("device")
-            for f in (folder / "before-retraining", folder)
+            for f in (folder / SUPERSEDED, folder)
         ]
         if new and old and new.get("eval_loss") is not None and old.get("eval_loss") is not None:
             pairs.append(
@@ -572,8 +572,9 @@ def render_readme(
         "checkpoint, which lives only on the machine that trained it: a run trained in an "
         "earlier call without its lm-eval is evaluated only if trained again: `run "
         "--retrain-for-eval` (`run_gpu.sh --retrain-for-eval`) does that after the runs never "
-        "trained, one run of each router without a complete lm-eval first, and the new run's files replace the old ones once it is complete (the old ones "
-        "move to `raw/<router>/seed-<seed>/before-retraining/`). `run_gpu.sh` installs "
+        "trained, one run of each router without a complete lm-eval first, and the new run's "
+        "files replace the old ones once it is complete (the old ones move to "
+        f"`raw/<router>/seed-<seed>/{SUPERSEDED}/`). `run_gpu.sh` installs "
         "the carried wheels the machine lacks and points `MAXSCORE_CACHE_DIR` at the carried "
         "documents.",
         "",
