@@ -113,11 +113,9 @@ def solve_emulated(
     # The emulator's dynamic shared memory is 256 KiB; use_scratch puts the state in the scratch
     # buffer (global memory on a GPU) and keeps the graph and affinities out of shared memory.
     room = 0 if use_scratch else 200 * 1024
-    overrides = defines or {}
     defines = global_cuda.kernel_defines(
-        n, e, k, holders, budget or GlobalBudget(), shared_bytes=room
+        n, e, k, holders, budget or GlobalBudget(), shared_bytes=room, overrides=defines
     )
-    defines.update(overrides)
     lib = _library(tuple(defines.items()))
     a = np.ascontiguousarray(affinities.float().numpy())
     cap_np = np.ascontiguousarray(cap.numpy())

@@ -785,24 +785,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // keys (about 32 counting passes over the records, against BUF argmax passes), ties at
         // T by a second bisection on the record index; then one pass gathers the kept bids.
         const int records = open_tokens * K;
+        // The q-th record of the open tokens: its index r, and whether it is a bid for j (then
+        // its value's key too).
+        auto bid_at = [&](int q, int& r, int& key) {
+          r = open_list[q / K] * K + q % K;
+          if (rec_e[r] != j) return false;
+          key = ord_float(rec_p[r]);
+          return true;
+        };
+        // A bid at or above the cut (thr, r_max): key > thr, or key == thr and record <= r_max.
+        auto kept = [](int key, int r, int thr, int r_max) {
+          return key > thr || (key == thr && r <= r_max);
+        };
         int key_lo = 0x7fffffff, key_hi = -0x7fffffff - 1;
         for (int q = lane; q < records; q += 32) {
-          const int r = open_list[q / K] * K + q % K;
-          if (rec_e[r] != j) continue;
-          const int key = ord_float(rec_p[r]);
+          int r, key;
+          if (!bid_at(q, r, key)) continue;
           key_lo = key < key_lo ? key : key_lo;
           key_hi = key > key_hi ? key : key_hi;
         }
         key_lo = __reduce_min_sync(FULL_MASK, key_lo);
         key_hi = __reduce_max_sync(FULL_MASK, key_hi);
-        // The bids with key >= thr, and of those with key == thr the ones with record <= r_max.
-        auto count_from = [&](int thr, int r_max) {
+        auto count_from = [&](int thr, int r_max) {  // the bids kept at this cut
           int n = 0;
           for (int q = lane; q < records; q += 32) {
-            const int r = open_list[q / K] * K + q % K;
-            if (rec_e[r] != j) continue;
-            const int key = ord_float(rec_p[r]);
-            n += key > thr || (key == thr && r <= r_max);
+            int r, key;
+            if (bid_at(q, r, key)) n += kept(key, r, thr, r_max);
           }
           return __reduce_add_sync(FULL_MASK, n);
         };
@@ -827,22 +835,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         int filled = 0;
         for (int q0 = 0; q0 < records; q0 += 32) {
           const int q = q0 + lane;
-          int r = 0;
-          float x = NEG;
-          bool take = false;
-          if (q < records) {
-            r = open_list[q / K] * K + q % K;
-            if (rec_e[r] == j) {
-              x = rec_p[r];
-              const int key = ord_float(x);
-              take = key > cut || (key == cut && r <= r_cut);
-            }
-          }
+          int r = 0, key = 0;
+          const bool take = q < records && bid_at(q, r, key) && kept(key, r, cut, r_cut);
           const u32 takers = __ballot_sync(FULL_MASK, take);
           if (take) {
             const int p = filled + __popc(takers & ((1u << lane) - 1u));
             bt[p] = ((r / K) << 4) | (r % K);
-            bp[p] = x;
+            bp[p] = rec_p[r];
           }
           filled += __popc(takers);
         }
