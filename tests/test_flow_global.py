@@ -91,6 +91,34 @@ def test_kernel_memory_plan_counts_overridden_constants(e: int) -> None:
     assert kept["GRAPH_IN_WORK"] == "0"
 
 
+@pytest.mark.parametrize(
+    ("n", "e", "k", "threads"),
+    [
+        (512, 16, 2, 512),
+        (512, 64, 2, 768),
+        (512, 64, 6, 768),
+        (512, 128, 8, 768),
+        (4096, 64, 6, 768),
+        (100, 64, 2, 128),
+        (512, 256, 8, 512),
+    ],
+)
+def test_launch_plan_picks_wide_blocks_where_memory_allows(
+    n: int, e: int, k: int, threads: int
+) -> None:
+    """On an H100 / H200 (227 KiB a block): 768 threads from 64 experts, unless fewer tokens
+    than a full block; at e = 256, k = 8 the larger Block struct would push the state out of
+    shared memory, so the plan keeps 512 threads there."""
+    budget, optin = GlobalBudget(), 227 * 1024
+    holders = -(-k * n // e)
+    plan = global_cuda.plan_launch(optin, n, e, k, holders, budget)
+    assert plan["THREADS"] == str(threads)
+    shared, _ = global_cuda.shared_and_scratch_bytes(plan, 4)
+    assert shared + global_cuda.block_bytes(plan) <= optin
+    narrow = global_cuda.plan_launch(optin, n, 16, k, holders, budget)  # fewer experts: never
+    assert int(narrow["THREADS"]) <= global_cuda.THREADS
+
+
 @pytest.mark.parametrize("key", ["e16_k2", "e64_k2"])
 def test_real_router_scores_near_optimal(key: str) -> None:
     """Scores a MaxScore router produced in training (a real Base / base-2x64 layer): Eq. 7
@@ -292,6 +320,25 @@ def test_kernel_emulated_near_optimal(n: int, e: int, k: int, family: str) -> No
         affinities = fh.instances(5 + e, 2, n, e, 1.0 if family == "skewed" else 0.0)
     capacity = torch.full((e,), -(-k * n // e))
     index, stats = emu.solve_emulated(affinities, k, capacity)
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, (gaps, stats)
+
+
+@pytest.mark.parametrize(
+    ("n", "e", "k", "family"), [(256, 64, 2, "near-tied"), (256, 64, 6, "random")]
+)
+def test_kernel_emulated_wide_blocks(n: int, e: int, k: int, family: str) -> None:
+    """The larger blocks the host picks from 64 experts (``WIDE_THREADS``: more warps than
+    tokens here) keep Eq. 7 exactly and the gap targets."""
+    emu = _emulated()
+    if family == "near-tied":
+        affinities = fh.near_tied(4, 2, n, e, 0.03)
+    else:
+        affinities = fh.instances(9, 2, n, e, 0.0)
+    capacity = torch.full((e,), -(-k * n // e))
+    wide = {"THREADS": str(global_cuda.WIDE_THREADS)}
+    index, stats = emu.solve_emulated(affinities, k, capacity, defines=wide)
     fh.check_constraints(index, k, capacity, e)
     gaps = fh.optimality_gaps(affinities, index, k, capacity)
     assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, (gaps, stats)

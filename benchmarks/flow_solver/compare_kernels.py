@@ -36,16 +36,20 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
 from common import load_script  # noqa: E402
 
 KERNEL = "src/maxscore/routing/flow/kernels/global_auction.cu"
+# The host's own planner, taken once: each variant wraps this one, not the previous variant's
+# wrapper (nested wrappers gave a variant timed again the constants of the one before it).
+SHIPPED_DEFINES = global_cuda.kernel_defines
 
 
 def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
     """Make ``global_cuda`` compile ``source`` with the ``extra`` (key, value, min_e) defines."""
-    shipped_defines = global_cuda.kernel_defines
 
     def defines(n: int, e: int, *args: Any, **kwargs: Any) -> dict[str, str]:
-        # Given to the planner, so a constant that changes the memory (THREADS) is counted.
-        overrides = {key: value for key, value, min_e in extra if e >= min_e}
-        return shipped_defines(n, e, *args, overrides=overrides, **kwargs)
+        # Given to the planner, so a constant that changes the memory (THREADS) is counted; they
+        # win over the host's own choices (its larger blocks, say).
+        overrides = {**(kwargs.pop("overrides", None) or {})}
+        overrides.update({key: value for key, value, min_e in extra if e >= min_e})
+        return SHIPPED_DEFINES(n, e, *args, overrides=overrides, **kwargs)
 
     global_cuda.kernel_source = lambda: source
     global_cuda.kernel_defines = defines
