@@ -30,6 +30,9 @@ extern "C" void run_solver(const float* a, const int* cap, long long* out, int* 
   }});
 }}
 extern "C" int block_struct_bytes() {{ return (int)sizeof(Block); }}
+#ifdef CHECK_GRAPH
+extern "C" int graph_mismatches() {{ return graph_check_mismatches; }}
+#endif
 """
 
 
@@ -95,6 +98,44 @@ def block_struct_bytes(defines: dict[str, str]) -> int:
     return int(_library(tuple(defines.items())).block_struct_bytes())
 
 
+def _defines(
+    affinities: torch.Tensor,
+    k: int,
+    cap: torch.Tensor,
+    budget: GlobalBudget | None,
+    use_scratch: bool,
+    overrides: dict[str, str] | None,
+) -> dict[str, str]:
+    n, e = affinities.shape[1], affinities.shape[2]
+    holders = int(cap.clamp(max=n).max()) if cap.numel() else 1
+    # The emulator's dynamic shared memory is 256 KiB; use_scratch puts the state in the scratch
+    # buffer (global memory on a GPU) and keeps the graph and affinities out of shared memory.
+    room = 0 if use_scratch else 200 * 1024
+    return global_cuda.kernel_defines(
+        n, e, k, holders, budget or GlobalBudget(), shared_bytes=room, overrides=overrides
+    )
+
+
+def graph_mismatches(
+    affinities: torch.Tensor,
+    k: int,
+    capacity: torch.Tensor,
+    budget: GlobalBudget | None = None,
+    *,
+    defines: dict[str, str] | None = None,
+) -> tuple[torch.Tensor, int]:
+    """:func:`solve_emulated` with the kernel's ``CHECK_GRAPH`` hook: the assignment, and how
+    many times an entry of the expert graph (or an expert's worst holder), as the kernel keeps
+    it from round to round, differed from a computation from scratch (0: the kept graph is
+    exact in every round of phases 2 and 3)."""
+    checked = {**(defines or {}), "CHECK_GRAPH": "1"}
+    cap = capacity.to(torch.int32).expand(affinities.shape[0], affinities.shape[2])
+    lib = _library(tuple(_defines(affinities, k, cap, budget, False, checked).items()))
+    before = int(lib.graph_mismatches())
+    index, _ = solve_emulated(affinities, k, capacity, budget, defines=checked)
+    return index, int(lib.graph_mismatches()) - before
+
+
 def solve_emulated(
     affinities: torch.Tensor,
     k: int,
@@ -109,13 +150,7 @@ def solve_emulated(
     ``defines`` overrides compile-time constants (e.g. ``GRAPH_IN_WORK``)."""
     groups, n, e = affinities.shape
     cap = capacity.to(torch.int32).expand(groups, e)
-    holders = int(cap.clamp(max=n).max()) if cap.numel() else 1
-    # The emulator's dynamic shared memory is 256 KiB; use_scratch puts the state in the scratch
-    # buffer (global memory on a GPU) and keeps the graph and affinities out of shared memory.
-    room = 0 if use_scratch else 200 * 1024
-    defines = global_cuda.kernel_defines(
-        n, e, k, holders, budget or GlobalBudget(), shared_bytes=room, overrides=defines
-    )
+    defines = _defines(affinities, k, cap, budget, use_scratch, defines)
     lib = _library(tuple(defines.items()))
     a = np.ascontiguousarray(affinities.float().numpy())
     cap_np = np.ascontiguousarray(cap.numpy())

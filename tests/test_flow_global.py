@@ -344,6 +344,31 @@ def test_kernel_emulated_wide_blocks(n: int, e: int, k: int, family: str) -> Non
     assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, (gaps, stats)
 
 
+@pytest.mark.parametrize(
+    ("n", "e", "k", "family"),
+    [
+        (128, 16, 2, "near-tied"),
+        (128, 40, 3, "random"),  # cycle cancelling rounds (phase 3) too
+        (128, 40, 3, "near-tied"),
+        (128, 64, 8, "skewed"),
+        (256, 64, 6, "near-tied"),
+    ],
+)
+def test_kernel_emulated_graph_kept_exact(n: int, e: int, k: int, family: str) -> None:
+    """The expert graph the kernel keeps from round to round (rows computed again only where
+    their holders changed, single entries where a holder's expert set did) equals the graph
+    computed from scratch, entry by entry, in every round of phases 2 and 3."""
+    emu = _emulated()
+    if family == "near-tied":
+        affinities = fh.near_tied(21, 2, n, e, 0.03)
+    else:
+        affinities = fh.instances(21, 2, n, e, 1.0 if family == "skewed" else 0.0)
+    capacity = torch.full((e,), -(-k * n // e))
+    index, mismatches = emu.graph_mismatches(affinities, k, capacity)
+    fh.check_constraints(index, k, capacity, e)
+    assert mismatches == 0
+
+
 def test_kernel_emulated_real_router_scores() -> None:
     """The kernel on a real router's scores (the first 128 tokens of each captured group of
     base-2x64, capacity for those 128): Eq. 7 exactly and the gap targets."""

@@ -101,6 +101,12 @@ struct Block {
   long long prof[12];  // SM cycles per part (thread 0's clock): see the stats at the end
 };
 
+#ifdef CHECK_GRAPH
+// A test hook, compiled only by the CPU emulator's tests: entries of the expert graph (and worst
+// holders) that differ from a computation from scratch, summed over every round of phases 2-3.
+__device__ int graph_check_mismatches = 0;
+#endif
+
 // Monotone map of floats to ints (integer atomics give float min / max).
 __device__ __forceinline__ int ord_float(float f) {
   const int i = __float_as_int(f);
@@ -1071,6 +1077,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
       }
       __syncthreads();
+#ifdef CHECK_GRAPH
+      // The rows kept up to date from round to round must equal the rows computed afresh.
+      for (int i = tid; i < E * E; i += THREADS) {
+        const int u = i / E, v = i % E;
+        float best = NEG, worst = NEG;
+        for (int q = 0; q < b.held[u]; ++q) {
+          const int t = hold_t[u * CB + q];
+          if (v != u && b.cap[v] > 0 && !has_bit(mask + t * MW, v))
+            best = fmaxf(best, a[t * E + v] - a[t * E + u]);
+          worst = fmaxf(worst, -a[t * E + u]);
+        }
+        if (v == u ? worst != b.worst[u] : best != gain[GAIN(u, v)])
+          atomicAdd(&graph_check_mismatches, 1);
+      }
+      __syncthreads();
+#endif
       if (tid == 0) {
         const long long now = clock64();
         b.prof[3 + 3 * cycles] += now - t_part;
