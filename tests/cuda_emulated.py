@@ -55,12 +55,18 @@ def _kernel_path() -> Path:
     return Path(global_cuda.__file__).with_name("kernels") / "global_auction.cu"
 
 
-@functools.cache
-def _library(defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
-    kernel = _kernel_path()
+# Built libraries by the hash of their defines, kernel text and emulator: a kernel file that
+# changes, or another kernel file (an earlier version, compared against), gets its own build.
+_LOADED: dict[str, ctypes.CDLL] = {}
+
+
+def _library(defines: tuple[tuple[str, str], ...], kernel: Path | None = None) -> ctypes.CDLL:
+    kernel = (kernel or _kernel_path()).resolve()
     emulator = (HERE / "cuda_block_emulator.h").read_text()
-    text = repr(defines) + kernel.read_text() + emulator
+    text = repr(defines) + str(kernel) + kernel.read_text() + emulator
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
+    if key in _LOADED:
+        return _LOADED[key]
     build = Path(tempfile.gettempdir()) / "maxscore_cuda_emulated"
     build.mkdir(exist_ok=True)
     lib = build / f"auction_{key}.so"
@@ -89,7 +95,8 @@ def _library(defines: tuple[tuple[str, str], ...]) -> ctypes.CDLL:
         if done.returncode != 0:
             raise RuntimeError(f"g++ could not build the emulated kernel:\n{done.stderr[-3000:]}")
         tmp.replace(lib)
-    return ctypes.CDLL(str(lib))
+    _LOADED[key] = ctypes.CDLL(str(lib))
+    return _LOADED[key]
 
 
 def block_struct_bytes(defines: dict[str, str]) -> int:
@@ -123,16 +130,17 @@ def graph_mismatches(
     budget: GlobalBudget | None = None,
     *,
     defines: dict[str, str] | None = None,
+    kernel: Path | None = None,
 ) -> tuple[torch.Tensor, int]:
     """:func:`solve_emulated` with the kernel's ``CHECK_GRAPH`` hook: the assignment, and how
     many times an entry of the expert graph (or an expert's worst holder), as the kernel keeps
     it from round to round, differed from a computation from scratch (0: the kept graph is
-    exact in every round of phases 2 and 3)."""
+    exact in every round of phases 2 and 3). ``kernel``: as in :func:`solve_emulated`."""
     checked = {**(defines or {}), "CHECK_GRAPH": "1"}
     cap = capacity.to(torch.int32).expand(affinities.shape[0], affinities.shape[2])
-    lib = _library(tuple(_defines(affinities, k, cap, budget, False, checked).items()))
+    lib = _library(tuple(_defines(affinities, k, cap, budget, False, checked).items()), kernel)
     before = int(lib.graph_mismatches())
-    index, _ = solve_emulated(affinities, k, capacity, budget, defines=checked)
+    index, _ = solve_emulated(affinities, k, capacity, budget, defines=checked, kernel=kernel)
     return index, int(lib.graph_mismatches()) - before
 
 
@@ -145,13 +153,15 @@ def solve_emulated(
     token_mask: torch.Tensor | None = None,
     use_scratch: bool = False,
     defines: dict[str, str] | None = None,
+    kernel: Path | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics.
-    ``defines`` overrides compile-time constants (e.g. ``GRAPH_IN_WORK``)."""
+    ``defines`` overrides compile-time constants (e.g. ``GRAPH_IN_WORK``); ``kernel``: another
+    kernel file than the shipped one (an earlier version, to compare assignments with)."""
     groups, n, e = affinities.shape
     cap = capacity.to(torch.int32).expand(groups, e)
     defines = _defines(affinities, k, cap, budget, use_scratch, defines)
-    lib = _library(tuple(defines.items()))
+    lib = _library(tuple(defines.items()), kernel)
     a = np.ascontiguousarray(affinities.float().numpy())
     cap_np = np.ascontiguousarray(cap.numpy())
     out = np.zeros((groups, n, k), dtype=np.int64)

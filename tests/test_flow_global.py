@@ -9,6 +9,7 @@ on a GPU in the ``gpu``-marked tests.
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -367,6 +368,24 @@ def test_kernel_emulated_graph_kept_exact(n: int, e: int, k: int, family: str) -
     index, mismatches = emu.graph_mismatches(affinities, k, capacity)
     fh.check_constraints(index, k, capacity, e)
     assert mismatches == 0
+
+
+def test_emulator_runs_the_kernel_file_it_is_given(tmp_path) -> None:
+    """Comparisons against an earlier kernel rest on this: a kernel file passed to the emulator
+    is the one built and run (a build cached for the shipped file would make them vacuous)."""
+    emu = _emulated()
+    shipped = Path(global_cuda.__file__).with_name("kernels") / "global_auction.cu"
+    text = shipped.read_text()
+    assert text.count("#define STALL_FILL 2") == 1
+    other = tmp_path / "global_auction.cu"
+    other.write_text(text.replace("#define STALL_FILL 2", "#define STALL_FILL 40"))
+    affinities = fh.near_tied(6, 1, 128, 16, 0.03)
+    capacity = torch.full((16,), 16)
+    _, first = emu.solve_emulated(affinities, 2, capacity)
+    _, changed = emu.solve_emulated(affinities, 2, capacity, kernel=other)
+    _, again = emu.solve_emulated(affinities, 2, capacity)
+    # a stall rule that wants 40 slots filled every 8 rounds hands over much earlier
+    assert int(changed[0, 0]) < int(first[0, 0]) and torch.equal(first, again)
 
 
 def test_kernel_emulated_real_router_scores() -> None:
