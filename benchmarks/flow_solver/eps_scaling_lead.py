@@ -20,8 +20,6 @@ also gives that group's cost in the kernel's cycles per auction round and per ph
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,12 +29,14 @@ import numpy as np
 import torch
 
 from maxscore.routing.flow import global_reference as ref
-from maxscore.routing.flow.exact import solve_exact_numpy
 from maxscore.routing.flow.global_reference import GlobalBudget
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1] / "tests"))  # flow_helpers: the stored router scores
+from reference_leads import lead_arguments, record, solve_with_auction, summary, write_rows  # noqa: E402
+
 from common import load_script  # noqa: E402
 
 #: Thousands of SM cycles per auction round and per phase-2 round of the shipped kernel (H200,
@@ -80,25 +80,12 @@ def run(a: np.ndarray, k: int, cap: np.ndarray, scales: Sequence[int], gap: bool
             rounds[0] += used
         return held, price
 
-    stats: dict[str, Any] = {}
-    ref._auction = auction
-    try:
-        held = ref.solve_group(a, k, cap, GlobalBudget(), stats)
-    finally:
-        ref._auction = original_auction
-    stats["auction_rounds"] = rounds[0]
-    if gap:
-        optimum = float((a * solve_exact_numpy(a, k, cap)).sum())
-        stats["gap"] = (optimum - float((a * held).sum())) / abs(optimum)
-    stats["feasible"] = bool((held.sum(axis=1) == k).all() and (held.sum(axis=0) <= cap).all())
-    return stats
+    found = solve_with_auction(a, k, cap, auction, gap)
+    return {**found, "auction_rounds": rounds[0]}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args()
+    args = lead_arguments(__doc__)
     bench = load_script(HERE / "bench.py", "flow_bench")
     import flow_helpers
 
@@ -121,18 +108,11 @@ def main() -> None:
             ]
             row = {
                 "n": n, "e": e, "k": k, "family": family, "scales": list(scales),
-                "auction_rounds": [s["auction_rounds"] for s in found],
-                "open_after_auction": [s["open_after_auction"] for s in found],
-                "augment_rounds": [s["augment_rounds"] for s in found],
-                "cancel_rounds": [s["cancel_rounds"] for s in found],
-                "worst_gap": max((s["gap"] for s in found if "gap" in s), default=None),
-                "feasible": all(s["feasible"] for s in found),
+                "auction_rounds": [s["auction_rounds"] for s in found], **summary(found),
                 "model_kcycles_slowest_group": max(model),
             }  # fmt: skip
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "eps_scaling_lead.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+            record(rows, row)
+    write_rows(args.out, "eps_scaling_lead.json", rows)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ and the gap to the exact optimum. It changes no shipped solver.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,11 +30,13 @@ import numpy as np
 import torch
 
 from maxscore.routing.flow import global_reference as ref
-from maxscore.routing.flow.exact import solve_exact_numpy
 from maxscore.routing.flow.global_reference import GlobalBudget
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from reference_leads import lead_arguments, record, solve_with_auction, summary, write_rows  # noqa: E402
+
 from common import load_script  # noqa: E402
 
 
@@ -83,24 +83,11 @@ def run(a: np.ndarray, k: int, cap: np.ndarray, reverse: bool) -> dict[str, Any]
             reverse_steps(a_, k_, cap_, held, price, ref.auction_epsilon(a_, budget))
         return held, price
 
-    stats: dict[str, Any] = {}
-    ref._auction = auction
-    try:
-        held = ref.solve_group(a, k, cap, GlobalBudget(), stats)
-    finally:
-        ref._auction = original
-    value = float((a * held).sum())
-    optimum = float((a * solve_exact_numpy(a, k, cap)).sum())
-    stats["gap"] = (optimum - value) / abs(optimum)
-    stats["feasible"] = bool((held.sum(axis=1) == k).all() and (held.sum(axis=0) <= cap).all())
-    return stats
+    return solve_with_auction(a, k, cap, auction, gap=True)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args()
+    args = lead_arguments(__doc__)
     bench = load_script(HERE / "bench.py", "flow_bench")
     rows = []
     for n, e, k in [(512, 16, 2), (512, 64, 2), (512, 64, 6)]:
@@ -111,16 +98,10 @@ def main() -> None:
                 found = [run(a_all[g], k, cap, reverse) for g in range(args.groups)]
                 row = {
                     "n": n, "e": e, "k": k, "family": family, "reverse_step": reverse,
-                    "open_after_auction": [s["open_after_auction"] for s in found],
-                    "augment_rounds": [s["augment_rounds"] for s in found],
-                    "cancel_rounds": [s["cancel_rounds"] for s in found],
-                    "worst_gap": max(s["gap"] for s in found),
-                    "feasible": all(s["feasible"] for s in found),
+                    **summary(found),
                 }  # fmt: skip
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "reverse_step_lead.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+                record(rows, row)
+    write_rows(args.out, "reverse_step_lead.json", rows)
 
 
 if __name__ == "__main__":
