@@ -57,13 +57,14 @@ def _kernel_path() -> Path:
 
 # Built libraries by the hash of their defines, kernel text and emulator: a kernel file that
 # changes, or another kernel file (an earlier version, compared against), gets its own build.
+# (The same text at another path builds the same library.)
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
 def _library(defines: tuple[tuple[str, str], ...], kernel: Path | None = None) -> ctypes.CDLL:
     kernel = (kernel or _kernel_path()).resolve()
     emulator = (HERE / "cuda_block_emulator.h").read_text()
-    text = repr(defines) + str(kernel) + kernel.read_text() + emulator
+    text = repr(defines) + kernel.read_text() + emulator
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if key in _LOADED:
         return _LOADED[key]
@@ -108,19 +109,22 @@ def block_struct_bytes(defines: dict[str, str]) -> int:
 def _defines(
     affinities: torch.Tensor,
     k: int,
-    cap: torch.Tensor,
+    capacity: torch.Tensor,
     budget: GlobalBudget | None,
     use_scratch: bool,
     overrides: dict[str, str] | None,
-) -> dict[str, str]:
-    n, e = affinities.shape[1], affinities.shape[2]
-    holders = int(cap.clamp(max=n).max()) if cap.numel() else 1
+) -> tuple[tuple[str, str], ...]:
+    """The kernel's constants for this input, as :func:`_library` takes them."""
+    n = affinities.shape[1]
+    holders = int(capacity.clamp(max=n).max()) if capacity.numel() else 1
     # The emulator's dynamic shared memory is 256 KiB; use_scratch puts the state in the scratch
     # buffer (global memory on a GPU) and keeps the graph and affinities out of shared memory.
     room = 0 if use_scratch else 200 * 1024
-    return global_cuda.kernel_defines(
-        n, e, k, holders, budget or GlobalBudget(), shared_bytes=room, overrides=overrides
-    )
+    defines = global_cuda.kernel_defines(
+        n, affinities.shape[2], k, holders, budget or GlobalBudget(), shared_bytes=room,
+        overrides=overrides,
+    )  # fmt: skip
+    return tuple(defines.items())
 
 
 def graph_mismatches(
@@ -137,9 +141,8 @@ def graph_mismatches(
     it from round to round, differed from a computation from scratch (0: the kept graph is
     exact in every round of phases 2 and 3). ``kernel``: as in :func:`solve_emulated`."""
     checked = {**(defines or {}), "CHECK_GRAPH": "1"}
-    cap = capacity.to(torch.int32).expand(affinities.shape[0], affinities.shape[2])
-    lib = _library(tuple(_defines(affinities, k, cap, budget, False, checked).items()), kernel)
-    before = int(lib.graph_mismatches())
+    lib = _library(_defines(affinities, k, capacity, budget, False, checked), kernel)
+    before = int(lib.graph_mismatches())  # a library's counter lives as long as the process
     index, _ = solve_emulated(affinities, k, capacity, budget, defines=checked, kernel=kernel)
     return index, int(lib.graph_mismatches()) - before
 
@@ -160,8 +163,9 @@ def solve_emulated(
     kernel file than the shipped one (an earlier version, to compare assignments with)."""
     groups, n, e = affinities.shape
     cap = capacity.to(torch.int32).expand(groups, e)
-    defines = _defines(affinities, k, cap, budget, use_scratch, defines)
-    lib = _library(tuple(defines.items()), kernel)
+    items = _defines(affinities, k, cap, budget, use_scratch, defines)
+    lib = _library(items, kernel)
+    defines = dict(items)
     a = np.ascontiguousarray(affinities.float().numpy())
     cap_np = np.ascontiguousarray(cap.numpy())
     out = np.zeros((groups, n, k), dtype=np.int64)

@@ -47,7 +47,7 @@ def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
     def defines(n: int, e: int, *args: Any, **kwargs: Any) -> dict[str, str]:
         # Given to the planner, so a constant that changes the memory (THREADS) is counted; they
         # win over the host's own choices (its larger blocks, say).
-        overrides = {**(kwargs.pop("overrides", None) or {})}
+        overrides = dict(kwargs.pop("overrides", None) or {})
         overrides.update({key: value for key, value, min_e in extra if e >= min_e})
         return SHIPPED_DEFINES(n, e, *args, overrides=overrides, **kwargs)
 

@@ -214,11 +214,12 @@ def verdict(diff: dict[str, Any] | None, expected_sign: int) -> str:
 def negligible_verdict(diff: dict[str, Any] | None) -> str:
     """The paper's "negligible improvement" claims (GShard-M, GShard-I): ``reproduces`` unless
     :func:`verdict` finds a clear gain; a clear loss is no improvement either, and is named."""
+    found = verdict(diff, 1)
     return {
         "reproduces": "does not reproduce (a clear gain)",
         "opposite": "reproduces (no gain; worse than GShard)",
         "inconclusive": "reproduces (no clear gain)",
-    }.get(verdict(diff, 1), verdict(diff, 1))
+    }.get(found, found)
 
 
 def _spearman(a: list[float], b: list[float]) -> float | None:
