@@ -101,15 +101,16 @@ def test_kernel_memory_plan_counts_overridden_constants(e: int) -> None:
         (512, 128, 8, 768),
         (4096, 64, 6, 768),
         (100, 64, 2, 128),
-        (512, 256, 8, 512),
+        (512, 256, 8, 768),
+        (512, 96, 8, 512),
     ],
 )
 def test_launch_plan_picks_wide_blocks_where_memory_allows(
     n: int, e: int, k: int, threads: int
 ) -> None:
     """On an H100 / H200 (227 KiB a block): 768 threads from 64 experts, unless fewer tokens
-    than a full block; at e = 256, k = 8 the larger Block struct would push the state out of
-    shared memory, so the plan keeps 512 threads there."""
+    than a full block; at e = 96, k = 8 the larger Block struct would move the expert graph from
+    its own shared memory into phase 1's buffers, so the plan keeps 512 threads there."""
     budget, optin = GlobalBudget(), 227 * 1024
     holders = -(-k * n // e)
     plan = global_cuda.plan_launch(optin, n, e, k, holders, budget)
@@ -247,6 +248,56 @@ def test_budget_knobs_keep_the_contract() -> None:
         fh.check_constraints(index, 2, capacity, 12)
 
 
+@pytest.mark.parametrize("bad", [(1,), (30, 400), (30, 30), (400, 30, 3), [30], (2.5,), (True,)])
+def test_epsilon_scales_must_be_decreasing_integers_above_one(bad: object) -> None:
+    with pytest.raises(ValueError, match="epsilon_scales must be a tuple of at most 2"):
+        GlobalBudget(epsilon_scales=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "1024"])
+def test_epsilon_scale_max_tokens_must_be_a_count(bad: object) -> None:
+    with pytest.raises(ValueError, match="epsilon_scale_max_tokens must be an integer >= 0"):
+        GlobalBudget(epsilon_scale_max_tokens=bad)  # type: ignore[arg-type]
+
+
+def test_eps_scaling_only_up_to_its_group_size() -> None:
+    """Groups above ``epsilon_scale_max_tokens`` run one auction, in the reference (by the
+    group's size) and in the kernel (by its compiled size, which crosses 1,024 where the group
+    size does); the kernel gets the earlier auctions' scales as EPS_SCALE and EPS_SCALE2."""
+    budget = GlobalBudget()
+    scales = [budget.epsilon_scales_for(n) for n in (5, 512, 1024, 1025, 4096)]
+    assert scales == [(400, 30)] * 3 + [()] * 2
+    for n, first, second in [(1000, "400", "30"), (1024, "400", "30"), (1025, "1", "1")]:
+        defines = global_cuda.kernel_defines(global_cuda.compiled_size(n), 64, 2, 32, budget)
+        assert (defines["EPS_SCALE"], defines["EPS_SCALE2"]) == (first, second), n
+    one = GlobalBudget(epsilon_scales=(30,))
+    defines = global_cuda.kernel_defines(512, 64, 2, 16, one)
+    assert (defines["EPS_SCALE"], defines["EPS_SCALE2"]) == ("30", "1")
+    assert GlobalBudget(epsilon_scale_max_tokens=0).epsilon_scales_for(1) == ()
+
+
+def test_eps_scaling_hands_phase_2_fewer_slots_on_near_tied_rows() -> None:
+    """eps-scaling (auctions at 400 and 30 times the eps, each next one from the previous one's
+    prices) leaves phase 2 fewer open slots than one auction at the eps on near-tied rows, where
+    the small eps's tail is long; both reach the gap targets."""
+    from maxscore.routing.flow import global_reference as ref
+
+    n, e, k = 256, 32, 2
+    affinities = fh.near_tied(5, 3, n, e, 0.03)
+    capacity = torch.full((e,), -(-k * n // e))
+    open_slots = {}
+    for scales in [(), (400, 30)]:
+        budget = GlobalBudget(epsilon_scales=scales)
+        stats: list[dict[str, int]] = [{} for _ in affinities]
+        for a, found in zip(affinities.double().numpy(), stats, strict=True):
+            ref.solve_group(a, k, capacity.numpy(), budget, found)
+        open_slots[scales] = sum(found["open_after_auction"] for found in stats)
+        index = solve_global(affinities, k, capacity, budget=budget, backend="reference")
+        gaps = fh.optimality_gaps(affinities, index, k, capacity)
+        assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, (scales, gaps)
+    assert open_slots[(400, 30)] < open_slots[()], open_slots
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["random", "skewed", "near-tied"])
 def test_acceptance_100_instances(family: str) -> None:
@@ -381,9 +432,10 @@ def test_emulator_runs_the_kernel_file_it_is_given(tmp_path) -> None:
     other.write_text(text.replace("#define STALL_FILL 2", "#define STALL_FILL 40"))
     affinities = fh.near_tied(6, 1, 128, 16, 0.03)
     capacity = torch.full((16,), 16)
-    _, first = emu.solve_emulated(affinities, 2, capacity)
-    _, changed = emu.solve_emulated(affinities, 2, capacity, kernel=other)
-    _, again = emu.solve_emulated(affinities, 2, capacity)
+    one = GlobalBudget(epsilon_scales=())  # one auction: its rounds show the stall rule plainly
+    _, first = emu.solve_emulated(affinities, 2, capacity, one)
+    _, changed = emu.solve_emulated(affinities, 2, capacity, one, kernel=other)
+    _, again = emu.solve_emulated(affinities, 2, capacity, one)
     # a stall rule that wants 40 slots filled every 8 rounds hands over much earlier
     assert int(changed[0, 0]) < int(first[0, 0]) and torch.equal(first, again)
 
@@ -414,6 +466,26 @@ def test_kernel_emulated_phases_and_scratch() -> None:
     scratch, _ = emu.solve_emulated(affinities, 2, capacity, budget, use_scratch=True)
     assert torch.equal(index, scratch)
     assert fh.optimality_gaps(affinities, index, 2, capacity).max() <= fh.WORST_GAP
+
+
+@pytest.mark.parametrize("scales", [(30,), (400, 30)])
+def test_kernel_emulated_eps_scaling(scales: tuple[int, ...]) -> None:
+    """The kernel's eps-scaling auctions (one or two before the last) against its one auction
+    (``epsilon_scales=()``) on near-tied rows: fewer slots left to phase 2, Eq. 7 exactly and
+    the gap targets either way."""
+    emu = _emulated()
+    n, e, k = 128, 16, 2
+    affinities = fh.near_tied(29, 3, n, e, 0.03)
+    capacity = torch.full((e,), -(-k * n // e))
+    open_slots = {}
+    for budget_scales in [(), scales]:
+        budget = GlobalBudget(epsilon_scales=budget_scales)
+        index, stats = emu.solve_emulated(affinities, k, capacity, budget)
+        fh.check_constraints(index, k, capacity, e)
+        gaps = fh.optimality_gaps(affinities, index, k, capacity)
+        assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, (scales, gaps)
+        open_slots[budget_scales] = int(stats[:, 1].sum())
+    assert open_slots[scales] < open_slots[()], open_slots
 
 
 @pytest.mark.parametrize(

@@ -72,7 +72,7 @@ def run(a: np.ndarray, k: int, cap: np.ndarray, scales: Sequence[int], gap: bool
             if price is not None:
                 start = price - price[np.isfinite(price)].min()
                 ref.warm_prices = lambda _a, start=start: start
-            stage = GlobalBudget(epsilon=budget.epsilon * scale)
+            stage = GlobalBudget(epsilon=budget.epsilon * scale, epsilon_scales=())
             try:
                 (held, price), used = counted(lambda s=stage: original_auction(a_, k_, cap_, s))
             finally:

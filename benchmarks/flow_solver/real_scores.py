@@ -31,13 +31,13 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
 from common import load_script  # noqa: E402
 
 
-def solver_on_real_scores(
-    preset: str, steps: int, reps: int, saved: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Train ``preset`` with maxscore, then time the kernel on its last call's scores (two
-    groups of which go into ``saved`` when given)."""
+def train_and_record(
+    preset: str, steps: int, warmup: int | None = None
+) -> tuple[torch.Tensor, int, torch.Tensor, int, dict[str, Any]]:
+    """Train ``preset`` with maxscore for ``steps`` compiled steps (``warmup`` of them untimed,
+    default all but 5); the last solver call's arguments (scores ``[G, n, e]``, ``k``,
+    capacities, holders) and the training row."""
     train_bench = load_script(HERE.parent / "expert_parallel" / "bench.py", "ep_bench")
-    timing = load_script(HERE / "bench.py", "flow_bench")
     kept: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []
     solve = global_cuda.solve_cuda
 
@@ -51,7 +51,7 @@ def solver_on_real_scores(
             batch_size=64,
             seq_len=512,
             steps=steps,
-            warmup=steps - 5,
+            warmup=steps - 5 if warmup is None else warmup,
             compile=True,
             expert_parallel=1,
             runs_dir="/tmp/maxscore-real-scores",
@@ -59,7 +59,17 @@ def solver_on_real_scores(
         row = train_bench.run_one(preset, "maxscore", args)
     finally:
         global_cuda.solve_cuda = solve
-    a, k, cap, holders = kept[-1]
+    return (*kept[-1], row)
+
+
+def solver_on_real_scores(
+    preset: str, steps: int, reps: int, saved: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Train ``preset`` with maxscore, then time the kernel on its last call's scores (two
+    groups of which go into ``saved`` when given)."""
+    timing = load_script(HERE / "bench.py", "flow_bench")
+    solve = global_cuda.solve_cuda
+    a, k, cap, holders, row = train_and_record(preset, steps)
     groups, n, e = a.shape
     if saved is not None:
         saved[f"e{e}_k{k}"] = a[:2].float().cpu().numpy()

@@ -65,12 +65,13 @@ def solve_with_auction(
     a: np.ndarray, k: int, cap: np.ndarray, auction: Callable[..., Any], gap: bool
 ) -> dict:
     """One group through the reference solver with ``auction`` in place of its phase 1: its
-    statistics (``solve_group``'s) and :func:`outcome`."""
+    statistics (``solve_group``'s) and :func:`outcome`. The budget is the one-auction phase 1
+    (``epsilon_scales=()``) that these leads were measured against."""
     original = ref._auction
     stats: dict[str, Any] = {}
     ref._auction = auction
     try:
-        held = ref.solve_group(a, k, cap, GlobalBudget(), stats)
+        held = ref.solve_group(a, k, cap, GlobalBudget(epsilon_scales=()), stats)
     finally:
         ref._auction = original
     return {**stats, **outcome(a, held, k, cap, gap)}

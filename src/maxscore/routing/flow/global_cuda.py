@@ -128,6 +128,15 @@ def kernel_defines(
         "CANCELS": str(max(0, budget.cancel_rounds)),
         "RELAX_CANCEL": str(max(1, min(budget.relaxations, e + 3))),
         "EPS_REL": f"{float(budget.epsilon)!r}f",
+        # eps-scaling's earlier auctions (1: none)
+        **{
+            name: str(scale)
+            for name, scale in zip(
+                ("EPS_SCALE", "EPS_SCALE2"),
+                [*budget.epsilon_scales_for(n), 1, 1],
+                strict=False,
+            )
+        },
         "TOL_REL": f"{float(budget.tolerance)!r}f",
         "WARP_BIDS": "1" if e > 32 else "0",
         **overrides,
@@ -159,7 +168,7 @@ def block_bytes(defines: dict[str, str]) -> int:
         3 * warps * buf  # rank, wsort, widx
         + 3 * warps  # warp_max, warp_rows, part_worst
         + 5 * e  # price, reserve, cap, held, nbid
-        + 9 * v  # dist, dist_next, pot, pred, jump, jump_next, on_cycle, path_len, path_pos
+        + 7 * v  # dist, dist_next, pot, pred, jump, jump_next, on_cycle
         + 2 * e  # tree_best (8 bytes each)
         + v  # drop_token
         + 4 * e  # dirty, dirty_list, col_rows, worst

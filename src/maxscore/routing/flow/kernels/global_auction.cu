@@ -3,9 +3,11 @@
 // The phases of maxscore/routing/flow/global_reference.py (read its docstring first):
 //   1. a Jacobi forward auction from warm prices (every expert's mean affinity), until at most
 //      STOP_OPEN slots are open, or its last STALL rounds filled fewer than STALL_FILL slots (the
-//      tail, where bidders raise prices by eps at a time), or AUCTION rounds have run; then every
-//      held slot more than eps below its token's best alternative is given up, so that
-//      eps-complementary slackness holds for every held slot;
+//      tail, where bidders raise prices by eps at a time), or AUCTION rounds have run; with
+//      eps-scaling first at EPS_SCALE times the eps, then at EPS_SCALE2 times (where above 1),
+//      then at the eps, each auction starting again, every slot open, from the previous one's
+//      prices; then every held slot more than eps below its token's best alternative is given
+//      up, so that eps-complementary slackness holds for every held slot;
 //   2. augmenting paths on the expert graph (E experts + S + D) from D, the open slots, to experts
 //      with spare capacity: shortest paths (Dijkstra in one warp, until every expert with spare
 //      capacity is settled) on reduced costs whose potentials start at the auction's prices
@@ -16,8 +18,9 @@
 //      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left (on
 //      capacities with no spare slot phase 2 leaves none: measured, 0-1 rounds).
 // Then each token's experts are written by decreasing affinity (ties: lower index), -1 last.
-// Only the rows of the expert graph that a round's moves touched are computed again, and in the
-// rows of the other experts a moved token holds only the entries of the experts it left or joined.
+// The expert graph is kept from round to round: a moved token's departure computes the row of
+// the expert it left again, its arrival raises the entries of the row of the expert it joined,
+// and in the rows of its other experts only the entries of those two experts change.
 //
 // Memory. The per-group state (each token's K held experts (-1 = open) and held set as a bit
 // mask, each expert's holders with the prices they paid (ascending during phase 1), the bids an
@@ -33,8 +36,9 @@
 // CB (holders per expert: the largest capacity, clamped to N), BUF (bids an expert takes per
 // round; more wait a round), AUCTION, STOP_OPEN, CANCELS, RELAX_CANCEL (Bellman-Ford
 // relaxations per cancelling round: positive cycles are short, so their predecessor cycles
-// show up within a few), EPS_REL, TOL_REL, WARP_BIDS (1: a warp per bidding token, for large E;
-// 0: a thread per token), STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM.
+// show up within a few), EPS_REL, EPS_SCALE and EPS_SCALE2 (the earlier auctions' eps in units
+// of EPS_REL's; 1: no such auction), TOL_REL, WARP_BIDS (1: a warp per bidding token, for large E; 0: a thread per
+// token), STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM.
 
 #define WARPS (THREADS / 32)
 #define V (E + 2)
@@ -87,10 +91,10 @@ struct Block {
   int held[E];       // holders
   int nbid[E];       // bids posted this round
   float dist[V], dist_next[V], pot[V];
-  int pred[V], jump[V], jump_next[V], on_cycle[V], path_len[V], path_pos[V];
+  int pred[V], jump[V], jump_next[V], on_cycle[V];
   unsigned long long tree_best[E];      // phase 2: each tree's best target (gain, -index)
   int drop_token[V];  // the open token realising each edge D -> v
-  int dirty[E];       // rows of the expert graph to recompute (their holders or holders' sets changed)
+  int dirty[E];       // rows of the expert graph to recompute whole (all, then where one left)
   int dirty_list[E], ndirty;  // the dirty rows of a round, listed
   int col_rows[E], ncol;      // the rows with only some entries to recompute, listed
   float part_worst[WARPS];    // a split row's chunks: their b.worst
@@ -114,6 +118,14 @@ __device__ __forceinline__ int ord_float(float f) {
 }
 __device__ __forceinline__ float unord_float(int i) {
   return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff);
+}
+
+// max(*p, v) for floats, atomically: non-negative floats order as signed ints, negative ones in
+// reverse as unsigned ints (v + 0 turns -0 into +0, which the signed branch would lose).
+__device__ __forceinline__ void atomic_max_float(float* p, float v) {
+  v += 0.0f;
+  if (v >= 0.0f) atomicMax((int*)p, __float_as_int(v));
+  else atomicMin((u32*)p, __float_as_uint(v));
 }
 
 __device__ __forceinline__ bool has_bit(const u32* mask, int j) {
@@ -292,29 +304,29 @@ __device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charg
   __syncwarp();
 }
 
-// Phase 2's paths of one round (every thread): the paths of one shortest-path tree that share no
-// node. Two paths share a node exactly when they share their first expert (the child of D they
-// hang from), so each subtree gives its best target (largest path gain, ties to the lower
-// expert), and those are taken in order of gain while the D edge's open token has open slots left
-// (a token may be the best open token of several first experts). The same choice as walking
-// every target by decreasing gain and keeping the paths that touch no claimed node, found with a
-// few barriers instead of one serial walk per target. Writes the moves (token or -1, from, to)
-// into `move` and their number into b.moves.
+// Phase 2's paths of one round (warp 0 alone, right after its search: the other warps would only
+// wait at block barriers): the paths of one shortest-path tree that share no node. Two paths share
+// a node exactly when they share their first expert (the child of D they hang from), so each
+// subtree gives its best target (largest path gain, ties to the lower expert), and those are taken
+// in order of gain while the D edge's open token has open slots left (a token may be the best open
+// token of several first experts). The same choice as walking every target by decreasing gain and
+// keeping the paths that touch no claimed node. Writes the moves (token or -1, from, to) into
+// `move` and their number into b.moves.
 __device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
                                       const unsigned char* real) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int lane = threadIdx.x & 31;
   // Each reached expert's root (the first expert of its path) by pointer jumping.
-  for (int v = tid; v < E; v += THREADS) {
+  for (int v = lane; v < E; v += 32) {
     const int p = b.pred[v];
     b.jump[v] = p == DROP ? v : (p >= 0 && p < E ? p : -1);
     b.tree_best[v] = 0ull;
   }
   int* src = b.jump;
   int* dst = b.jump_next;
-  __syncthreads();
+  __syncwarp();
   for (int step = 1; step < 2 * V; step *= 2) {
     int moved = 0;
-    for (int v = tid; v < E; v += THREADS) {
+    for (int v = lane; v < E; v += 32) {
       const int j = src[v];
       const int jj = j >= 0 ? src[j] : -1;
       dst[v] = jj;
@@ -323,77 +335,85 @@ __device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
     int* t = src;
     src = dst;
     dst = t;
-    if (!__syncthreads_or(moved)) break;
+    __syncwarp();
+    if (__ballot_sync(FULL_MASK, moved != 0) == 0u) break;
   }
   // Each tree's best target with spare capacity.
-  for (int v = tid; v < E; v += THREADS) {
+  for (int v = lane; v < E; v += 32) {
     const int r = src[v];
     if (r < 0 || b.pred[r] != DROP || b.held[v] >= b.cap[v] || !(b.dist[v] > NEG)) continue;
     const unsigned long long key =
         ((unsigned long long)((u32)ord_float(b.dist[v]) ^ 0x80000000u) << 32) | (u32)(E - v);
     atomicMax(&b.tree_best[r], key);
   }
-  __syncthreads();
+  __syncwarp();
+  // The trees with a target, listed in order of their root (b.on_cycle is phase 3's).
+  int* trees = b.on_cycle;
+  int count = 0;
+  for (int r0 = 0; r0 < E; r0 += 32) {
+    const int r = r0 + lane;
+    const bool has = r < E && b.tree_best[r] != 0ull;
+    const u32 with = __ballot_sync(FULL_MASK, has);
+    if (has) trees[count + __popc(with & ((1u << lane) - 1u))] = r;
+    count += __popc(with);
+  }
+  __syncwarp();
   // Accept a tree's path while its open token has slots: its rank among the better trees of the
-  // same token (the keys are distinct: one target each).
-  for (int r = tid; r < E; r += THREADS) {
-    const unsigned long long key = b.tree_best[r];
-    const int tok = key ? b.drop_token[r] : -1;
-    int len = 0;
-    if (tok >= 0) {
-      int rank = 0;
-      for (int q = 0; q < E; ++q)
-        rank += b.tree_best[q] > key && b.drop_token[q] == tok;
-      const int open = (real == nullptr || real[tok] ? K : 0) - held_count(tok_e, tok);
-      if (rank < open) {
-        for (int x = E - (int)(u32)key; x != DROP; x = b.pred[x]) {
-          if (x < 0 || ++len > V) {  // not a path to D (never expected)
-            len = 0;
-            break;
+  // same token (the keys are distinct: one target each); each accepted path's first move by an
+  // exclusive scan of the lengths.
+  int base = 0;
+  for (int i0 = 0; i0 < count; i0 += 32) {
+    const int i = i0 + lane;
+    int len = 0, r = -1;
+    if (i < count) {
+      r = trees[i];
+      const unsigned long long key = b.tree_best[r];
+      const int tok = b.drop_token[r];
+      if (tok >= 0) {
+        int rank = 0;
+        for (int q = 0; q < count; ++q) {
+          const int o = trees[q];
+          rank += b.tree_best[o] > key && b.drop_token[o] == tok;
+        }
+        const int open = (real == nullptr || real[tok] ? K : 0) - held_count(tok_e, tok);
+        if (rank < open) {
+          for (int x = E - (int)(u32)key; x != DROP; x = b.pred[x]) {
+            if (x < 0 || ++len > V) {  // not a path to D (never expected)
+              len = 0;
+              break;
+            }
           }
         }
       }
     }
-    b.path_len[r] = len;
-  }
-  __syncthreads();
-  if (warp == 0) {  // each path's first move: an exclusive scan of the lengths
-    int base = 0;
-    for (int r0 = 0; r0 < E; r0 += 32) {
-      const int r = r0 + lane;
-      const int len = r < E ? b.path_len[r] : 0;
-      int incl = len;
+    int incl = len;
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL_MASK, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (len > 0) {
+      const int tok = b.drop_token[r];
+      int q = base + incl - len;
+      for (int x = E - (int)(u32)b.tree_best[r]; x != DROP; x = b.pred[x], ++q) {
+        move[3 * q] = b.pred[x] == DROP ? tok : -1;  // -1: looked up by the caller
+        move[3 * q + 1] = b.pred[x];
+        move[3 * q + 2] = x;
       }
-      if (r < E) b.path_pos[r] = base + incl - len;
-      base += __shfl_sync(FULL_MASK, incl, 31);
     }
-    if (lane == 0) b.moves = base;
+    base += __shfl_sync(FULL_MASK, incl, 31);
   }
-  __syncthreads();
-  for (int r = tid; r < E; r += THREADS) {
-    if (b.path_len[r] == 0) continue;
-    const int tok = b.drop_token[r];
-    int q = b.path_pos[r];
-    for (int x = E - (int)(u32)b.tree_best[r]; x != DROP; x = b.pred[x], ++q) {
-      move[3 * q] = b.pred[x] == DROP ? tok : -1;  // -1: looked up by the caller
-      move[3 * q + 1] = b.pred[x];
-      move[3 * q + 2] = x;
-    }
-  }
+  if (lane == 0) b.moves = base;
 }
 
 // The rows of the expert graph whose holders changed (b.dirty): gain(u, v) = the best move of one
 // of u's holders to v (A_tv - A_tu over the holders t of u that do not hold v), and
 // b.worst[u] = -(the lowest affinity among u's holders); and the single entries (u, v) marked in
-// `cols` (a holder of u changed its expert set, which changes only the entries of the experts it
-// left or joined). The dirty rows are listed first and shared evenly by the warps; when there are
-// fewer of them than warps, each row's holders are split among several warps (each holder's E
-// loads are independent, so the row's latency shrinks with its share) and their partial rows, in
-// `partial` (WARPS x E), are combined after a barrier. A marked entry is one warp-wide max over
+// `cols` (a holder of u joined v, and its move to v was the stored best). The dirty rows are
+// listed first and shared evenly by the warps; when there are fewer of them than warps, each
+// row's holders are split among several warps (each holder's E loads are independent, so the
+// row's latency shrinks with its share) and their partial rows, in `partial` (WARPS x E), are
+// combined after a barrier. A marked entry is one warp-wide max over
 // the row's holders. Every thread calls it; its writes are visible after the next barrier.
 __device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, const float* a,
                             const int* hold_t, const u32* mask) {
@@ -659,324 +679,347 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const long long t_setup = clock64();
 
   // ---- phase 1: the auction ----
+  // eps-scaling: auctions with EPS_SCALE and then EPS_SCALE2 times the eps settle the contested
+  // experts in large steps; each next one starts again, every slot open, from their prices.
   int rounds = 0;
-  int open_history[STALL];  // open slots of the last STALL rounds (same in every thread)
-  for (; rounds < AUCTION; ++rounds) {
-    const long long t_round = clock64();
-    if (tid == 0) {
-      b.open_count = 0;
-      b.open_tokens = 0;
-    }
-    __syncthreads();
-    // Open tokens into a list (its order does not matter: bids are ranked per expert).
-    list_open_tokens(b, tok_e, open_list, real);
-    __syncthreads();
-    const long long t_listed = clock64();
-    const int open_tokens = b.open_tokens;
-    // Stop when few slots are open, or when the last STALL rounds filled fewer than STALL_FILL
-    // of them (the tail, where bidders raise prices by eps at a time: a round of phase 2 costs
-    // as much as several auction rounds).
-    const int open_now = b.open_count;
-    if (open_now <= (rounds == 0 ? 0 : STOP_OPEN)) break;
-    if (rounds >= STALL && open_history[rounds % STALL] - open_now < STALL_FILL) break;
-    open_history[rounds % STALL] = open_now;
+  const float eps_final = b.eps;
+  const int scales[3] = {EPS_SCALE, EPS_SCALE2, 1};
+  for (int stage = 0; stage < 3; ++stage) {
+    if (scales[stage] <= 1 && stage < 2) continue;  // no such auction (the same in every thread)
+    if (tid == 0) b.eps = eps_final * (float)scales[stage];
+    int open_history[STALL];  // open slots of the last STALL rounds (same in every thread)
+    for (int r = 0; r < AUCTION; ++r, ++rounds) {
+      const long long t_round = clock64();
+      if (tid == 0) {
+        b.open_count = 0;
+        b.open_tokens = 0;
+      }
+      __syncthreads();
+      // Open tokens into a list (its order does not matter: bids are ranked per expert).
+      list_open_tokens(b, tok_e, open_list, real);
+      __syncthreads();
+      const long long t_listed = clock64();
+      const int open_tokens = b.open_tokens;
+      // Stop when few slots are open, or when the last STALL rounds filled fewer than STALL_FILL
+      // of them (the tail, where bidders raise prices by eps at a time: a round of phase 2 costs
+      // as much as several auction rounds).
+      const int open_now = b.open_count;
+      if (open_now <= (r == 0 ? 0 : STOP_OPEN)) break;
+      if (r >= STALL && open_history[r % STALL] - open_now < STALL_FILL) break;
+      open_history[r % STALL] = open_now;
 #if WARP_BIDS
-    for (int q = warp; q < open_tokens; q += WARPS) {
-      const int t = open_list[q];
-      const u32* mt = mask + t * MW;
-      const int m = DEMAND(t) - held_count(tok_e, t);
-      if (lane < K) rec_e[t * K + lane] = -1;
-      __syncwarp();
-      float val[LANE_E];
+      for (int q = warp; q < open_tokens; q += WARPS) {
+        const int t = open_list[q];
+        const u32* mt = mask + t * MW;
+        const int m = DEMAND(t) - held_count(tok_e, t);
+        if (lane < K) rec_e[t * K + lane] = -1;
+        __syncwarp();
+        float val[LANE_E];
 #pragma unroll
-      for (int c = 0; c < LANE_E; ++c) {  // loads first, all in flight at once (see Dijkstra)
-        const int j = lane + 32 * c;
-        val[c] = j < E ? a[t * E + j] : NEG;
-      }
-#pragma unroll
-      for (int c = 0; c < LANE_E; ++c) {
-        const int j = lane + 32 * c;
-        val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? val[c] - b.price[j] : NEG;
-      }
-      int my_pick = -1;  // lane r < m keeps the r-th pick
-      float w = NEG;
-      int w_valid = 0;
-      for (int r = 0; r <= m; ++r) {
-        float best = NEG;
-        int bj = 0x7fffffff;
+        for (int c = 0; c < LANE_E; ++c) {  // loads first, all in flight at once (see Dijkstra)
+          const int j = lane + 32 * c;
+          val[c] = j < E ? a[t * E + j] : NEG;
+        }
 #pragma unroll
         for (int c = 0; c < LANE_E; ++c) {
           const int j = lane + 32 * c;
-          if (val[c] > best) {
-            best = val[c];
-            bj = j;
+          val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? val[c] - b.price[j] : NEG;
+        }
+        int my_pick = -1;  // lane r < m keeps the r-th pick
+        float w = NEG;
+        int w_valid = 0;
+        for (int r = 0; r <= m; ++r) {
+          float best = NEG;
+          int bj = 0x7fffffff;
+#pragma unroll
+          for (int c = 0; c < LANE_E; ++c) {
+            const int j = lane + 32 * c;
+            if (val[c] > best) {
+              best = val[c];
+              bj = j;
+            }
           }
-        }
-        warp_argmax(best, bj);
-        const bool found = best > NEG;
-        if (r < m) {
-          if (lane == r && found) my_pick = bj;
-        } else {
-          w = best;
-          w_valid = found;
-        }
+          warp_argmax(best, bj);
+          const bool found = best > NEG;
+          if (r < m) {
+            if (lane == r && found) my_pick = bj;
+          } else {
+            w = best;
+            w_valid = found;
+          }
 #pragma unroll
-        for (int c = 0; c < LANE_E; ++c)
-          if (lane + 32 * c == bj) val[c] = NEG;
+          for (int c = 0; c < LANE_E; ++c)
+            if (lane + 32 * c == bj) val[c] = NEG;
+        }
+        if (!w_valid) w = floor_w;
+        if (lane < m && my_pick >= 0) {
+          const int j = my_pick;
+          post_bid(b, t, open_entry(tok_e, t, lane), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
+                   bid_t, bid_p);
+        }
       }
-      if (!w_valid) w = floor_w;
-      if (lane < m && my_pick >= 0) {
-        const int j = my_pick;
-        post_bid(b, t, open_entry(tok_e, t, lane), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
-                 bid_t, bid_p);
-      }
-    }
 #else
-    for (int q = tid; q < open_tokens; q += THREADS) {
-      const int t = open_list[q];
-      const u32* mt = mask + t * MW;
-      const int m = DEMAND(t) - held_count(tok_e, t);
-      for (int s = 0; s < K; ++s) rec_e[t * K + s] = -1;
-      float top[K + 1];
-      int topj[K + 1];
-#pragma unroll
-      for (int r = 0; r <= K; ++r) {
-        top[r] = NEG;
-        topj[r] = -1;
-      }
-      for (int j = 0; j < E; ++j) {
-        if (b.cap[j] == 0 || has_bit(mt, j)) continue;
-        float x = a[t * E + j] - b.price[j];
-        int xj = j;
-        // insertion into the descending top-(m+1) list (ties keep the lower index first)
+      for (int q = tid; q < open_tokens; q += THREADS) {
+        const int t = open_list[q];
+        const u32* mt = mask + t * MW;
+        const int m = DEMAND(t) - held_count(tok_e, t);
+        for (int s = 0; s < K; ++s) rec_e[t * K + s] = -1;
+        float top[K + 1];
+        int topj[K + 1];
 #pragma unroll
         for (int r = 0; r <= K; ++r) {
-          if (r <= m && x > top[r]) {
-            const float tv = top[r];
-            const int tj = topj[r];
-            top[r] = x;
-            topj[r] = xj;
-            x = tv;
-            xj = tj;
+          top[r] = NEG;
+          topj[r] = -1;
+        }
+        for (int j = 0; j < E; ++j) {
+          if (b.cap[j] == 0 || has_bit(mt, j)) continue;
+          float x = a[t * E + j] - b.price[j];
+          int xj = j;
+          // insertion into the descending top-(m+1) list (ties keep the lower index first)
+#pragma unroll
+          for (int r = 0; r <= K; ++r) {
+            if (r <= m && x > top[r]) {
+              const float tv = top[r];
+              const int tj = topj[r];
+              top[r] = x;
+              topj[r] = xj;
+              x = tv;
+              xj = tj;
+            }
           }
         }
-      }
-      float w = floor_w;
+        float w = floor_w;
 #pragma unroll
-      for (int r = 0; r <= K; ++r)
-        if (r == m && topj[r] >= 0) w = top[r];
-      int q2 = 0;
+        for (int r = 0; r <= K; ++r)
+          if (r == m && topj[r] >= 0) w = top[r];
+        int q2 = 0;
 #pragma unroll
-      for (int r = 0; r < K; ++r) {
-        if (r >= m || topj[r] < 0) continue;
-        const int j = topj[r];
-        post_bid(b, t, open_entry(tok_e, t, q2++), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
-                 bid_t, bid_p);
-      }
-    }
-#endif
-    __syncthreads();
-    const long long t_bid = clock64();
-    // Each expert keeps the c_j highest offers among its holders, its free slots (at the
-    // reserve price) and the new bids: a warp per expert.
-    for (int j = warp; j < E; j += WARPS) {
-      const int posted = b.nbid[j];
-      if (posted == 0) continue;
-      int* bt = bid_t + j * BUF;
-      float* bp = bid_p + j * BUF;
-      if (posted > BUF) {
-        // More bids than the buffer holds: keep the BUF best (value descending, then record =
-        // token ascending), found deterministically from the bidders' own records; the rest
-        // wait. The cut value T is found by bisection on the values' order-preserving integer
-        // keys (about 32 counting passes over the records, against BUF argmax passes), ties at
-        // T by a second bisection on the record index; then one pass gathers the kept bids.
-        const int records = open_tokens * K;
-        // The q-th record of the open tokens: its index r, and whether it is a bid for j (then
-        // its value's key too).
-        auto bid_at = [&](int q, int& r, int& key) {
-          r = open_list[q / K] * K + q % K;
-          if (rec_e[r] != j) return false;
-          key = ord_float(rec_p[r]);
-          return true;
-        };
-        // A bid at or above the cut (thr, r_max): key > thr, or key == thr and record <= r_max.
-        auto kept = [](int key, int r, int thr, int r_max) {
-          return key > thr || (key == thr && r <= r_max);
-        };
-        int key_lo = 0x7fffffff, key_hi = -0x7fffffff - 1;
-        for (int q = lane; q < records; q += 32) {
-          int r, key;
-          if (!bid_at(q, r, key)) continue;
-          key_lo = key < key_lo ? key : key_lo;
-          key_hi = key > key_hi ? key : key_hi;
+        for (int r = 0; r < K; ++r) {
+          if (r >= m || topj[r] < 0) continue;
+          const int j = topj[r];
+          post_bid(b, t, open_entry(tok_e, t, q2++), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
+                   bid_t, bid_p);
         }
-        key_lo = __reduce_min_sync(FULL_MASK, key_lo);
-        key_hi = __reduce_max_sync(FULL_MASK, key_hi);
-        auto count_from = [&](int thr, int r_max) {  // the bids kept at this cut
-          int n = 0;
+      }
+#endif
+      __syncthreads();
+      const long long t_bid = clock64();
+      // Each expert keeps the c_j highest offers among its holders, its free slots (at the
+      // reserve price) and the new bids: a warp per expert.
+      for (int j = warp; j < E; j += WARPS) {
+        const int posted = b.nbid[j];
+        if (posted == 0) continue;
+        int* bt = bid_t + j * BUF;
+        float* bp = bid_p + j * BUF;
+        if (posted > BUF) {
+          // More bids than the buffer holds: keep the BUF best (value descending, then record =
+          // token ascending), found deterministically from the bidders' own records; the rest
+          // wait. The cut value T is found by bisection on the values' order-preserving integer
+          // keys (about 32 counting passes over the records, against BUF argmax passes), ties at
+          // T by a second bisection on the record index; then one pass gathers the kept bids.
+          const int records = open_tokens * K;
+          // The q-th record of the open tokens: its index r, and whether it is a bid for j (then
+          // its value's key too).
+          auto bid_at = [&](int q, int& r, int& key) {
+            r = open_list[q / K] * K + q % K;
+            if (rec_e[r] != j) return false;
+            key = ord_float(rec_p[r]);
+            return true;
+          };
+          // A bid at or above the cut (thr, r_max): key > thr, or key == thr and record <= r_max.
+          auto kept = [](int key, int r, int thr, int r_max) {
+            return key > thr || (key == thr && r <= r_max);
+          };
+          int key_lo = 0x7fffffff, key_hi = -0x7fffffff - 1;
           for (int q = lane; q < records; q += 32) {
             int r, key;
-            if (bid_at(q, r, key)) n += kept(key, r, thr, r_max);
+            if (!bid_at(q, r, key)) continue;
+            key_lo = key < key_lo ? key : key_lo;
+            key_hi = key > key_hi ? key : key_hi;
           }
-          return __reduce_add_sync(FULL_MASK, n);
-        };
-        // Largest T with count(key >= T) >= BUF (true at key_lo: every posted bid).
-        while (key_lo < key_hi) {
-          const int mid = (int)(((long long)key_lo + key_hi + 1) >> 1);
-          if (count_from(mid, 0x7fffffff) >= BUF) key_lo = mid;
-          else key_hi = mid - 1;
+          key_lo = __reduce_min_sync(FULL_MASK, key_lo);
+          key_hi = __reduce_max_sync(FULL_MASK, key_hi);
+          auto count_from = [&](int thr, int r_max) {  // the bids kept at this cut
+            int n = 0;
+            for (int q = lane; q < records; q += 32) {
+              int r, key;
+              if (bid_at(q, r, key)) n += kept(key, r, thr, r_max);
+            }
+            return __reduce_add_sync(FULL_MASK, n);
+          };
+          // Largest T with count(key >= T) >= BUF (true at key_lo: every posted bid).
+          while (key_lo < key_hi) {
+            const int mid = (int)(((long long)key_lo + key_hi + 1) >> 1);
+            if (count_from(mid, 0x7fffffff) >= BUF) key_lo = mid;
+            else key_hi = mid - 1;
+          }
+          const int cut = key_lo;
+          // Of the bids at T, the lowest records up to BUF in all: smallest r_max that reaches it.
+          int r_lo = 0, r_hi = 0x7fffffff;
+          if (count_from(cut, 0x7fffffff) > BUF) {
+            r_hi = N * K - 1;
+            while (r_lo < r_hi) {
+              const int mid = (r_lo + r_hi) >> 1;
+              if (count_from(cut, mid) >= BUF) r_hi = mid;
+              else r_lo = mid + 1;
+            }
+          }
+          const int r_cut = r_hi;
+          int filled = 0;
+          for (int q0 = 0; q0 < records; q0 += 32) {
+            const int q = q0 + lane;
+            int r = 0, key = 0;
+            const bool take = q < records && bid_at(q, r, key) && kept(key, r, cut, r_cut);
+            const u32 takers = __ballot_sync(FULL_MASK, take);
+            if (take) {
+              const int p = filled + __popc(takers & ((1u << lane) - 1u));
+              bt[p] = ((r / K) << 4) | (r % K);
+              bp[p] = rec_p[r];
+            }
+            filled += __popc(takers);
+          }
+          __syncwarp();
         }
-        const int cut = key_lo;
-        // Of the bids at T, the lowest records up to BUF in all: smallest r_max that reaches it.
-        int r_lo = 0, r_hi = 0x7fffffff;
-        if (count_from(cut, 0x7fffffff) > BUF) {
-          r_hi = N * K - 1;
-          while (r_lo < r_hi) {
-            const int mid = (r_lo + r_hi) >> 1;
-            if (count_from(cut, mid) >= BUF) r_hi = mid;
-            else r_lo = mid + 1;
+        const int nb = min(posted, BUF);
+        const int h = b.held[j], c = b.cap[j], f = c - h;
+        int* ht = hold_t + j * CB;
+        float* hp = hold_p + j * CB;
+        // Rank of each bid (price descending, ties: lower token first); the r-th best bid wins
+        // if it beats the r-th cheapest slot (the free slots, at the reserve price, come first).
+        // A lane's bids sit in registers and each other bid is read once for all of them.
+        constexpr int BID_R = (BUF + 31) / 32;
+        float bx[BID_R];
+        int btok[BID_R], brank[BID_R];
+#pragma unroll
+        for (int r = 0; r < BID_R; ++r) {
+          const int q = lane + 32 * r;
+          bx[r] = q < nb ? bp[q] : NEG;
+          btok[r] = q < nb ? bt[q] >> 4 : 0;
+          brank[r] = 0;
+        }
+        for (int p = 0; p < nb; ++p) {
+          const float y = bp[p];
+          const int yt = bt[p] >> 4;
+#pragma unroll
+          for (int r = 0; r < BID_R; ++r) brank[r] += (y > bx[r]) || (y == bx[r] && yt < btok[r]);
+        }
+        int win = 0;
+#pragma unroll
+        for (int r = 0; r < BID_R; ++r) {
+          const int q = lane + 32 * r, rank = brank[r];
+          if (q >= nb) continue;
+          b.rank[warp][q] = rank;
+          const float slot = rank < f ? b.reserve[j] : (rank - f < h ? hp[rank - f] : 3.0e38f);
+          win += (rank < c && bx[r] > slot);
+        }
+        // the winners are a prefix of the ranking (bids descending, slots ascending)
+        win = __reduce_add_sync(FULL_MASK, win);
+        __syncwarp();
+        for (int q = lane; q < nb; q += 32) {
+          const int r = b.rank[warp][q];
+          if (r < win) {
+            b.wsort[warp][win - 1 - r] = bp[q];
+            b.widx[warp][win - 1 - r] = q;
           }
         }
-        const int r_cut = r_hi;
-        int filled = 0;
-        for (int q0 = 0; q0 < records; q0 += 32) {
-          const int q = q0 + lane;
-          int r = 0, key = 0;
-          const bool take = q < records && bid_at(q, r, key) && kept(key, r, cut, r_cut);
-          const u32 takers = __ballot_sync(FULL_MASK, take);
-          if (take) {
-            const int p = filled + __popc(takers & ((1u << lane) - 1u));
-            bt[p] = ((r / K) << 4) | (r % K);
-            bp[p] = rec_p[r];
-          }
-          filled += __popc(takers);
+        const int evict = win > f ? win - f : 0;  // the cheapest holders are replaced
+        const int kept = h - evict;
+        for (int q = lane; q < evict; q += 32) {
+          const int t = ht[q];
+          for (int s = 0; s < K; ++s)
+            if (tok_e[t * K + s] == j) tok_e[t * K + s] = -1;
+          atomicAnd(&mask[t * MW + (j >> 5)], ~(1u << (j & 31)));
         }
         __syncwarp();
-      }
-      const int nb = min(posted, BUF);
-      const int h = b.held[j], c = b.cap[j], f = c - h;
-      int* ht = hold_t + j * CB;
-      float* hp = hold_p + j * CB;
-      // Rank of each bid (price descending, ties: lower token first); the r-th best bid wins
-      // if it beats the r-th cheapest slot (the free slots, at the reserve price, come first).
-      // A lane's bids sit in registers and each other bid is read once for all of them.
-      constexpr int BID_R = (BUF + 31) / 32;
-      float bx[BID_R];
-      int btok[BID_R], brank[BID_R];
+        // Merge the kept holders (hp[evict..h), ascending) with the winners (ascending): every
+        // element's position first (reads into registers), then the writes.
+        constexpr int KEPT_R = (CB + 31) / 32, WIN_R = (BUF + 31) / 32;
+        int kpos[KEPT_R], ktok[KEPT_R];
+        float kval[KEPT_R];
 #pragma unroll
-      for (int r = 0; r < BID_R; ++r) {
-        const int q = lane + 32 * r;
-        bx[r] = q < nb ? bp[q] : NEG;
-        btok[r] = q < nb ? bt[q] >> 4 : 0;
-        brank[r] = 0;
-      }
-      for (int p = 0; p < nb; ++p) {
-        const float y = bp[p];
-        const int yt = bt[p] >> 4;
-#pragma unroll
-        for (int r = 0; r < BID_R; ++r) brank[r] += (y > bx[r]) || (y == bx[r] && yt < btok[r]);
-      }
-      int win = 0;
-#pragma unroll
-      for (int r = 0; r < BID_R; ++r) {
-        const int q = lane + 32 * r, rank = brank[r];
-        if (q >= nb) continue;
-        b.rank[warp][q] = rank;
-        const float slot = rank < f ? b.reserve[j] : (rank - f < h ? hp[rank - f] : 3.0e38f);
-        win += (rank < c && bx[r] > slot);
-      }
-      // the winners are a prefix of the ranking (bids descending, slots ascending)
-      win = __reduce_add_sync(FULL_MASK, win);
-      __syncwarp();
-      for (int q = lane; q < nb; q += 32) {
-        const int r = b.rank[warp][q];
-        if (r < win) {
-          b.wsort[warp][win - 1 - r] = bp[q];
-          b.widx[warp][win - 1 - r] = q;
-        }
-      }
-      const int evict = win > f ? win - f : 0;  // the cheapest holders are replaced
-      const int kept = h - evict;
-      for (int q = lane; q < evict; q += 32) {
-        const int t = ht[q];
-        for (int s = 0; s < K; ++s)
-          if (tok_e[t * K + s] == j) tok_e[t * K + s] = -1;
-        atomicAnd(&mask[t * MW + (j >> 5)], ~(1u << (j & 31)));
-      }
-      __syncwarp();
-      // Merge the kept holders (hp[evict..h), ascending) with the winners (ascending): every
-      // element's position first (reads into registers), then the writes.
-      constexpr int KEPT_R = (CB + 31) / 32, WIN_R = (BUF + 31) / 32;
-      int kpos[KEPT_R], ktok[KEPT_R];
-      float kval[KEPT_R];
-#pragma unroll
-      for (int r = 0; r < KEPT_R; ++r) {
-        const int q = lane + 32 * r;
-        kpos[r] = -1;
-        if (q < kept) {
-          const float x = hp[evict + q];
-          int lo = 0, hi = win;  // winners priced below x come first
-          while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            if (b.wsort[warp][mid] < x) lo = mid + 1;
-            else hi = mid;
+        for (int r = 0; r < KEPT_R; ++r) {
+          const int q = lane + 32 * r;
+          kpos[r] = -1;
+          if (q < kept) {
+            const float x = hp[evict + q];
+            int lo = 0, hi = win;  // winners priced below x come first
+            while (lo < hi) {
+              const int mid = (lo + hi) >> 1;
+              if (b.wsort[warp][mid] < x) lo = mid + 1;
+              else hi = mid;
+            }
+            kpos[r] = q + lo;
+            kval[r] = x;
+            ktok[r] = ht[evict + q];
           }
-          kpos[r] = q + lo;
-          kval[r] = x;
-          ktok[r] = ht[evict + q];
         }
-      }
-      int wpos[WIN_R], wrec[WIN_R];
-      float wval[WIN_R];
+        int wpos[WIN_R], wrec[WIN_R];
+        float wval[WIN_R];
 #pragma unroll
-      for (int r = 0; r < WIN_R; ++r) {
-        const int i = lane + 32 * r;
-        wpos[r] = -1;
-        if (i < win) {
-          const float x = b.wsort[warp][i];
-          int lo = 0, hi = kept;  // kept holders priced at most x come first
-          while (lo < hi) {
-            const int mid = (lo + hi) >> 1;
-            if (hp[evict + mid] <= x) lo = mid + 1;
-            else hi = mid;
+        for (int r = 0; r < WIN_R; ++r) {
+          const int i = lane + 32 * r;
+          wpos[r] = -1;
+          if (i < win) {
+            const float x = b.wsort[warp][i];
+            int lo = 0, hi = kept;  // kept holders priced at most x come first
+            while (lo < hi) {
+              const int mid = (lo + hi) >> 1;
+              if (hp[evict + mid] <= x) lo = mid + 1;
+              else hi = mid;
+            }
+            wpos[r] = i + lo;
+            wval[r] = x;
+            wrec[r] = bt[b.widx[warp][i]];
           }
-          wpos[r] = i + lo;
-          wval[r] = x;
-          wrec[r] = bt[b.widx[warp][i]];
         }
-      }
-      __syncwarp();
+        __syncwarp();
 #pragma unroll
-      for (int r = 0; r < KEPT_R; ++r) {
-        if (kpos[r] >= 0) {
-          hp[kpos[r]] = kval[r];
-          ht[kpos[r]] = ktok[r];
+        for (int r = 0; r < KEPT_R; ++r) {
+          if (kpos[r] >= 0) {
+            hp[kpos[r]] = kval[r];
+            ht[kpos[r]] = ktok[r];
+          }
         }
-      }
 #pragma unroll
-      for (int r = 0; r < WIN_R; ++r) {
-        if (wpos[r] >= 0) {
-          const int t = wrec[r] >> 4, s = wrec[r] & 15;
-          hp[wpos[r]] = wval[r];
-          ht[wpos[r]] = t;
-          tok_e[t * K + s] = j;
-          atomicOr(&mask[t * MW + (j >> 5)], 1u << (j & 31));
+        for (int r = 0; r < WIN_R; ++r) {
+          if (wpos[r] >= 0) {
+            const int t = wrec[r] >> 4, s = wrec[r] & 15;
+            hp[wpos[r]] = wval[r];
+            ht[wpos[r]] = t;
+            tok_e[t * K + s] = j;
+            atomicOr(&mask[t * MW + (j >> 5)], 1u << (j & 31));
+          }
+        }
+        __syncwarp();
+        if (lane == 0) {
+          const int total = kept + win;
+          b.held[j] = total;
+          b.price[j] = total < c ? b.reserve[j] : hp[0];
+          b.nbid[j] = 0;
         }
       }
-      __syncwarp();
-      if (lane == 0) {
-        const int total = kept + win;
-        b.held[j] = total;
-        b.price[j] = total < c ? b.reserve[j] : hp[0];
-        b.nbid[j] = 0;
+      __syncthreads();
+      if (tid == 0) {
+        const long long now = clock64();
+        b.prof[0] += t_listed - t_round;
+        b.prof[1] += t_bid - t_listed;
+        b.prof[2] += now - t_bid;
       }
     }
-    __syncthreads();
-    if (tid == 0) {
-      const long long now = clock64();
-      b.prof[0] += t_listed - t_round;
-      b.prof[1] += t_bid - t_listed;
-      b.prof[2] += now - t_bid;
+    if (stage < 2) {  // start again from these prices (the lowest open expert's at 0)
+      __syncthreads();
+      if (tid == 0) {
+        float lowest = 3.0e38f;
+        for (int j = 0; j < E; ++j)
+          if (b.cap[j] > 0) lowest = fminf(lowest, b.price[j]);
+        for (int j = 0; j < E; ++j) b.reserve[j] = b.cap[j] > 0 ? b.price[j] - lowest : 0.0f;
+      }
+      for (int i = tid; i < N * K; i += THREADS) tok_e[i] = -1;
+      for (int i = tid; i < N * MW; i += THREADS) mask[i] = 0u;
+      for (int j = tid; j < E; j += THREADS) b.held[j] = 0;
+      __syncthreads();
+      for (int j = tid; j < E; j += THREADS) b.price[j] = b.reserve[j];
+      __syncthreads();
     }
   }
   // A token evicted from one expert can now prefer it to one it still holds by more than eps
@@ -1040,8 +1083,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (!cycles && b.open_count == 0) break;
       const int open_tokens = b.open_tokens;
       // Rows of the experts: the best move of one of their holders to every other expert. Only
-      // the rows whose holders the last round changed are computed again (all of them the first
-      // time), and of the rows whose holders' expert sets it changed, the marked entries.
+      // the rows a holder left in the last round are computed again (all of them the first
+      // time), and of the other rows the entries the moves marked (the rest were kept exact
+      // when the moves were applied).
       expert_rows(b, gain, tmp, cols, a, hold_t, mask);
       if (cycles) __syncthreads();  // b.worst of every row
       for (int u = tid; u < E; u += THREADS) {
@@ -1100,13 +1144,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       int changed = 0;
       if (!cycles) {
-        // Phase 2: shortest paths from D on reduced costs (Dijkstra in warp 0). The potentials P (the auction's prices to start with)
-        // keep every reduced cost -gain(u, v) + P(v) - P(u) above -eps (eps-complementary
+        // Phase 2: shortest paths from D on reduced costs (Dijkstra in warp 0), then the round's
+        // paths (warp 0 too). The potentials P (the auction's prices to start with) keep every
+        // reduced cost -gain(u, v) + P(v) - P(u) above -eps (eps-complementary
         // slackness; P(D) is set so that D's edges are >= 0); the few negative ones count as 0,
         // so the paths are the best augmenting paths up to eps each. Afterwards P -= distance
         // keeps the costs non-negative for the next round (successive shortest paths).
-        if (warp == 0) shortest_paths_dijkstra(b, gain, charge, round == 0);
-        __syncthreads();
+        if (warp == 0) {
+          shortest_paths_dijkstra(b, gain, charge, round == 0);
+          if (tid == 0) {
+            const long long now = clock64();
+            b.prof[4] += now - t_part;
+            t_part = now;
+          }
+          select_disjoint_paths(b, move, tok_e, real);
+          if (tid == 0) {
+            const long long now = clock64();
+            b.prof[9] += now - t_part;
+            t_part = now;
+          }
+        }
       } else {
         // Phase 3: Bellman-Ford (longest paths, every edge charged `charge`, at most
         // RELAX_CANCEL relaxations) from a virtual source joined to every node; the cycles of its
@@ -1144,19 +1201,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
             __syncthreads();
           }
-        }
-      }
-      if (!cycles) {
-        if (tid == 0) {
-          const long long now = clock64();
-          b.prof[4] += now - t_part;
-          t_part = now;
-        }
-        select_disjoint_paths(b, move, tok_e, real);
-        if (tid == 0) {
-          const long long now = clock64();
-          b.prof[9] += now - t_part;
-          t_part = now;
         }
       }
       __syncthreads();
@@ -1260,19 +1304,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         atomicOr(&mask[t * MW + (v >> 5)], 1u << (v & 31));
       }
       __syncthreads();
-      // Rows to compute again: the experts a token left or joined (their holders changed);
-      // in the rows of every other expert a moved token holds, only the entries of the experts
-      // it left or joined (its eligibility for those changed, nothing else did).
-      for (int q = tid; q < nm; q += THREADS) {
+      // The graph after the moves (a warp per move). The row of the expert a token left is
+      // computed again whole (its best moves were often the leaver's). The row of the expert it
+      // joined only gains the token's moves: each entry is raised to them (an atomic max; a row
+      // computed again whole anyway is not hurt). In the rows of the token's other experts only
+      // two entries change: it may now move to the expert it left (raised) and no longer to the
+      // one it joined (computed again only where its move was the stored best).
+      for (int q = warp; q < nm; q += WARPS) {
         const int t = move[3 * q], u = move[3 * q + 1], v = move[3 * q + 2];
-        if (u < E) b.dirty[u] = 1;
-        if (v < E) b.dirty[v] = 1;
+        if (lane == 0 && u < E) b.dirty[u] = 1;
         if (t < 0) continue;
-        for (int s = 0; s < K; ++s) {
-          const int w = tok_e[t * K + s];
-          if (w < 0 || w == v) continue;
-          if (u < E) atomicOr(&cols[w * MW + (u >> 5)], 1u << (u & 31));
-          if (v < E) atomicOr(&cols[w * MW + (v >> 5)], 1u << (v & 31));
+        const u32* mt = mask + t * MW;
+        if (v < E) {
+          const float av = a[t * E + v];
+#pragma unroll
+          for (int c = 0; c < LANE_E; ++c) {
+            const int y = lane + 32 * c;
+            if (y >= E || b.cap[y] <= 0 || has_bit(mt, y)) continue;
+            const float move_gain = a[t * E + y] - av;
+            if (move_gain > gain[GAIN(v, y)]) atomic_max_float(&gain[GAIN(v, y)], move_gain);
+          }
+          if (lane == 0) atomic_max_float(&b.worst[v], -av);
+        }
+        const bool to_left = u < E && b.cap[u] > 0 && !has_bit(mt, u);
+        if (lane < K) {
+          const int w = tok_e[t * K + lane];
+          if (w >= 0 && w != v) {
+            const float aw = a[t * E + w];
+            if (to_left) atomic_max_float(&gain[GAIN(w, u)], a[t * E + u] - aw);
+            if (v < E && gain[GAIN(w, v)] == a[t * E + v] - aw)
+              atomicOr(&cols[w * MW + (v >> 5)], 1u << (v & 31));
+          }
         }
       }
       __syncthreads();

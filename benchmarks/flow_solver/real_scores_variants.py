@@ -1,0 +1,129 @@
+"""Kernel variants on every routing group of a real router's scores.
+
+Trains each ``--presets`` model with maxscore (``real_scores.py``'s recording: compiled, bf16,
+micro-batch 64 x 512, so 64 routing groups of 512 tokens per MoE layer), keeps the scores of the
+last solver call (all groups; ``--save-scores`` writes them as float16 to
+``OUT/scores_<preset>.npz``), then times each variant of the kernel on exactly those scores, in
+one process: compile-time constants set by the host (the eps-scaling auctions' ``EPS_SCALE`` and
+``EPS_SCALE2``, ``THREADS``), or the auction's stall rule (``STALL``, ``STALL_FILL``, constants
+of the kernel file). The shipped kernel
+runs first and again last, so the spread between its two runs bounds the noise.
+
+    PYTHONPATH=src:tests python benchmarks/flow_solver/real_scores_variants.py \\
+        --presets base-2x64,deepseek-base,base-8x128 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from maxscore.routing.flow import global_cuda
+from maxscore.routing.flow.global_reference import GlobalBudget
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
+from common import load_script  # noqa: E402
+
+# (name, replacements in the kernel file, host constants): the stall rule is the kernel file's
+# own "#define STALL 8" / "#define STALL_FILL 2"; the rest are constants the host prepends.
+VARIANTS: list[tuple[str, list[tuple[str, str]], list[tuple[str, str, int]]]] = [
+    ("shipped", [], []),
+    ("one auction", [], [("EPS_SCALE", "1", 0), ("EPS_SCALE2", "1", 0)]),
+    ("two auctions, 10x", [], [("EPS_SCALE", "10", 0), ("EPS_SCALE2", "1", 0)]),
+    ("two auctions, 30x", [], [("EPS_SCALE", "30", 0), ("EPS_SCALE2", "1", 0)]),
+    ("two auctions, 100x", [], [("EPS_SCALE", "100", 0), ("EPS_SCALE2", "1", 0)]),
+    ("STALL_FILL=4", [("#define STALL_FILL 2", "#define STALL_FILL 4")], []),
+    ("STALL=4", [("#define STALL 8 ", "#define STALL 4 ")], []),
+    ("THREADS=512", [], [("THREADS", "512", 0)]),
+    ("shipped again", [], []),
+]
+
+
+def variant_source(source: str, replacements: list[tuple[str, str]]) -> str:
+    """The kernel file with ``replacements`` made; each must occur exactly once."""
+    for old, new in replacements:
+        if source.count(old) != 1:
+            raise ValueError(f"{old!r} occurs {source.count(old)} times in the kernel file")
+        source = source.replace(old, new)
+    return source
+
+
+def time_variants(preset: str, steps: int, reps: int, out: Path, save: bool) -> list[dict]:
+    """Train ``preset``, then time every variant on its last solver call's scores."""
+    real_scores = load_script(HERE / "real_scores.py", "real_scores")
+    compare = load_script(HERE / "compare_kernels.py", "compare_kernels")
+    timing = load_script(HERE / "bench.py", "flow_bench")
+    a, k, cap, holders, row = real_scores.train_and_record(preset, steps, warmup=steps - 40)
+    groups = a.shape[0]
+    if save:
+        np.savez_compressed(
+            out / f"scores_{preset}.npz",
+            scores=a.half().cpu().numpy(),
+            k=k,
+            capacity=cap.cpu().numpy(),
+        )
+    shipped = global_cuda.kernel_source()
+    rows = []
+    try:
+        for name, replacements, defines in VARIANTS:
+            compare.use_kernel(variant_source(shipped, replacements), defines)
+            stats = torch.zeros(groups, 20, dtype=torch.int32, device=a.device)
+            global_cuda.solve_cuda(a, k, cap, holders, GlobalBudget(), stats=stats)
+            s = stats.cpu()
+            ms = timing.graph_time_ms(
+                lambda: global_cuda.solve_cuda(a, k, cap, holders, GlobalBudget()), reps
+            )
+
+            def median_max(column: int, s: torch.Tensor = s) -> list[int]:
+                return [int(s[:, column].median()), int(s[:, column].max())]
+
+            found = {
+                "preset": preset,
+                "variant": name,
+                "ms": ms,
+                "shipped_step_ms": row["step_ms"],
+                "auction_rounds_median_max": median_max(0),
+                "open_after_auction_median_max": median_max(1),
+                "augment_rounds_median_max": median_max(2),
+                "cancel_rounds_max": int(s[:, 3].max()),
+                "kcycles_setup_auction_augment_cancel_max": [
+                    int(x) for x in s[:, 4:8].max(0).values
+                ],
+            }
+            print(json.dumps(found), flush=True)
+            rows.append(found)
+    finally:
+        compare.use_kernel(shipped, [])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default="base-2x64,deepseek-base,base-8x128")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--save-scores", action="store_true", help="every group, float16")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "steps": args.steps,
+        "rows": [],
+    }
+    for preset in args.presets.split(","):
+        result["rows"] += time_variants(preset, args.steps, args.reps, args.out, args.save_scores)
+        (args.out / "real_scores_variants.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
