@@ -1,0 +1,101 @@
+"""A lead for the global solver's eps-scaling, on the NumPy reference: lower restart prices.
+
+Each auction of eps-scaling restarts from the previous one's prices. Those differ by multiples of
+the previous auction's coarse eps even where the optimal prices are equal (all affinities tied),
+and a forward auction cannot lower a price, so experts priced one coarse step too high stay empty
+and phase 2 fills their slots one path at a time. This script lowers every restart price by
+``m`` coarse eps (floored at 0) and prints, per input family and shape, the open slots phase 2
+receives and its rounds, for ``m`` = none, 1, 4 and 16, with the shipped schedule
+(``GlobalBudget().epsilon_scales``). The shipped solver does not change.
+
+``PYTHONPATH=src:tests python benchmarks/flow_solver/restart_price_lead.py --out DIR``
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from maxscore.routing.flow import global_reference as ref
+from maxscore.routing.flow.global_reference import GlobalBudget
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # flow_helpers: the stored router scores
+from reference_leads import lead_arguments, record, write_rows  # noqa: E402
+
+from common import load_script  # noqa: E402
+
+SCHEDULE = GlobalBudget().epsilon_scales
+
+
+def auction_lowering(steps: int | None):
+    """Phase 1 with the shipped eps-scaling schedule whose restart prices are lowered by
+    ``steps`` coarse eps (``None``: as shipped)."""
+
+    def auction(
+        a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget
+    ) -> tuple[np.ndarray, np.ndarray]:
+        closed = cap == 0
+        eps = ref.auction_epsilon(a, budget)
+        start = ref.warm_prices(a)
+        for scale in [*SCHEDULE, 1]:
+            held, price = ref._auction_stage(a, k, cap, budget, start, eps * scale)
+            shifted = price - price[~closed].min()
+            if steps is not None:
+                shifted = np.maximum(shifted - steps * eps * scale, 0.0)
+            start = np.where(closed, 0.0, shifted)
+        reduced = a - price
+        best_alt = np.where(held | closed, -np.inf, reduced).max(axis=1, keepdims=True)
+        held &= ~(reduced < best_alt - eps)
+        return held, price
+
+    return auction
+
+
+def run(a_all: np.ndarray, k: int, steps: int | None) -> dict[str, Any]:
+    """Every group of ``a_all`` through the reference with the lowered restarts."""
+    n, e = a_all.shape[1:]
+    cap = np.full(e, -(-k * n // e))
+    original = ref._auction
+    ref._auction = auction_lowering(steps)
+    found: dict[str, Any] = {"open_after_auction": [], "augment_rounds": [], "feasible": True}
+    try:
+        for a in a_all:
+            stats: dict[str, int] = {}
+            held = ref.solve_group(a, k, cap, GlobalBudget(), stats)
+            found["open_after_auction"].append(stats["open_after_auction"])
+            found["augment_rounds"].append(stats["augment_rounds"])
+            found["feasible"] &= bool((held.sum(axis=1) == k).all())
+    finally:
+        ref._auction = original
+    return found
+
+
+def main() -> None:
+    args = lead_arguments(__doc__)
+    bench = load_script(HERE / "bench.py", "flow_bench")
+    import flow_helpers
+
+    cases = []
+    for n, e, k in [(256, 16, 2), (256, 64, 2), (256, 64, 6)]:
+        cases.append((k, "ties", np.full((args.groups, n, e), 1.0 / e)))
+        for family in ["random", "near-tied-0.03"]:
+            a = bench.synthetic(family, args.groups, n, e, seed=7).double().numpy()
+            cases.append((k, family, a))
+    cases.append((2, "router-e64_k2", flow_helpers.real_router_scores("e64_k2").double().numpy()))
+    rows: list[dict] = []
+    for k, family, a_all in cases:
+        _, n, e = a_all.shape
+        for steps in [None, 1, 4, 16]:
+            row = {"n": n, "e": e, "k": k, "family": family, "schedule": list(SCHEDULE)}
+            record(rows, {**row, "lowered_by_steps": steps, **run(a_all, k, steps)})
+    write_rows(args.out, "restart_price_lead.json", rows)
+
+
+if __name__ == "__main__":
+    main()
