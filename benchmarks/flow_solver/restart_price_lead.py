@@ -4,7 +4,7 @@ Each auction of eps-scaling restarts from the previous one's prices. Those diffe
 the previous auction's coarse eps even where the optimal prices are equal (all affinities tied),
 and a forward auction cannot lower a price, so experts priced one coarse step too high stay empty
 and phase 2 fills their slots one path at a time. This script lowers every restart price by
-``m`` coarse eps (floored at 0) and prints, per input family and shape, the open slots phase 2
+``m`` coarse eps (floored at 0: the shipped auction with its stages wrapped) and prints, per input family and shape, the open slots phase 2
 receives and its rounds, for ``m`` = none, 1, 4 and 16, with the shipped schedule
 (``GlobalBudget().epsilon_scales``). The shipped solver does not change.
 
@@ -14,6 +14,7 @@ receives and its rounds, for ``m`` = none, 1, 4 and 16, with the shipped schedul
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,46 +34,39 @@ from common import load_script  # noqa: E402
 SCHEDULE = GlobalBudget().epsilon_scales
 
 
-def auction_lowering(steps: int | None):
-    """Phase 1 with the shipped eps-scaling schedule whose restart prices are lowered by
-    ``steps`` coarse eps (``None``: as shipped)."""
+def stages_lowering(steps: int | None, original: Callable[..., Any]):
+    """``original``, the reference's auction (one stage of eps-scaling), with each restart's
+    starting prices lowered by ``steps`` times the previous stage's eps, floored at 0
+    (``None``: as shipped). A fresh one per group: it remembers the previous stage's eps."""
+    previous_eps: list[float] = []
 
-    def auction(
-        a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget
+    def stage(
+        a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget, start: np.ndarray, eps: float
     ) -> tuple[np.ndarray, np.ndarray]:
-        closed = cap == 0
-        eps = ref.auction_epsilon(a, budget)
-        start = ref.warm_prices(a)
-        for scale in [*SCHEDULE, 1]:
-            held, price = ref._auction_stage(a, k, cap, budget, start, eps * scale)
-            shifted = price - price[~closed].min()
-            if steps is not None:
-                shifted = np.maximum(shifted - steps * eps * scale, 0.0)
-            start = np.where(closed, 0.0, shifted)
-        reduced = a - price
-        best_alt = np.where(held | closed, -np.inf, reduced).max(axis=1, keepdims=True)
-        held &= ~(reduced < best_alt - eps)
-        return held, price
+        if steps is not None and previous_eps:  # a restart (closed experts start at 0 already)
+            start = np.maximum(start - steps * previous_eps[-1], 0.0)
+        previous_eps.append(eps)
+        return original(a, k, cap, budget, start, eps)
 
-    return auction
+    return stage
 
 
 def run(a_all: np.ndarray, k: int, steps: int | None) -> dict[str, Any]:
     """Every group of ``a_all`` through the reference with the lowered restarts."""
     n, e = a_all.shape[1:]
     cap = np.full(e, -(-k * n // e))
-    original = ref._auction
-    ref._auction = auction_lowering(steps)
+    original = ref._auction_stage
     found: dict[str, Any] = {"open_after_auction": [], "augment_rounds": [], "feasible": True}
     try:
         for a in a_all:
+            ref._auction_stage = stages_lowering(steps, original)
             stats: dict[str, int] = {}
             held = ref.solve_group(a, k, cap, GlobalBudget(), stats)
             found["open_after_auction"].append(stats["open_after_auction"])
             found["augment_rounds"].append(stats["augment_rounds"])
             found["feasible"] &= bool((held.sum(axis=1) == k).all())
     finally:
-        ref._auction = original
+        ref._auction_stage = original
     return found
 
 

@@ -116,6 +116,7 @@ def kernel_defines(
     """
     overrides = overrides or {}
     cb = max(1, min(holders, n))
+    scales = (*budget.epsilon_scales_for(n), 1, 1)
     defines = {
         "N": str(n),
         "E": str(e),
@@ -129,14 +130,8 @@ def kernel_defines(
         "RELAX_CANCEL": str(max(1, min(budget.relaxations, e + 3))),
         "EPS_REL": f"{float(budget.epsilon)!r}f",
         # eps-scaling's earlier auctions (1: none)
-        **{
-            name: str(scale)
-            for name, scale in zip(
-                ("EPS_SCALE", "EPS_SCALE2"),
-                [*budget.epsilon_scales_for(n), 1, 1],
-                strict=False,
-            )
-        },
+        "EPS_SCALE": str(scales[0]),
+        "EPS_SCALE2": str(scales[1]),
         "TOL_REL": f"{float(budget.tolerance)!r}f",
         "WARP_BIDS": "1" if e > 32 else "0",
         **overrides,

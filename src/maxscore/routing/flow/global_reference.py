@@ -70,6 +70,14 @@ import numpy as np
 __all__ = ["GlobalBudget", "solve_group", "solve_reference"]
 
 
+#: Auctions before the last one that the CUDA kernel can run (its EPS_SCALE, EPS_SCALE2).
+MAX_EPSILON_SCALES = 2
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class GlobalBudget:
     """Step counts and tolerances of the global solver (shared by every backend).
@@ -131,14 +139,6 @@ class GlobalBudget:
     def epsilon_scales_for(self, n: int) -> tuple[int, ...]:
         """The eps-scaling auctions of a group of ``n`` tokens (``()``: one auction)."""
         return self.epsilon_scales if n <= self.epsilon_scale_max_tokens else ()
-
-
-#: Auctions before the last one that the CUDA kernel can run (its EPS_SCALE, EPS_SCALE2).
-MAX_EPSILON_SCALES = 2
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def solve_reference(
