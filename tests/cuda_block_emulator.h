@@ -98,6 +98,12 @@ inline T __shfl_up_sync(unsigned, T v, int d) {
   return lane >= d ? all[lane - d] : v;
 }
 template <typename T>
+inline T __shfl_down_sync(unsigned, T v, int d) {
+  const int lane = threadIdx.x & 31;
+  const auto all = warp_values(v);
+  return lane + d < 32 ? all[lane + d] : v;
+}
+template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int o) {
   return warp_values(v)[(threadIdx.x & 31) ^ o];
 }
@@ -120,6 +126,7 @@ inline T __reduce_max_sync(unsigned, T v) {
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+inline int __clz(unsigned x) { return x == 0 ? 32 : __builtin_clz(x); }
 inline int __float_as_int(float f) { return from_bits<int>(to_bits(f)); }
 inline unsigned __float_as_uint(float f) { return from_bits<unsigned>(to_bits(f)); }
 inline float __int_as_float(int i) { return from_bits<float>(to_bits(i)); }

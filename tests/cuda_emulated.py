@@ -19,6 +19,24 @@ from maxscore.routing.flow import global_cuda
 from maxscore.routing.flow.global_reference import GlobalBudget
 
 HERE = Path(__file__).resolve().parent
+# Added to the runner where the kernel file has the radix select (earlier kernels, built to
+# compare assignments with, do not).
+_RADIX_RUNNER = """
+extern "C" void radix_select(const unsigned* values, const unsigned char* is_item, int items,
+                             int need, int bits, int* out) {{
+  launch_blocks(1, 32, [&] {{
+    const SelectResult r = warp_radix_select(items, need, bits, [&](int q, u32& u) {{
+      u = values[q];
+      return is_item[q] != 0;
+    }});
+    if (threadIdx.x == 0) {{
+      out[0] = (int)r.value;
+      out[1] = r.need;
+      out[2] = r.at_value;
+    }}
+  }});
+}}
+"""
 _RUNNER = """
 #include "cuda_block_emulator.h"
 #include "{kernel}"
@@ -73,7 +91,8 @@ def _library(defines: tuple[tuple[str, str], ...], kernel: Path | None = None) -
     lib = build / f"auction_{key}.so"
     if not lib.exists():
         src = build / f"runner_{key}.cpp"
-        src.write_text(_RUNNER.format(kernel=kernel))
+        runner = _RUNNER + (_RADIX_RUNNER if "warp_radix_select" in kernel.read_text() else "")
+        src.write_text(runner.format(kernel=kernel))
         flags = [f"-D{name}={value}" for name, value in defines]
         tmp = build / f"auction_{key}.tmp.so"
         done = subprocess.run(
@@ -188,3 +207,22 @@ def solve_emulated(
         ctypes.c_int(groups),
     )
     return torch.from_numpy(out), torch.from_numpy(stats)
+
+
+def radix_select(
+    values: np.ndarray, is_item: np.ndarray, need: int, bits: int
+) -> tuple[int, int, int]:
+    """The kernel's ``warp_radix_select`` (one warp) on ``values`` (uint32, below ``2**bits``) at
+    the positions where ``is_item``: (the largest value U with at least ``need`` items >= U, the
+    items still needed at U, the items equal to U)."""
+    defines = global_cuda.kernel_defines(64, 8, 2, 16, GlobalBudget())
+    lib = _library(tuple(defines.items()))
+    v = np.ascontiguousarray(values, dtype=np.uint32)
+    m = np.ascontiguousarray(is_item, dtype=np.uint8)
+    out = np.zeros(3, dtype=np.int32)
+    ptr = ctypes.c_void_p
+    lib.radix_select(
+        ptr(v.ctypes.data), ptr(m.ctypes.data), ctypes.c_int(len(v)), ctypes.c_int(need),
+        ctypes.c_int(bits), ptr(out.ctypes.data),
+    )  # fmt: skip
+    return int(out[0]) & 0xFFFFFFFF, int(out[1]), int(out[2])

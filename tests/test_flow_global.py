@@ -121,6 +121,36 @@ def test_launch_plan_picks_wide_blocks_where_memory_allows(
     assert narrow["THREADS"] == str(min(global_cuda.THREADS, 32 * -(-n // 32)))
 
 
+@pytest.mark.parametrize(
+    ("n", "e", "k", "listed"),
+    [
+        (512, 16, 2, "1"),
+        (512, 64, 6, "1"),
+        (512, 128, 8, "1"),
+        (4096, 64, 6, "1"),
+        (512, 256, 8, "0"),
+    ],
+)
+def test_launch_plan_lists_overflowing_bids_where_memory_allows(
+    n: int, e: int, k: int, listed: str
+) -> None:
+    """The overflowing experts' bid list (``COMPACT``, 4 bytes a bid record) is planned only
+    where it leaves the block size and the memory plan as they are: at e = 256, k = 8 the state
+    would leave shared memory, so the selection passes over every record there instead."""
+    budget, optin = GlobalBudget(), 227 * 1024
+    holders = -(-k * n // e)
+    plan = global_cuda.plan_launch(optin, n, e, k, holders, budget)
+    assert plan["COMPACT"] == listed
+    shared, _ = global_cuda.shared_and_scratch_bytes(plan, 4)
+    assert shared + global_cuda.block_bytes(plan) <= optin
+    if listed == "0":  # with the list, the state would not fit beside the Block struct
+        forced = global_cuda.kernel_defines(
+            n, e, k, holders, budget, overrides=plan | {"COMPACT": "1"}
+        )
+        room = optin - global_cuda.block_bytes(forced)
+        assert global_cuda.work_bytes(forced) > room >= global_cuda.work_bytes(plan)
+
+
 @pytest.mark.parametrize("key", ["e16_k2", "e64_k2"])
 def test_real_router_scores_near_optimal(key: str) -> None:
     """Scores a MaxScore router produced in training (a real Base / base-2x64 layer): Eq. 7
@@ -358,12 +388,13 @@ def _emulated():
         (64, 8, 2, "near-tied"),
         (96, 12, 3, "skewed"),
         (64, 40, 3, "random"),
-        # 128-bid buffers that overflow in most auction rounds (the bid selection's bisection)
+        # 128-bid buffers that overflow in most auction rounds (the bid selection's radix select)
         (512, 16, 2, "near-tied"),
     ],
 )
 def test_kernel_emulated_near_optimal(n: int, e: int, k: int, family: str) -> None:
-    """The kernel's three phases (thread-per-token bids for e <= 32, warp bids above) keep Eq. 7
+    """The kernel's three phases (at e <= 32 thread-per-token bids in rounds with many open
+    tokens and warp bids in the others, warp bids throughout above 32 experts) keep Eq. 7
     exactly and reach the exact optimum up to the gap bound."""
     emu = _emulated()
     if family == "near-tied":
@@ -605,6 +636,80 @@ def test_kernel_emulated_property() -> None:
         fh.check_constraints(index, k, capacity, e)
         exact = FLOW_SOLVERS["exact"].solve(affinities, k, capacity)
         assert bool(((index >= 0).sum((1, 2)) == (exact >= 0).sum((1, 2))).all())
+
+    check()
+
+
+@pytest.mark.parametrize(("n", "e", "k"), [(96, 24, 3), (128, 40, 2), (128, 64, 6)])
+def test_kernel_emulated_bid_modes_agree(n: int, e: int, k: int) -> None:
+    """A round's bids are the same whether a thread or a warp makes each token's (the host
+    picks per round by the open tokens, ``WARP_BID_TOKENS``): every round one way, every round
+    the other and the host's mix give the same assignment, exact ties included (where both
+    take the lowest expert indices among equal values)."""
+    emu = _emulated()
+    ties = torch.full((1, n, e), 1.0 / e)
+    affinities = torch.cat([fh.instances(31, 1, n, e, 0.0), fh.near_tied(31, 1, n, e, 0.03), ties])
+    capacity = torch.full((e,), -(-k * n // e))
+    answers = [
+        emu.solve_emulated(affinities, k, capacity, defines=defines)[0]
+        for defines in ({"WARP_BID_TOKENS": "0"}, {"WARP_BID_TOKENS": str(n)}, None)
+    ]
+    fh.check_constraints(answers[0], k, capacity, e)
+    assert torch.equal(answers[0], answers[1]) and torch.equal(answers[0], answers[2])
+
+
+@pytest.mark.parametrize("use_scratch", [False, True])
+def test_kernel_emulated_bid_list_changes_nothing(use_scratch: bool) -> None:
+    """The overflowing experts' bids listed by expert before their selection (``COMPACT``) keep
+    the same BUF bids as passes over every record of the round: the same assignments on inputs
+    whose buffers overflow in most rounds (near-tied rows, exact ties), with the state in shared
+    memory or in the global scratch buffer."""
+    emu = _emulated()
+    n, e, k = 256, 8, 2  # 64 slots an expert, 32-bid buffers
+    affinities = torch.cat([fh.near_tied(41, 1, n, e, 0.03), torch.full((1, n, e), 1.0 / e)])
+    capacity = torch.full((e,), -(-k * n // e))
+    listed, plain = (
+        emu.solve_emulated(
+            affinities, k, capacity, use_scratch=use_scratch, defines={"COMPACT": compact}
+        )[0]
+        for compact in ("1", "0")
+    )
+    fh.check_constraints(listed, k, capacity, e)
+    assert torch.equal(listed, plain)
+
+
+def test_kernel_bid_selection_radix_select_matches_a_sort() -> None:
+    """The auction's overflow path keeps an expert's BUF best bids through the kernel's warp
+    radix select: on random values, heavy duplicates, all-equal and full 32-bit ranges, its
+    answer equals the one read off a sort (the need-th largest item value, the items still
+    needed there, the items equal to it)."""
+    emu = _emulated()
+    pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        items=st.integers(1, 150),
+        bits=st.sampled_from([0, 1, 3, 5, 7, 17, 31, 32]),
+        distinct=st.sampled_from([1, 2, 5, 1000, 2**32]),
+        data=st.data(),
+    )
+    def check(items: int, bits: int, distinct: int, data: st.DataObject) -> None:
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+        top = min(2**bits, distinct)
+        values = rng.integers(0, top, size=items, dtype=np.uint64) if top > 1 else np.zeros(items)
+        if bits > 0:  # the largest value of the range is present where it can be
+            values[rng.integers(items)] = 2**bits - 1 if distinct > 2**bits else values.max()
+        values = values.astype(np.uint32)
+        is_item = rng.random(items) < data.draw(st.sampled_from([1.0, 0.7, 0.2]))
+        chosen = np.sort(values[is_item])[::-1]
+        if chosen.size == 0:
+            return
+        need = data.draw(st.integers(1, chosen.size))
+        value = int(chosen[need - 1])
+        expected = (value, need - int((chosen > value).sum()), int((chosen == value).sum()))
+        assert emu.radix_select(values, is_item, need, bits) == expected
 
     check()
 

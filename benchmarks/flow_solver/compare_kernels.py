@@ -101,6 +101,8 @@ def main() -> None:
         extra.append((key, value, int(min_e or 0)))
     if "GRAPH_IN_WORK" not in baseline:  # an older kernel: its graph has no place in phase 1's
         extra.append(("GRAPH_IN_WORK", "0", 0))  # buffers, so the host must not count on one
+    if "WARP_BID_TOKENS" not in baseline:  # an older kernel: its bid mode was one switch for
+        extra.append(("WARP_BIDS", "1", 33))  # every round, warp bids above 32 experts
     kernels = {
         "shipped": (global_cuda.kernel_source(), []),
         "baseline": (baseline, extra),

@@ -5,9 +5,9 @@ micro-batch 64 x 512, so 64 routing groups of 512 tokens per MoE layer), keeps t
 last solver call (all groups; ``--save-scores`` writes them as float16 to
 ``OUT/scores_<preset>.npz``), then times each variant of the kernel on exactly those scores, in
 one process: compile-time constants set by the host (the eps-scaling auctions' ``EPS_SCALE`` and
-``EPS_SCALE2``, ``THREADS``), or the auction's stall rule (``STALL``, ``STALL_FILL``, constants
-of the kernel file). The shipped kernel
-runs first and again last, so the spread between its two runs bounds the noise.
+``EPS_SCALE2``, ``THREADS``, the bid mode's ``WARP_BID_TOKENS``), or the auction's stall rule
+(``STALL``, ``STALL_FILL``, constants of the kernel file). The shipped kernel runs first and
+again last, so the spread between its two runs bounds the noise.
 
     PYTHONPATH=src:tests python benchmarks/flow_solver/real_scores_variants.py \\
         --presets base-2x64,deepseek-base,base-8x128 --out OUT
@@ -43,6 +43,7 @@ VARIANTS: list[tuple[str, list[tuple[str, str]], list[tuple[str, str, int]]]] = 
     ("STALL_FILL=4", [("#define STALL_FILL 2", "#define STALL_FILL 4")], []),
     ("STALL=4", [("#define STALL 8 ", "#define STALL 4 ")], []),
     ("THREADS=512", [], [("THREADS", "512", 0)]),
+    ("thread bids in every round", [], [("WARP_BID_TOKENS", "0", 0)]),
     ("shipped again", [], []),
 ]
 

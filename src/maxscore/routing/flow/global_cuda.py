@@ -54,6 +54,12 @@ THREADS = 512
 # (at e = 256, k = 8 the state would leave shared memory); 1,024 threads would spill registers.
 WIDE_THREADS, WIDE_FROM_EXPERTS = 768, 64
 BID_BUFFER = 128  # bids an expert takes per auction round at most (more wait a round)
+# How an auction round bids: a warp per open token above SMALL_E experts whatever the number of
+# open tokens; up to SMALL_E, a warp per token in rounds with at most SMALL_E_WARP_BID_TOKENS
+# open tokens (the tail) and a thread per token in the others (H200, 32 groups of 512 tokens:
+# e = 32, k = 2 random 0.414 -> 0.292 ms, e = 16 0.224 -> 0.203; above 32 experts a thread
+# per token was slower in every round tried: e = 128, k = 8 2.13 -> 2.23 ms at 64 tokens).
+SMALL_E, SMALL_E_WARP_BID_TOKENS = 32, 64
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 _disabled_reason: str | None = None
@@ -133,7 +139,10 @@ def kernel_defines(
         "EPS_SCALE": str(scales[0]),
         "EPS_SCALE2": str(scales[1]),
         "TOL_REL": f"{float(budget.tolerance)!r}f",
-        "WARP_BIDS": "1" if e > 32 else "0",
+        "WARP_BID_TOKENS": str(n if e > SMALL_E else SMALL_E_WARP_BID_TOKENS),
+        # the overflowing experts' bid records listed by expert (4 bytes a record of state);
+        # plan_launch turns it off where that space would move the state out of shared memory
+        "COMPACT": "1",
         **overrides,
     }
     state, graph, affinities = work_bytes(defines), 4 * (e + 2) ** 2, 4 * n * e
@@ -152,7 +161,7 @@ def kernel_defines(
 def phase1_bytes(defines: dict[str, str]) -> int:
     """Bytes at the end of the state that only phase 1 uses (the bids and their records)."""
     n, e, k, buf = (int(defines[key]) for key in ("N", "E", "K", "BUF"))
-    return 4 * (2 * e * buf + 2 * n * k)
+    return 4 * (2 * e * buf + (3 if defines["COMPACT"] == "1" else 2) * n * k)
 
 
 def block_bytes(defines: dict[str, str]) -> int:
@@ -166,11 +175,11 @@ def block_bytes(defines: dict[str, str]) -> int:
         + 7 * v  # dist, dist_next, pot, pred, jump, jump_next, on_cycle
         + 2 * e  # tree_best (8 bytes each)
         + v  # drop_token
-        + 4 * e  # dirty, dirty_list, col_rows, worst
-        + 2  # ndirty, ncol
+        + 4 * e  # dirty, expert_list, col_rows, worst
+        + 2  # experts_listed, ncol
         + 3  # lo_ord, hi_ord, real_rows
         + 4  # lo, hi, eps, tol
-        + 3  # open_count, open_tokens, moves
+        + 4  # open_count, open_tokens, moves, overflowed
     )
     return 4 * words + 8 * 12 + 16  # prof; alignment padding
 
@@ -194,7 +203,8 @@ def work_bytes(defines: dict[str, str]) -> int:
     cb, buf = int(defines["CB"]), int(defines["BUF"])
     warps = int(defines["THREADS"]) // 32
     v, mw = e + 2, (e + 31) // 32
-    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + e * mw + 2 * n * k
+    lists = (3 if defines["COMPACT"] == "1" else 2) * n * k  # bid records (and their list)
+    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + e * mw + lists
     return 4 * (words + warps * e)
 
 
@@ -304,18 +314,26 @@ def plan_launch(
     memory gets what the Block struct leaves (the struct's size does not depend on the memory
     flags, so any flags give it). From ``WIDE_FROM_EXPERTS`` experts, where the narrower choice
     is a full ``THREADS`` block, blocks of ``WIDE_THREADS`` where that plan puts the state, the
-    graph and the affinities where the narrower one does."""
+    graph and the affinities where the narrower one does. The list of overflowing bids
+    (``COMPACT``) only where its space leaves that choice as it is (not at e = 256, k = 8,
+    whose state would leave shared memory)."""
 
     def plan(overrides: dict[str, str]) -> dict[str, str]:
         room = optin - block_bytes(kernel_defines(n, e, k, holders, budget, overrides=overrides))
         return kernel_defines(n, e, k, holders, budget, shared_bytes=room, overrides=overrides)
 
-    narrow = plan({})
-    if e >= WIDE_FROM_EXPERTS and narrow["THREADS"] == str(THREADS):
-        wide = plan({"THREADS": str(WIDE_THREADS)})
-        if all(wide[flag] == narrow[flag] for flag in MEMORY_FLAGS):
-            return wide
-    return narrow
+    def blocks(compact: str) -> dict[str, str]:
+        narrow = plan({"COMPACT": compact})
+        if e >= WIDE_FROM_EXPERTS and narrow["THREADS"] == str(THREADS):
+            wide = plan({"COMPACT": compact, "THREADS": str(WIDE_THREADS)})
+            if all(wide[flag] == narrow[flag] for flag in MEMORY_FLAGS):
+                return wide
+        return narrow
+
+    # The bid records' list only where it leaves the block and the memory plan as they are.
+    listed, plain = blocks("1"), blocks("0")
+    same = all(listed[key] == plain[key] for key in ("THREADS", *MEMORY_FLAGS))
+    return listed if same else plain
 
 
 @functools.cache

@@ -37,8 +37,11 @@
 // round; more wait a round), AUCTION, STOP_OPEN, CANCELS, RELAX_CANCEL (Bellman-Ford
 // relaxations per cancelling round: positive cycles are short, so their predecessor cycles
 // show up within a few), EPS_REL, EPS_SCALE and EPS_SCALE2 (the earlier auctions' eps in units
-// of EPS_REL's; 1: no such auction), TOL_REL, WARP_BIDS (1: a warp per bidding token, for large E; 0: a thread per
-// token), STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM.
+// of EPS_REL's; 1: no such auction), TOL_REL, WARP_BID_TOKENS (a round with at most this many
+// open tokens bids with a warp per token, a larger one with a thread per token), COMPACT (1:
+// the bid records of the experts with more bids than BUF are listed by expert before their
+// selection, which then passes over each expert's own; 0: over every record of the round),
+// STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM.
 
 #define WARPS (THREADS / 32)
 #define V (E + 2)
@@ -75,7 +78,11 @@ typedef unsigned int u32;
 #define OFF_BID_P (OFF_BID_T + 4 * E * BUF)  // float [E * BUF]
 #define OFF_REC_E (OFF_BID_P + 4 * E * BUF)  // int [N * K]: expert of each posted bid
 #define OFF_REC_P (OFF_REC_E + 4 * N * K)    // float [N * K]: its value
-#define WORK_BYTES (OFF_REC_P + 4 * N * K)
+#define OFF_LIST (OFF_REC_P + 4 * N * K)     // int [N * K] with COMPACT: records by expert
+#define WORK_BYTES (OFF_LIST + (COMPACT ? 4 * N * K : 0))
+// The lists' offsets and counts take `tmp` (WARPS * E words) in phase 1: two per expert. A
+// one-warp block has N <= 32 <= BUF tokens, so no expert ever gets more bids than BUF there.
+static_assert(!COMPACT || WARPS >= 2 || N <= BUF, "COMPACT needs two words of tmp per expert");
 #define GRAPH_BYTES (4 * V * V)
 #define A_BYTES (4 * N * E)
 
@@ -95,13 +102,15 @@ struct Block {
   unsigned long long tree_best[E];      // phase 2: each tree's best target (gain, -index)
   int drop_token[V];  // the open token realising each edge D -> v
   int dirty[E];       // rows of the expert graph to recompute whole (all, then where one left)
-  int dirty_list[E], ndirty;  // the dirty rows of a round, listed
+  // A round's listed experts: in phase 1 those bid for (their merges, shared by the warps), in
+  // phases 2-3 the dirty rows.
+  int expert_list[E], experts_listed;
   int col_rows[E], ncol;      // the rows with only some entries to recompute, listed
   float part_worst[WARPS];    // a split row's chunks: their b.worst
   float worst[E];     // -(lowest affinity among each expert's holders): the edge u -> D
   int lo_ord, hi_ord, real_rows;
   float lo, hi, eps, tol;
-  int open_count, open_tokens, moves;
+  int open_count, open_tokens, moves, overflowed;
   long long prof[12];  // SM cycles per part (thread 0's clock): see the stats at the end
 };
 
@@ -172,6 +181,64 @@ __device__ __forceinline__ int warp_atomic_add(int* counter, int value, bool act
   return base + prefix - (active ? value : 0);
 }
 
+// warp_radix_select's answer: the value, the items still needed at it (the rank asked for minus
+// the items above it) and the items at it.
+struct SelectResult {
+  u32 value;
+  int need, at_value;
+};
+
+// The largest value U such that at least `need` of the items have a value >= U (need >= 1, and
+// at least `need` items exist), by radix select on the values' `bits` low bits, five bits a pass
+// from the top: each pass counts the items that agree with the digits chosen so far by their
+// next digit (a lane per digit value: five ballots give each lane its digit's items among 32)
+// and keeps the highest digit whose items and those above it reach `need`. One pass over the
+// items per five bits, against a counting pass per bit for a bisection. `get(q, u)`: item q's
+// value into u, false if q is not an item. Every lane calls it and gets the answer.
+template <class Get>
+__device__ __forceinline__ SelectResult warp_radix_select(int items, int need, int bits, Get get) {
+  const int lane = threadIdx.x & 31;
+  u32 prefix = 0;
+  int at_value = 0;
+  bool first = true;
+  for (int shift = (bits + 4) / 5 * 5 - 5; shift >= 0; shift -= 5) {
+    int count = 0;  // the items whose next digit is this lane's
+    for (int q0 = 0; q0 < items; q0 += 32) {
+      u32 u = 0;
+      bool ok = q0 + lane < items && get(q0 + lane, u);
+      ok = ok && (shift + 5 >= 32 || (u >> (shift + 5)) == prefix);
+      const u32 digit = (u >> shift) & 31u;
+      u32 m = __ballot_sync(FULL_MASK, ok);
+#pragma unroll
+      for (int bit = 0; bit < 5; ++bit) {
+        const u32 set = __ballot_sync(FULL_MASK, ok && ((digit >> bit) & 1u));
+        m &= ((lane >> bit) & 1) ? set : ~set;
+      }
+      count += __popc(m);
+    }
+    int above = count;  // then: the items with this digit or a higher one
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_down_sync(FULL_MASK, above, o);
+      if (lane + o < 32) above += y;
+    }
+    const int d = 31 - __clz(__ballot_sync(FULL_MASK, above >= need));
+    need -= __shfl_sync(FULL_MASK, above - count, d);
+    at_value = __shfl_sync(FULL_MASK, count, d);
+    prefix = (prefix << 5) | (u32)d;
+    first = false;
+  }
+  if (first) {  // no bits: every item has the value 0
+    int n = 0;
+    for (int q = lane; q < items; q += 32) {
+      u32 u;
+      n += get(q, u);
+    }
+    at_value = __reduce_add_sync(FULL_MASK, n);
+  }
+  return {prefix, need, at_value};
+}
+
 // Token t's bid `value` for expert j through its open entry s: recorded with the bidder (for the
 // deterministic overflow path) and posted to the expert's buffer while it has room (more bids
 // wait a round).
@@ -180,6 +247,8 @@ __device__ __forceinline__ void post_bid(Block& b, int t, int s, int j, float va
   rec_e[t * K + s] = j;
   rec_p[t * K + s] = value;
   const int slot = atomicAdd(&b.nbid[j], 1);
+  if (slot == 0) b.expert_list[atomicAdd(&b.experts_listed, 1)] = j;  // its first bid
+  if (slot == BUF) b.overflowed = 1;
   if (slot < BUF) {
     bid_t[j * BUF + slot] = (t << 4) | s;
     bid_p[j * BUF + slot] = value;
@@ -419,7 +488,7 @@ __device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, co
                             const int* hold_t, const u32* mask) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
-    b.ndirty = 0;
+    b.experts_listed = 0;
     b.ncol = 0;
   }
   __syncthreads();
@@ -433,13 +502,13 @@ __device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, co
         if (dirty) cols[u * MW + w] = 0u;  // the whole row is computed again
       }
     }
-    const int slot = warp_atomic_add(&b.ndirty, 1, dirty);
-    if (dirty) b.dirty_list[slot] = u;
+    const int slot = warp_atomic_add(&b.experts_listed, 1, dirty);
+    if (dirty) b.expert_list[slot] = u;
     const int col_slot = warp_atomic_add(&b.ncol, 1, marked && !dirty);
     if (marked && !dirty) b.col_rows[col_slot] = u;
   }
   __syncthreads();
-  const int rows = b.ndirty, col_rows = b.ncol;
+  const int rows = b.experts_listed, col_rows = b.ncol;
   // The marked entries of the other rows: a warp per row, a warp-wide max per entry.
   for (int r = warp; r < col_rows; r += WARPS) {
     const int u = b.col_rows[r];
@@ -469,7 +538,7 @@ __device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, co
   const int fit = min(WARPS / rows, (CB + 3) / 4);
   const int split = fit > 1 ? fit : 1;
   for (int item = warp; item < rows * split; item += WARPS) {
-    const int u = b.dirty_list[item / split], chunk = item % split;
+    const int u = b.expert_list[item / split], chunk = item % split;
     const int h = b.held[u];
     const int* ht = hold_t + u * CB;
     float best[LANE_E];
@@ -518,12 +587,12 @@ __device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, co
     const int r = i / E, v = i % E;
     float m = NEG;
     for (int c = 0; c < split; ++c) m = fmaxf(m, partial[(r * split + c) * E + v]);
-    gain[GAIN(b.dirty_list[r], v)] = m;
+    gain[GAIN(b.expert_list[r], v)] = m;
   }
   for (int r = tid; r < rows; r += THREADS) {
     float m = NEG;
     for (int c = 0; c < split; ++c) m = fmaxf(m, b.part_worst[r * split + c]);
-    const int u = b.dirty_list[r];
+    const int u = b.expert_list[r];
     b.worst[u] = m;
     b.dirty[u] = 0;
   }
@@ -584,6 +653,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   int* move = (int*)(work + OFF_MOVE);
   int* rec_e = (int*)(work + OFF_REC_E);
   float* rec_p = (float*)(work + OFF_REC_P);
+  int* bid_list = (int*)(work + OFF_LIST);  // phase 1, COMPACT: overflowing experts' records,
+  int* bid_off = (int*)(work + OFF_TMP);    // each expert's first in bid_list, and how many are
+  int* bid_fill = bid_off + E;              // listed so far (phase 1 leaves `tmp` unused)
   float* tmp = (float*)(work + OFF_TMP);
   u32* cols = (u32*)(work + OFF_COLS);
 
@@ -693,6 +765,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (tid == 0) {
         b.open_count = 0;
         b.open_tokens = 0;
+        b.experts_listed = 0;
+        b.overflowed = 0;
       }
       __syncthreads();
       // Open tokens into a list (its order does not matter: bids are ranked per expert).
@@ -707,116 +781,161 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (open_now <= (r == 0 ? 0 : STOP_OPEN)) break;
       if (r >= STALL && open_history[r % STALL] - open_now < STALL_FILL) break;
       open_history[r % STALL] = open_now;
-#if WARP_BIDS
-      for (int q = warp; q < open_tokens; q += WARPS) {
-        const int t = open_list[q];
-        const u32* mt = mask + t * MW;
-        const int m = DEMAND(t) - held_count(tok_e, t);
-        if (lane < K) rec_e[t * K + lane] = -1;
-        __syncwarp();
-        float val[LANE_E];
+      // A warp per token while few tokens bid (its bids in a few dependent warp steps), a thread
+      // per token when many do (the warps would take their tokens one after another).
+      if (open_tokens <= WARP_BID_TOKENS) {
+        for (int q = warp; q < open_tokens; q += WARPS) {
+          const int t = open_list[q];
+          const u32* mt = mask + t * MW;
+          const int m = DEMAND(t) - held_count(tok_e, t);
+          if (lane < K) rec_e[t * K + lane] = -1;
+          __syncwarp();
+          float val[LANE_E];
 #pragma unroll
-        for (int c = 0; c < LANE_E; ++c) {  // loads first, all in flight at once (see Dijkstra)
-          const int j = lane + 32 * c;
-          val[c] = j < E ? a[t * E + j] : NEG;
-        }
-#pragma unroll
-        for (int c = 0; c < LANE_E; ++c) {
-          const int j = lane + 32 * c;
-          val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? val[c] - b.price[j] : NEG;
-        }
-        int my_pick = -1;  // lane r < m keeps the r-th pick
-        float w = NEG;
-        int w_valid = 0;
-        for (int r = 0; r <= m; ++r) {
-          float best = NEG;
-          int bj = 0x7fffffff;
+          for (int c = 0; c < LANE_E; ++c) {  // loads first, all in flight at once (see Dijkstra)
+            const int j = lane + 32 * c;
+            val[c] = j < E ? a[t * E + j] : NEG;
+          }
 #pragma unroll
           for (int c = 0; c < LANE_E; ++c) {
             const int j = lane + 32 * c;
-            if (val[c] > best) {
-              best = val[c];
-              bj = j;
+            val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? val[c] - b.price[j] : NEG;
+          }
+          int my_pick = -1;  // lane r < m keeps the r-th pick
+          float w = NEG;
+          int w_valid = 0;
+          for (int r = 0; r <= m; ++r) {
+            float best = NEG;
+            int bj = 0x7fffffff;
+#pragma unroll
+            for (int c = 0; c < LANE_E; ++c) {
+              const int j = lane + 32 * c;
+              if (val[c] > best) {
+                best = val[c];
+                bj = j;
+              }
             }
-          }
-          warp_argmax(best, bj);
-          const bool found = best > NEG;
-          if (r < m) {
-            if (lane == r && found) my_pick = bj;
-          } else {
-            w = best;
-            w_valid = found;
-          }
+            warp_argmax(best, bj);
+            const bool found = best > NEG;
+            if (r < m) {
+              if (lane == r && found) my_pick = bj;
+            } else {
+              w = best;
+              w_valid = found;
+            }
 #pragma unroll
-          for (int c = 0; c < LANE_E; ++c)
-            if (lane + 32 * c == bj) val[c] = NEG;
+            for (int c = 0; c < LANE_E; ++c)
+              if (lane + 32 * c == bj) val[c] = NEG;
+          }
+          if (!w_valid) w = floor_w;
+          if (lane < m && my_pick >= 0) {
+            const int j = my_pick;
+            post_bid(b, t, open_entry(tok_e, t, lane), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
+                     bid_t, bid_p);
+          }
         }
-        if (!w_valid) w = floor_w;
-        if (lane < m && my_pick >= 0) {
-          const int j = my_pick;
-          post_bid(b, t, open_entry(tok_e, t, lane), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
-                   bid_t, bid_p);
-        }
-      }
-#else
-      for (int q = tid; q < open_tokens; q += THREADS) {
-        const int t = open_list[q];
-        const u32* mt = mask + t * MW;
-        const int m = DEMAND(t) - held_count(tok_e, t);
-        for (int s = 0; s < K; ++s) rec_e[t * K + s] = -1;
-        float top[K + 1];
-        int topj[K + 1];
-#pragma unroll
-        for (int r = 0; r <= K; ++r) {
-          top[r] = NEG;
-          topj[r] = -1;
-        }
-        for (int j = 0; j < E; ++j) {
-          if (b.cap[j] == 0 || has_bit(mt, j)) continue;
-          float x = a[t * E + j] - b.price[j];
-          int xj = j;
-          // insertion into the descending top-(m+1) list (ties keep the lower index first)
+      } else {
+        for (int q = tid; q < open_tokens; q += THREADS) {
+          const int t = open_list[q];
+          const u32* mt = mask + t * MW;
+          const int m = DEMAND(t) - held_count(tok_e, t);
+          for (int s = 0; s < K; ++s) rec_e[t * K + s] = -1;
+          float top[K + 1];
+          int topj[K + 1];
 #pragma unroll
           for (int r = 0; r <= K; ++r) {
-            if (r <= m && x > top[r]) {
-              const float tv = top[r];
-              const int tj = topj[r];
-              top[r] = x;
-              topj[r] = xj;
-              x = tv;
-              xj = tj;
+            top[r] = NEG;
+            topj[r] = -1;
+          }
+          for (int j = 0; j < E; ++j) {
+            if (b.cap[j] == 0 || has_bit(mt, j)) continue;
+            float x = a[t * E + j] - b.price[j];
+            int xj = j;
+            // insertion into the top-(m+1) list, descending by value, then ascending by index
+            // (as the warp's argmax picks): an entry pushed down by a better one moves on past
+            // its equals of higher index, so that it is not dropped on ties
+#pragma unroll
+            for (int r = 0; r <= K; ++r) {
+              if (r <= m && (x > top[r] || (x == top[r] && xj < topj[r]))) {
+                const float tv = top[r];
+                const int tj = topj[r];
+                top[r] = x;
+                topj[r] = xj;
+                x = tv;
+                xj = tj;
+              }
             }
           }
-        }
-        float w = floor_w;
+          float w = floor_w;
 #pragma unroll
-        for (int r = 0; r <= K; ++r)
-          if (r == m && topj[r] >= 0) w = top[r];
-        int q2 = 0;
+          for (int r = 0; r <= K; ++r)
+            if (r == m && topj[r] >= 0) w = top[r];
+          int q2 = 0;
 #pragma unroll
-        for (int r = 0; r < K; ++r) {
-          if (r >= m || topj[r] < 0) continue;
-          const int j = topj[r];
-          post_bid(b, t, open_entry(tok_e, t, q2++), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
-                   bid_t, bid_p);
+          for (int r = 0; r < K; ++r) {
+            if (r >= m || topj[r] < 0) continue;
+            const int j = topj[r];
+            post_bid(b, t, open_entry(tok_e, t, q2++), j, a[t * E + j] - w + b.eps, rec_e, rec_p,
+                     bid_t, bid_p);
+          }
         }
       }
-#endif
       __syncthreads();
       const long long t_bid = clock64();
+#if COMPACT
+      if (b.overflowed) {  // (block-uniform) the records of each overflowing expert, listed
+        if (warp == 0) {   // offsets: an exclusive scan of the overflowing experts' bid counts
+          int base = 0;
+          for (int j0 = 0; j0 < E; j0 += 32) {
+            const int j = j0 + lane;
+            const int size = j < E && b.nbid[j] > BUF ? b.nbid[j] : 0;
+            int incl = size;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+              const int y = __shfl_up_sync(FULL_MASK, incl, o);
+              if (lane >= o) incl += y;
+            }
+            if (j < E) {
+              bid_off[j] = base + incl - size;
+              bid_fill[j] = 0;
+            }
+            base += __shfl_sync(FULL_MASK, incl, 31);
+          }
+        }
+        __syncthreads();
+        for (int q = tid; q < open_tokens * K; q += THREADS) {
+          const int r = open_list[q / K] * K + q % K;
+          const int j = rec_e[r];
+          if (j >= 0 && b.nbid[j] > BUF) bid_list[bid_off[j] + atomicAdd(&bid_fill[j], 1)] = r;
+        }
+        __syncthreads();
+      }
+#endif
       // Each expert keeps the c_j highest offers among its holders, its free slots (at the
-      // reserve price) and the new bids: a warp per expert.
-      for (int j = warp; j < E; j += WARPS) {
+      // reserve price) and the new bids: a warp per expert bid for (listed by their first bids,
+      // so that no warp takes several while others have none).
+      const int bidded = b.experts_listed;
+      for (int jq = warp; jq < bidded; jq += WARPS) {
+        const int j = b.expert_list[jq];
         const int posted = b.nbid[j];
-        if (posted == 0) continue;
         int* bt = bid_t + j * BUF;
         float* bp = bid_p + j * BUF;
         if (posted > BUF) {
           // More bids than the buffer holds: keep the BUF best (value descending, then record =
           // token ascending), found deterministically from the bidders' own records; the rest
-          // wait. The cut value T is found by bisection on the values' order-preserving integer
-          // keys (about 32 counting passes over the records, against BUF argmax passes), ties at
-          // T by a second bisection on the record index; then one pass gathers the kept bids.
+          // wait. Passes over the expert's records (with COMPACT its own, listed above; else
+          // every record of the round): their key range, a radix select of the cut value T on
+          // the values' order-preserving integer keys (a pass per five bits), one on the record
+          // index where more than BUF bids reach T, then one pass that gathers the kept bids.
+#if COMPACT
+          const int records = posted;
+          const int* mine = bid_list + bid_off[j];
+          auto bid_at = [&](int q, int& r, int& key) {  // the expert's q-th record
+            r = mine[q];
+            key = ord_float(rec_p[r]);
+            return true;
+          };
+#else
           const int records = open_tokens * K;
           // The q-th record of the open tokens: its index r, and whether it is a bid for j (then
           // its value's key too).
@@ -826,6 +945,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             key = ord_float(rec_p[r]);
             return true;
           };
+#endif
           // A bid at or above the cut (thr, r_max): key > thr, or key == thr and record <= r_max.
           auto kept = [](int key, int r, int thr, int r_max) {
             return key > thr || (key == thr && r <= r_max);
@@ -839,32 +959,30 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           }
           key_lo = __reduce_min_sync(FULL_MASK, key_lo);
           key_hi = __reduce_max_sync(FULL_MASK, key_hi);
-          auto count_from = [&](int thr, int r_max) {  // the bids kept at this cut
-            int n = 0;
-            for (int q = lane; q < records; q += 32) {
-              int r, key;
-              if (bid_at(q, r, key)) n += kept(key, r, thr, r_max);
-            }
-            return __reduce_add_sync(FULL_MASK, n);
-          };
-          // Largest T with count(key >= T) >= BUF (true at key_lo: every posted bid).
-          while (key_lo < key_hi) {
-            const int mid = (int)(((long long)key_lo + key_hi + 1) >> 1);
-            if (count_from(mid, 0x7fffffff) >= BUF) key_lo = mid;
-            else key_hi = mid - 1;
+          // The cut T: the largest key with at least BUF bids at or above it, by radix select on
+          // key - key_lo; then, if more than BUF bids reach T, the lowest records among those at T
+          // up to BUF in all: radix select on the largest record index minus the record.
+          const SelectResult sel =
+              warp_radix_select(records, BUF, 32 - __clz((u32)key_hi - (u32)key_lo),
+                                [&](int q, u32& u) {
+                                  int r, key;
+                                  if (!bid_at(q, r, key)) return false;
+                                  u = (u32)key - (u32)key_lo;
+                                  return true;
+                                });
+          const int cut = (int)((u32)key_lo + sel.value);
+          int r_cut = 0x7fffffff;
+          if (sel.at_value > sel.need) {
+            const SelectResult rs =
+                warp_radix_select(records, sel.need, 32 - __clz((u32)(N * K - 1)),
+                                  [&](int q, u32& u) {
+                                    int r, key;
+                                    if (!bid_at(q, r, key) || key != cut) return false;
+                                    u = (u32)(N * K - 1 - r);
+                                    return true;
+                                  });
+            r_cut = N * K - 1 - (int)rs.value;
           }
-          const int cut = key_lo;
-          // Of the bids at T, the lowest records up to BUF in all: smallest r_max that reaches it.
-          int r_lo = 0, r_hi = 0x7fffffff;
-          if (count_from(cut, 0x7fffffff) > BUF) {
-            r_hi = N * K - 1;
-            while (r_lo < r_hi) {
-              const int mid = (r_lo + r_hi) >> 1;
-              if (count_from(cut, mid) >= BUF) r_hi = mid;
-              else r_lo = mid + 1;
-            }
-          }
-          const int r_cut = r_hi;
           int filled = 0;
           for (int q0 = 0; q0 < records; q0 += 32) {
             const int q = q0 + lane;
