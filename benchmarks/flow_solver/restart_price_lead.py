@@ -4,9 +4,11 @@ Each auction of eps-scaling restarts from the previous one's prices. Those diffe
 the previous auction's coarse eps even where the optimal prices are equal (all affinities tied),
 and a forward auction cannot lower a price, so experts priced one coarse step too high stay empty
 and phase 2 fills their slots one path at a time. This script lowers every restart price by
-``m`` coarse eps (floored at 0: the shipped auction with its stages wrapped) and prints, per input family and shape, the open slots phase 2
-receives and its rounds, for ``m`` = none, 1, 4 and 16, with the shipped schedule
-(``GlobalBudget().epsilon_scales``). The shipped solver does not change.
+``m`` steps (floored at 0: the shipped auction with its stages wrapped) and prints, per input
+family and shape, the open slots phase 2 receives and its rounds, with the shipped schedule
+(``GlobalBudget().epsilon_scales``): ``m`` = none, 1, 4 and 16 steps of the previous auction's
+(coarse) eps, and 1 and 4 steps of the restarting auction's own (finer) eps. The shipped solver
+does not change.
 
 ``PYTHONPATH=src:tests python benchmarks/flow_solver/restart_price_lead.py --out DIR``
 """
@@ -34,24 +36,25 @@ from common import load_script  # noqa: E402
 SCHEDULE = GlobalBudget().epsilon_scales
 
 
-def stages_lowering(steps: int | None, original: Callable[..., Any]):
+def stages_lowering(steps: int | None, original: Callable[..., Any], fine: bool = False):
     """``original``, the reference's auction (one stage of eps-scaling), with each restart's
-    starting prices lowered by ``steps`` times the previous stage's eps, floored at 0
-    (``None``: as shipped). A fresh one per group: it remembers the previous stage's eps."""
+    starting prices lowered by ``steps`` times the previous stage's eps (``fine``: the restarting
+    stage's own), floored at 0 (``None``: as shipped). A fresh one per group: it remembers the
+    previous stage's eps."""
     previous_eps: list[float] = []
 
     def stage(
         a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget, start: np.ndarray, eps: float
     ) -> tuple[np.ndarray, np.ndarray]:
         if steps is not None and previous_eps:  # a restart (closed experts start at 0 already)
-            start = np.maximum(start - steps * previous_eps[-1], 0.0)
+            start = np.maximum(start - steps * (eps if fine else previous_eps[-1]), 0.0)
         previous_eps.append(eps)
         return original(a, k, cap, budget, start, eps)
 
     return stage
 
 
-def run(a_all: np.ndarray, k: int, steps: int | None) -> dict[str, Any]:
+def run(a_all: np.ndarray, k: int, steps: int | None, fine: bool = False) -> dict[str, Any]:
     """Every group of ``a_all`` through the reference with the lowered restarts."""
     n, e = a_all.shape[1:]
     cap = np.full(e, -(-k * n // e))
@@ -59,7 +62,7 @@ def run(a_all: np.ndarray, k: int, steps: int | None) -> dict[str, Any]:
     found: dict[str, Any] = {"open_after_auction": [], "augment_rounds": [], "feasible": True}
     try:
         for a in a_all:
-            ref._auction_stage = stages_lowering(steps, original)
+            ref._auction_stage = stages_lowering(steps, original, fine)
             stats: dict[str, int] = {}
             held = ref.solve_group(a, k, cap, GlobalBudget(), stats)
             found["open_after_auction"].append(stats["open_after_auction"])
@@ -76,7 +79,7 @@ def main() -> None:
     import flow_helpers
 
     cases = []
-    for n, e, k in [(256, 16, 2), (256, 64, 2), (256, 64, 6)]:
+    for n, e, k in [(256, 16, 2), (512, 16, 2), (256, 64, 2), (256, 64, 6)]:
         cases.append((k, "ties", np.full((args.groups, n, e), 1.0 / e)))
         for family in ["random", "near-tied-0.03"]:
             a = bench.synthetic(family, args.groups, n, e, seed=7).double().numpy()
@@ -85,9 +88,18 @@ def main() -> None:
     rows: list[dict] = []
     for k, family, a_all in cases:
         _, n, e = a_all.shape
-        for steps in [None, 1, 4, 16]:
-            row = {"n": n, "e": e, "k": k, "family": family, "schedule": list(SCHEDULE)}
-            record(rows, {**row, "lowered_by_steps": steps, **run(a_all, k, steps)})
+        row = {"n": n, "e": e, "k": k, "family": family, "schedule": list(SCHEDULE)}
+        for steps, fine in [
+            (None, False),
+            (1, False),
+            (4, False),
+            (16, False),
+            (1, True),
+            (4, True),
+        ]:
+            unit = "this auction's eps" if fine else "the previous auction's eps"
+            found = run(a_all, k, steps, fine)
+            record(rows, {**row, "lowered_by_steps": steps, "step_unit": unit, **found})
     write_rows(args.out, "restart_price_lead.json", rows)
 
 
