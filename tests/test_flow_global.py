@@ -678,6 +678,30 @@ def test_kernel_emulated_bid_list_changes_nothing(use_scratch: bool) -> None:
     assert torch.equal(listed, plain)
 
 
+def test_runner_up_lead_patches_the_shipped_kernel(tmp_path) -> None:
+    """``benchmarks/flow_solver/runner_up_lead.py`` patches the shipped kernel by exact text:
+    its counters and its candidate still apply (an edit of the kernel would otherwise break the
+    lead silently), the counted kernel runs and counts, and the candidate (the runner-up's row
+    loaded a step ahead) assigns as the shipped kernel does."""
+    emu = _emulated()
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "flow_solver" / "runner_up_lead.py"
+    spec = importlib.util.spec_from_file_location("runner_up_lead", path)
+    lead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lead)
+    affinities = fh.near_tied(12, 1, 96, 24, 0.03)
+    k, capacity = 3, torch.full((24,), 12)
+    shipped, _ = emu.solve_emulated(affinities, k, capacity)
+    counted = lead.count(lead.instrumented_kernel(tmp_path), affinities, k)
+    assert (
+        0 <= counted["runner_up_next"] <= counted["settled_steps"] and counted["settled_steps"] > 0
+    )
+    candidate = tmp_path / "candidate.cu"
+    candidate.write_text(lead.patched(lead.CANDIDATE))
+    assert torch.equal(emu.solve_emulated(affinities, k, capacity, kernel=candidate)[0], shipped)
+
+
 def test_kernel_bid_selection_radix_select_matches_a_sort() -> None:
     """The auction's overflow path keeps an expert's BUF best bids through the kernel's warp
     radix select: on random values, heavy duplicates, all-equal and full 32-bit ranges, its
