@@ -146,6 +146,20 @@ def _defines(
     return tuple(defines.items())
 
 
+def library(
+    affinities: torch.Tensor,
+    k: int,
+    capacity: torch.Tensor,
+    budget: GlobalBudget | None = None,
+    *,
+    defines: dict[str, str] | None = None,
+    kernel: Path | None = None,
+) -> ctypes.CDLL:
+    """The built library that :func:`solve_emulated` runs for these arguments (state in shared
+    memory): for reading a kernel's test hooks, e.g. counters, before and after a solve."""
+    return _library(_defines(affinities, k, capacity, budget, False, defines), kernel)
+
+
 def graph_mismatches(
     affinities: torch.Tensor,
     k: int,
@@ -160,7 +174,7 @@ def graph_mismatches(
     it from round to round, differed from a computation from scratch (0: the kept graph is
     exact in every round of phases 2 and 3). ``kernel``: as in :func:`solve_emulated`."""
     checked = {**(defines or {}), "CHECK_GRAPH": "1"}
-    lib = _library(_defines(affinities, k, capacity, budget, False, checked), kernel)
+    lib = library(affinities, k, capacity, budget, defines=checked, kernel=kernel)
     before = int(lib.graph_mismatches())  # a library's counter lives as long as the process
     index, _ = solve_emulated(affinities, k, capacity, budget, defines=checked, kernel=kernel)
     return index, int(lib.graph_mismatches()) - before

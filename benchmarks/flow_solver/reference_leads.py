@@ -61,17 +61,32 @@ def record(rows: list[dict], row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def solve_patched(
+    a: np.ndarray,
+    k: int,
+    cap: np.ndarray,
+    patches: dict[str, Callable[..., Any]],
+    budget: GlobalBudget,
+    gap: bool,
+) -> dict:
+    """One group through the reference solver with ``patches`` (functions of
+    ``global_reference`` by name) in place of its own: its statistics (``solve_group``'s) and
+    :func:`outcome`."""
+    originals = {name: getattr(ref, name) for name in patches}
+    stats: dict[str, Any] = {}
+    try:
+        for name, function in patches.items():
+            setattr(ref, name, function)
+        held = ref.solve_group(a, k, cap, budget, stats)
+    finally:
+        for name, function in originals.items():
+            setattr(ref, name, function)
+    return {**stats, **outcome(a, held, k, cap, gap)}
+
+
 def solve_with_auction(
     a: np.ndarray, k: int, cap: np.ndarray, auction: Callable[..., Any], gap: bool
 ) -> dict:
-    """One group through the reference solver with ``auction`` in place of its phase 1: its
-    statistics (``solve_group``'s) and :func:`outcome`. The budget is the one-auction phase 1
-    (``epsilon_scales=()``) that these leads were measured against."""
-    original = ref._auction
-    stats: dict[str, Any] = {}
-    ref._auction = auction
-    try:
-        held = ref.solve_group(a, k, cap, GlobalBudget(epsilon_scales=()), stats)
-    finally:
-        ref._auction = original
-    return {**stats, **outcome(a, held, k, cap, gap)}
+    """:func:`solve_patched` with ``auction`` in place of its phase 1. The budget is the
+    one-auction phase 1 (``epsilon_scales=()``) that these leads were measured against."""
+    return solve_patched(a, k, cap, {"_auction": auction}, GlobalBudget(epsilon_scales=()), gap)

@@ -4,11 +4,12 @@ Each step of the warp Dijkstra settles the node of smallest distance and then re
 row of the expert graph; with the graph in global memory (e = 256) that read is the step's
 latency, and the next node is unknown until the step's distances are updated. If the next node
 settled is usually the current step's runner-up (the second smallest distance before the
-update), its row can be loaded a step ahead. This script counts how often it is: the shipped
-kernel, instrumented (counters only: the same assignments), run through the block emulator on
-random and near-tied inputs and a real router's scores, and writes the candidate kernel file
-(the shipped one with the runner-up's row loaded a step ahead) into ``--out``, for
-``compare_kernels.py --baseline`` on a GPU. The shipped kernel does not change.
+update), its row can be loaded a step ahead. The candidate kernel does that (the shipped one
+with the runner-up's row loaded a step ahead; it assigns as the shipped one does). This script
+counts how often the loaded row is the one needed: the candidate with counters, run through
+the block emulator on random and near-tied inputs and a real router's scores; and writes the
+candidate kernel file into ``--out``, for ``compare_kernels.py --baseline`` on a GPU. The
+shipped kernel does not change.
 
 ``PYTHONPATH=src:tests python benchmarks/flow_solver/runner_up_lead.py --out DIR`` (~2 minutes)
 """
@@ -32,44 +33,6 @@ from reference_leads import lead_arguments, record, write_rows  # noqa: E402
 import cuda_emulated  # noqa: E402
 import flow_helpers  # noqa: E402
 
-# (text in the shipped kernel, replacement): counters of settled steps and of steps whose node
-# was the previous step's runner-up, kept by lane 0 of the searching warp.
-INSTRUMENT = [
-    (
-        "typedef unsigned int u32;\n",
-        "typedef unsigned int u32;\n#include <atomic>\n"
-        "inline std::atomic<long long> lead_steps{0}, lead_hits{0};\n",
-    ),
-    (
-        "  float reached_max = 0.0f;\n  for (int step = 0; step < V; ++step) {\n",
-        "  float reached_max = 0.0f;\n  int runner_up = -1;\n"
-        "  for (int step = 0; step < V; ++step) {\n",
-    ),
-    (
-        "    if (!(best < INF)) break;\n    reached_max = best;\n",
-        """    if (!(best < INF)) break;
-    if (lane == 0) {
-      lead_steps++;
-      if (bu == runner_up) lead_hits++;
-    }
-    {
-      float second = INF;
-      int b2 = 0x7fffffff;
-      for (int r = 0; r < R; ++r) {
-        const int v = lane + 32 * r;
-        if (v < V && v != bu && !done[r] && dist[r] < second) {
-          second = dist[r];
-          b2 = v;
-        }
-      }
-      const u32 key = __float_as_uint(second);
-      const u32 low = __reduce_min_sync(FULL_MASK, key);
-      runner_up = __reduce_min_sync(FULL_MASK, key == low ? b2 : 0x7fffffff);
-    }
-    reached_max = best;
-""",
-    ),
-]
 # (text in the shipped kernel, replacement): the candidate, each step loading the runner-up's
 # row a step ahead (kept in registers: the next step copies it where the runner-up is settled).
 CANDIDATE = [
@@ -123,14 +86,31 @@ CANDIDATE = [
 """,
     ),
 ]
+# (text in the candidate, replacement): counters of settled steps and of steps whose node was
+# the previous step's runner-up (the row the candidate loaded ahead), kept by lane 0 of the
+# searching warp; the counted kernel assigns as the candidate does.
+COUNTERS = [
+    (
+        "typedef unsigned int u32;\n",
+        "typedef unsigned int u32;\n#include <atomic>\n"
+        "inline std::atomic<long long> lead_steps{0}, lead_hits{0};\n",
+    ),
+    (
+        "    if (!(best < INF)) break;\n    reached_max = best;\n",
+        "    if (!(best < INF)) break;\n"
+        "    if (lane == 0) {\n      lead_steps++;\n      if (bu == spec_node) lead_hits++;\n    }\n"
+        "    reached_max = best;\n",
+    ),
+]
 GETTER = """
 extern "C" long long lead_count(int which) { return which == 0 ? lead_steps : lead_hits; }
 """
 
 
-def patched(replacements: list[tuple[str, str]]) -> str:
-    """The shipped kernel's text with ``replacements`` made (each must occur exactly once)."""
-    text = global_cuda.kernel_source()
+def patched(replacements: list[tuple[str, str]], text: str | None = None) -> str:
+    """``text`` (the shipped kernel's, by default) with ``replacements`` made (each must occur
+    exactly once)."""
+    text = global_cuda.kernel_source() if text is None else text
     for old, new in replacements:
         if text.count(old) != 1:
             raise ValueError(f"{old!r} occurs {text.count(old)} times in the kernel file")
@@ -139,9 +119,9 @@ def patched(replacements: list[tuple[str, str]]) -> str:
 
 
 def instrumented_kernel(folder: Path) -> Path:
-    """The shipped kernel file with the counters, written into ``folder``."""
+    """The candidate kernel file with the counters, written into ``folder``."""
     path = folder / "global_auction_runner_up.cu"
-    path.write_text(patched(INSTRUMENT) + GETTER)
+    path.write_text(patched(COUNTERS, patched(CANDIDATE)) + GETTER)
     return path
 
 
@@ -149,8 +129,7 @@ def count(kernel: Path, a: torch.Tensor, k: int) -> dict:
     """Settled steps and runner-up hits of phase 2's searches on the groups of ``a``."""
     e = a.shape[2]
     cap = torch.full((e,), -(-k * a.shape[1] // e))
-    defines = cuda_emulated._defines(a, k, cap.expand(a.shape[0], e), None, False, None)
-    lib = cuda_emulated._library(defines, kernel)
+    lib = cuda_emulated.library(a, k, cap, kernel=kernel)
     lib.lead_count.restype = ctypes.c_longlong
     before = [lib.lead_count(0), lib.lead_count(1)]
     index, stats = cuda_emulated.solve_emulated(a, k, cap, kernel=kernel)

@@ -158,10 +158,17 @@ def kernel_defines(
     return {**defines, **{key: v for key, v in overrides.items() if key in MEMORY_FLAGS}}
 
 
+def _bid_record_words(defines: dict[str, str]) -> int:
+    """Words of phase 1's bid records: expert and value of each, and with ``COMPACT`` their list
+    by expert."""
+    n, k = int(defines["N"]), int(defines["K"])
+    return (3 if defines["COMPACT"] == "1" else 2) * n * k
+
+
 def phase1_bytes(defines: dict[str, str]) -> int:
     """Bytes at the end of the state that only phase 1 uses (the bids and their records)."""
-    n, e, k, buf = (int(defines[key]) for key in ("N", "E", "K", "BUF"))
-    return 4 * (2 * e * buf + (3 if defines["COMPACT"] == "1" else 2) * n * k)
+    e, buf = int(defines["E"]), int(defines["BUF"])
+    return 4 * (2 * e * buf + _bid_record_words(defines))
 
 
 def block_bytes(defines: dict[str, str]) -> int:
@@ -203,8 +210,8 @@ def work_bytes(defines: dict[str, str]) -> int:
     cb, buf = int(defines["CB"]), int(defines["BUF"])
     warps = int(defines["THREADS"]) // 32
     v, mw = e + 2, (e + 31) // 32
-    lists = (3 if defines["COMPACT"] == "1" else 2) * n * k  # bid records (and their list)
-    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + e * mw + lists
+    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + e * mw
+    words += _bid_record_words(defines)
     return 4 * (words + warps * e)
 
 

@@ -228,7 +228,7 @@ __device__ __forceinline__ SelectResult warp_radix_select(int items, int need, i
     prefix = (prefix << 5) | (u32)d;
     first = false;
   }
-  if (first) {  // no bits: every item has the value 0
+  if (first) {  // no passes: every item has the value 0
     int n = 0;
     for (int q = lane; q < items; q += 32) {
       u32 u;
@@ -261,6 +261,12 @@ __device__ __forceinline__ int held_count(const int* tok_e, int t) {
   for (int s = 0; s < K; ++s) h += tok_e[t * K + s] >= 0;
   return h;
 }
+
+// Slots token t must get: K, or 0 for a padded position (`real` false there; nullptr: no
+// padding), which then takes no part at all; and the slots it must still get. (Macros: the
+// same code as when each place wrote them out.)
+#define DEMAND(real, t) ((real) == nullptr || (real)[t] ? K : 0)
+#define OPEN_SLOTS(tok_e, real, t) (DEMAND(real, t) - held_count(tok_e, t))
 
 // Phase 2's search (warp 0 alone, no block barrier): Dijkstra from D over the expert graph on
 // reduced costs rc(u, v) = max(0, -gain(u, v) + P(v) - P(u) + charge), until every expert with
@@ -444,7 +450,7 @@ __device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
           const int o = trees[q];
           rank += b.tree_best[o] > key && b.drop_token[o] == tok;
         }
-        const int open = (real == nullptr || real[tok] ? K : 0) - held_count(tok_e, tok);
+        const int open = OPEN_SLOTS(tok_e, real, tok);
         if (rank < open) {
           for (int x = E - (int)(u32)key; x != DROP; x = b.pred[x]) {
             if (x < 0 || ++len > V) {  // not a path to D (never expected)
@@ -604,7 +610,7 @@ __device__ __forceinline__ void list_open_tokens(Block& b, const int* tok_e, int
                                                  const unsigned char* real) {
   for (int base = 0; base < N; base += THREADS) {
     const int t = base + threadIdx.x;
-    const int open = t < N ? (real == nullptr || real[t] ? K : 0) - held_count(tok_e, t) : 0;
+    const int open = t < N ? OPEN_SLOTS(tok_e, real, t) : 0;
     const int slot = warp_atomic_add(&b.open_tokens, 1, open > 0);
     warp_atomic_add(&b.open_count, open > 0 ? open : 0, open > 0);
     if (open > 0) open_list[slot] = t;
@@ -621,9 +627,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const int g = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const long long t_start = clock64();
-  // Slots token t must get: K, or 0 for a padded position (which then takes no part at all).
-  const unsigned char* real = has_mask ? token_mask + (long long)g * N : nullptr;
-#define DEMAND(t) (real == nullptr || real[t] ? K : 0)
+  const unsigned char* real = has_mask ? token_mask + (long long)g * N : nullptr;  // DEMAND
   unsigned char* work = use_scratch ? scratch + (long long)g * WORK_BYTES : dyn;
   unsigned char* smem_tail = dyn + (use_scratch ? 0 : WORK_BYTES);
 #if GRAPH_SMEM
@@ -653,9 +657,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   int* move = (int*)(work + OFF_MOVE);
   int* rec_e = (int*)(work + OFF_REC_E);
   float* rec_p = (float*)(work + OFF_REC_P);
-  int* bid_list = (int*)(work + OFF_LIST);  // phase 1, COMPACT: overflowing experts' records,
-  int* bid_off = (int*)(work + OFF_TMP);    // each expert's first in bid_list, and how many are
+#if COMPACT
+  int* bid_list = (int*)(work + OFF_LIST);  // phase 1: the overflowing experts' records, each
+  int* bid_off = (int*)(work + OFF_TMP);    // expert's first in bid_list, and how many are
   int* bid_fill = bid_off + E;              // listed so far (phase 1 leaves `tmp` unused)
+#endif
   float* tmp = (float*)(work + OFF_TMP);
   u32* cols = (u32*)(work + OFF_COLS);
 
@@ -686,7 +692,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float rmax_sum = 0.0f, lo = 3.0e38f, hi = -3.0e38f;
     int rows = 0;
     for (int t = warp; t < N; t += WARPS) {
-      if (DEMAND(t) == 0) continue;
+      if (DEMAND(real, t) == 0) continue;
       ++rows;
       float m = NEG;
 #pragma unroll
@@ -787,7 +793,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int q = warp; q < open_tokens; q += WARPS) {
           const int t = open_list[q];
           const u32* mt = mask + t * MW;
-          const int m = DEMAND(t) - held_count(tok_e, t);
+          const int m = OPEN_SLOTS(tok_e, real, t);
           if (lane < K) rec_e[t * K + lane] = -1;
           __syncwarp();
           float val[LANE_E];
@@ -838,7 +844,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int q = tid; q < open_tokens; q += THREADS) {
           const int t = open_list[q];
           const u32* mt = mask + t * MW;
-          const int m = DEMAND(t) - held_count(tok_e, t);
+          const int m = OPEN_SLOTS(tok_e, real, t);
           for (int s = 0; s < K; ++s) rec_e[t * K + s] = -1;
           float top[K + 1];
           int topj[K + 1];
@@ -1144,7 +1150,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   // (that slot was won against other prices): give such slots up, so that eps-complementary
   // slackness holds for every held slot and phase 2 starts without positive cycles.
   for (int t = tid; t < N; t += THREADS) {
-    if (DEMAND(t) == 0) continue;
+    if (DEMAND(real, t) == 0) continue;
     const u32* mt = mask + t * MW;
     float best_alt = NEG;
     for (int j = 0; j < E; ++j)
@@ -1505,5 +1511,4 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int s = 0; s < K; ++s) out[((long long)g * N + t) * K + s] = ex[s];
   }
-#undef DEMAND
 }
