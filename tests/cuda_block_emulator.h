@@ -150,6 +150,10 @@ inline T atomicAnd(T* p, T v) {
   return std::atomic_ref<T>(*p).fetch_and(v);
 }
 template <typename T>
+inline T atomicExch(T* p, T v) {
+  return std::atomic_ref<T>(*p).exchange(v);
+}
+template <typename T>
 inline T atomicCAS(T* p, T expected, T desired) {
   std::atomic_ref<T>(*p).compare_exchange_strong(expected, desired);
   return expected;

@@ -8,6 +8,7 @@ on a GPU in the ``gpu``-marked tests.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from maxscore.routing.flow import (
     global_cuda,
     min_cost_flow_assignment,
 )
-from maxscore.routing.flow.global_reference import GlobalBudget
+from maxscore.routing.flow.global_reference import GlobalBudget, starting_prices
 from maxscore.routing.flow.global_solver import GLOBAL_BACKENDS, pick_backend, solve_global
 
 
@@ -286,15 +287,20 @@ def test_epsilon_scales_must_be_decreasing_integers_above_one(bad: object) -> No
 
 @pytest.mark.parametrize("bad", [-1, 2.5, True, "1024"])
 def test_epsilon_scale_max_tokens_must_be_a_count(bad: object) -> None:
-    with pytest.raises(ValueError, match="epsilon_scale_max_tokens must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"epsilon_scale_max_tokens must be None .* or an integer"):
         GlobalBudget(epsilon_scale_max_tokens=bad)  # type: ignore[arg-type]
 
 
 def test_eps_scaling_only_up_to_its_group_size() -> None:
-    """Groups above ``epsilon_scale_max_tokens`` run one auction, in the reference (by the
-    group's size) and in the kernel (by its compiled size, which crosses 1,024 where the group
-    size does); the kernel gets the earlier auctions' scales as EPS_SCALE and EPS_SCALE2."""
-    budget = GlobalBudget()
+    """By default every group runs the three auctions; groups above a set
+    ``epsilon_scale_max_tokens`` run one, in the reference (by the group's size) and in the
+    kernel (by its compiled size, which crosses 1,024 where the group size does); the kernel
+    gets the earlier auctions' scales as EPS_SCALE and EPS_SCALE2."""
+    default = GlobalBudget()
+    assert [default.epsilon_scales_for(n) for n in (5, 1025, 65536)] == [(400, 30)] * 3
+    defines = global_cuda.kernel_defines(4096, 64, 6, 384, default)
+    assert (defines["EPS_SCALE"], defines["EPS_SCALE2"]) == ("400", "30")
+    budget = GlobalBudget(epsilon_scale_max_tokens=1024)
     scales = [budget.epsilon_scales_for(n) for n in (5, 512, 1024, 1025, 4096)]
     assert scales == [(400, 30)] * 3 + [()] * 2
     for n, first, second in [(1000, "400", "30"), (1024, "400", "30"), (1025, "1", "1")]:
@@ -617,7 +623,8 @@ def test_cuda_backend_pads_group_sizes_to_a_few_compiled_ones(
 
 
 def test_kernel_emulated_property() -> None:
-    """Hypothesis over shapes, capacities (zero, above n, short) and ties through the emulator."""
+    """Hypothesis over shapes, capacities (zero, above n, short), ties and phase 2's two
+    searches through the emulator."""
     emu = _emulated()
     pytest.importorskip("hypothesis")
     from hypothesis import given, settings
@@ -629,15 +636,107 @@ def test_kernel_emulated_property() -> None:
         k = data.draw(st.integers(1, min(e, 4)))
         cap = data.draw(st.lists(st.integers(0, n + 2), min_size=e, max_size=e))
         scale = data.draw(st.sampled_from([0.0, 0.05, 1.0, 5.0]))
+        search = {"SEARCH_FRONTIER": data.draw(st.sampled_from(["0", "1"]))}
         gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
         affinities = torch.softmax(scale * torch.randn(1, n, e, generator=gen), -1)
         capacity = torch.tensor(cap, dtype=torch.long)
-        index, _ = emu.solve_emulated(affinities, k, capacity)
+        index, _ = emu.solve_emulated(affinities, k, capacity, defines=search)
         fh.check_constraints(index, k, capacity, e)
         exact = FLOW_SOLVERS["exact"].solve(affinities, k, capacity)
         assert bool(((index >= 0).sum((1, 2)) == (exact >= 0).sum((1, 2))).all())
 
     check()
+
+
+def test_starting_prices_are_equal_with_spare_capacity() -> None:
+    """Warm prices (mean affinities, the lowest at 0) when the capacities meet the demand
+    exactly or fall short of it; every price 0 when they exceed it."""
+    a = np.array([[0.9, 0.1, 0.0], [0.8, 0.2, 0.0]])
+    assert np.allclose(starting_prices(a, 1, np.array([1, 1, 0])), [0.85, 0.15, 0.0])
+    assert np.allclose(starting_prices(a, 1, np.array([1, 0, 0])), [0.85, 0.15, 0.0])
+    assert np.allclose(starting_prices(a, 1, np.array([1, 1, 1])), 0.0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "emulated"])
+@pytest.mark.parametrize(("e", "k"), [(64, 2), (64, 6)])
+def test_spare_capacity_near_tied(backend: str, e: int, k: int) -> None:
+    """With a quarter more capacity than demand, near-tied scores (where warm prices lost 4-6%
+    of the objective to experts left with free slots at too high a price) reach the gap
+    targets, on the CPU path and through the kernel's emulation."""
+    n = 256
+    affinities = fh.near_tied(7, 2, n, e, 0.03)
+    capacity = torch.full((e,), math.ceil(1.25 * k * n / e))
+    if backend == "reference":
+        index = solve_global(affinities, k, capacity, backend="reference")
+    else:
+        index, _ = _emulated().solve_emulated(affinities, k, capacity)
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
+
+
+def test_kernel_defines_pick_the_search_by_experts() -> None:
+    """Phase 2 searches with the frontier search (every warp) from ``FRONTIER_FROM_EXPERTS``
+    experts and with Dijkstra (one warp) below."""
+    budget, start = GlobalBudget(), global_cuda.FRONTIER_FROM_EXPERTS
+    for e, want in [(16, "0"), (start - 1, "0"), (start, "1"), (256, "1")]:
+        assert global_cuda.kernel_defines(512, e, 2, 16, budget)["SEARCH_FRONTIER"] == want, e
+
+
+@pytest.mark.parametrize(
+    ("n", "e", "k", "family"),
+    [
+        (64, 8, 2, "near-tied"),
+        (32, 40, 3, "random"),  # one warp: it owns every expert, more than its lanes
+        (120, 40, 3, "near-tied"),
+        (128, 40, 3, "random"),  # spare capacity: cycle cancelling too
+        (256, 64, 6, "one-hot"),
+        (64, 64, 2, "ties"),
+        (128, 128, 8, "near-tied"),
+        pytest.param(256, 256, 8, "random", marks=pytest.mark.slow),
+    ],
+)
+def test_kernel_emulated_frontier_search(n: int, e: int, k: int, family: str) -> None:
+    """Phase 2's frontier search finds the shortest paths Dijkstra finds: forced at every size
+    (the host picks it from 128 experts), it keeps Eq. 7 exactly, reaches the gap targets and
+    the objective of the Dijkstra kernel, in as many phase-2 rounds."""
+    emu = _emulated()
+    if family == "near-tied":
+        affinities = fh.near_tied(41, 2, n, e, 0.03)
+    elif family == "one-hot":
+        affinities = fh.adversarial_affinities("one-expert-preferred", n, e)
+    elif family == "ties":
+        affinities = torch.full((2, n, e), 1.0 / e)
+    else:
+        affinities = fh.instances(41, 2, n, e, 0.0)
+    capacity = torch.full((e,), -(-k * n // e))
+    index, stats = emu.solve_emulated(affinities, k, capacity, defines={"SEARCH_FRONTIER": "1"})
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, (gaps, stats)
+    dijkstra, dijkstra_stats = emu.solve_emulated(
+        affinities, k, capacity, defines={"SEARCH_FRONTIER": "0"}
+    )
+    got, want = flow_objective(affinities, index), flow_objective(affinities, dijkstra)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0.0), (got, want)
+    assert torch.equal(stats[:, :3], dijkstra_stats[:, :3])  # auction, open slots, paths rounds
+
+
+@pytest.mark.parametrize(("name", "n", "e", "k", "cap"), fh.ADVERSARIAL)
+def test_kernel_emulated_frontier_search_adversarial(
+    name: str, n: int, e: int, k: int, cap: list[int]
+) -> None:
+    """The frontier search on the adversarial inputs (ties, n < e, zero, short and unequal
+    capacities): Eq. 7 exactly, and the gap target."""
+    emu = _emulated()
+    affinities = fh.adversarial_affinities(name, n, e)
+    capacity = torch.tensor(cap, dtype=torch.long)
+    index, _ = emu.solve_emulated(
+        affinities.contiguous(), k, capacity, defines={"SEARCH_FRONTIER": "1"}
+    )
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert gaps.max() <= fh.WORST_GAP, gaps
 
 
 @pytest.mark.parametrize(("n", "e", "k"), [(96, 24, 3), (128, 40, 2), (128, 64, 6)])
@@ -676,30 +775,6 @@ def test_kernel_emulated_bid_list_changes_nothing(use_scratch: bool) -> None:
     )
     fh.check_constraints(listed, k, capacity, e)
     assert torch.equal(listed, plain)
-
-
-def test_runner_up_lead_patches_the_shipped_kernel(tmp_path) -> None:
-    """``benchmarks/flow_solver/runner_up_lead.py`` patches the shipped kernel by exact text:
-    its counters and its candidate still apply (an edit of the kernel would otherwise break the
-    lead silently), the counted kernel runs and counts, and the candidate (the runner-up's row
-    loaded a step ahead) assigns as the shipped kernel does."""
-    emu = _emulated()
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "benchmarks" / "flow_solver" / "runner_up_lead.py"
-    spec = importlib.util.spec_from_file_location("runner_up_lead", path)
-    lead = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lead)
-    affinities = fh.near_tied(12, 1, 96, 24, 0.03)
-    k, capacity = 3, torch.full((24,), 12)
-    shipped, _ = emu.solve_emulated(affinities, k, capacity)
-    counted = lead.count(lead.instrumented_kernel(tmp_path), affinities, k)
-    assert (
-        0 <= counted["runner_up_next"] <= counted["settled_steps"] and counted["settled_steps"] > 0
-    )
-    candidate = tmp_path / "candidate.cu"
-    candidate.write_text(lead.patched(lead.CANDIDATE))
-    assert torch.equal(emu.solve_emulated(affinities, k, capacity, kernel=candidate)[0], shipped)
 
 
 def test_kernel_bid_selection_radix_select_matches_a_sort() -> None:

@@ -190,7 +190,7 @@ def run_gaps(args: argparse.Namespace, results: dict) -> None:
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
         for n, e, k in SHAPES + (LARGE_SHAPES if args.large else []):
-            c = math.ceil(k * n / e)
+            c = math.ceil(args.capacity_factor * k * n / e)
             families = {f: synthetic(f, args.groups, n, e, seed=1000 + e + k) for f in SYNTHETIC}
             if args.router_steps > 0:
                 families.update(router_scores(n, e, k, args.router_steps, args.groups, device))
@@ -205,6 +205,7 @@ def run_gaps(args: argparse.Namespace, results: dict) -> None:
                     "n": n,
                     "e": e,
                     "k": k,
+                    "capacity": c,
                     "family": family,
                     "backend": backend,
                     "groups": len(g),
@@ -227,7 +228,7 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     for n, e, k in shapes:
         groups = 32 if n <= 512 else 8
-        c = math.ceil(k * n / e)
+        c = math.ceil(args.capacity_factor * k * n / e)
         cap = torch.full((e,), c, device="cuda")
         for family in ["random", "near-tied-0.03"]:
             a = synthetic(family, groups, n, e, seed=7).cuda()
@@ -242,6 +243,7 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
                 "n": n,
                 "e": e,
                 "k": k,
+                "capacity": c,
                 "groups": groups,
                 "family": family,
                 "ms": ms,
@@ -278,6 +280,12 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="also the 4096-token shapes' gaps")
     parser.add_argument("--groups", type=int, default=8, help="groups per (shape, family) for gaps")
     parser.add_argument("--router-steps", type=int, default=200)
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.0,
+        help="gaps and times at capacity ceil(factor k n / e) (above 1: spare capacity)",
+    )
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--shapes", default="", help="timing shapes, e.g. 512x64x2,512x128x8")

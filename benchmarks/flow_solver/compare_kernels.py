@@ -5,14 +5,18 @@ median of ``--reps`` replays, random and near-tied inputs, the kernel's clocks):
 the kernel in the working tree, ``baseline`` the kernel file ``--baseline`` (a path, or a git
 revision whose kernel file is taken; a device machine's copy of the tree may have no git
 history, so save it to a file first) with the compile-time constants ``--baseline-define
-KEY=VALUE[@MIN_E]`` added (``@MIN_E``: only from that many experts), for switches that the
-shipped kernel no longer has. After timing, each variant's objective is checked against the
+KEY=VALUE[@MIN_E]`` added (``@MIN_E``: only from that many experts): switches an earlier
+kernel has, or the shipped kernel's own constants changed. After timing, each variant's objective is checked against the
 reference backend's on small shapes. The first variant runs again at the end, so the spread
 between its two runs bounds the noise.
 
-    git show 34ebd6f:src/maxscore/routing/flow/kernels/global_auction.cu > /tmp/baseline.cu
+    git show 9719619:src/maxscore/routing/flow/kernels/global_auction.cu > /tmp/baseline.cu
     PYTHONPATH=src python benchmarks/flow_solver/compare_kernels.py --baseline /tmp/baseline.cu \\
-        --baseline-define SEARCH_FRONTIER=1@128 --out OUT
+        --out OUT
+    # the shipped file with Dijkstra at every size as the baseline
+    PYTHONPATH=src python benchmarks/flow_solver/compare_kernels.py \\
+        --baseline src/maxscore/routing/flow/kernels/global_auction.cu \\
+        --baseline-define SEARCH_FRONTIER=0 --out OUT
 """
 
 from __future__ import annotations

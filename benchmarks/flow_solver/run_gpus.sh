@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # This study's device call, on a machine with 4 GPUs (about 9 minutes): GPU 0 times the solver
-# (bench.py --timing), runs the GPU tests of the solver and measures the gaps (bench.py --gaps);
+# (bench.py --timing), runs the GPU tests of the solver and measures the gaps (bench.py --gaps;
+# then with a quarter more capacity than demand, the synthetic families);
 # GPUs 1-3 train each model preset with maxscore and with its baseline router, one after the
 # other on the same GPU, and time the steps after the routers have left their collapsed start
 # (STEPS steps, the last STEPS - WARMUP timed); GPU 1 then times the solver on the scores of a
@@ -37,7 +38,9 @@ solver() {
     fi
     python3 benchmarks/flow_solver/bench.py --timing --reps 20 --out '$RES/timing' > '$RES/timing.log' 2>&1
     python3 -m pytest -q -m gpu tests/test_flow_global.py > '$RES/gpu_tests.txt' 2>&1
-    python3 benchmarks/flow_solver/bench.py --gaps --out '$RES/gaps' > '$RES/gaps.log' 2>&1"
+    python3 benchmarks/flow_solver/bench.py --gaps --out '$RES/gaps' > '$RES/gaps.log' 2>&1
+    python3 benchmarks/flow_solver/bench.py --gaps --capacity-factor 1.25 --router-steps 0 \
+      --out '$RES/gaps_spare' > '$RES/gaps_spare.log' 2>&1"
 }
 solver &
 real_scores() {  # the solver on the scores of a real router after 200 training steps

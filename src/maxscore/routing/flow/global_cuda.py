@@ -60,6 +60,11 @@ BID_BUFFER = 128  # bids an expert takes per auction round at most (more wait a 
 # e = 32, k = 2 random 0.414 -> 0.292 ms, e = 16 0.224 -> 0.203; above 32 experts a thread
 # per token was slower in every round tried: e = 128, k = 8 2.13 -> 2.23 ms at 64 tokens).
 SMALL_E, SMALL_E_WARP_BID_TOKENS = 32, 64
+# Phase 2's search: the frontier search (every warp) from this many experts, Dijkstra in one warp
+# below (H200, 32 groups of 512 tokens, random: e = 256, k = 8 7.23 -> 3.92 ms, e = 128, k = 8
+# 2.11 -> 1.68; at e = 64 within 4% either way, a router's base-2x64 scores 1.5% slower; e <= 32
+# 2-7% slower).
+FRONTIER_FROM_EXPERTS = 128
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 _disabled_reason: str | None = None
@@ -143,6 +148,7 @@ def kernel_defines(
         # the overflowing experts' bid records listed by expert (4 bytes a record of state);
         # plan_launch turns it off where that space would move the state out of shared memory
         "COMPACT": "1",
+        "SEARCH_FRONTIER": "1" if e >= FRONTIER_FROM_EXPERTS else "0",
         **overrides,
     }
     state, graph, affinities = work_bytes(defines), 4 * (e + 2) ** 2, 4 * n * e

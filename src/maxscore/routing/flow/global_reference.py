@@ -20,9 +20,9 @@ solver has three phases:
    expert may then prefer it to a slot it still holds by more than ``eps`` (that slot was won
    against other prices); such slots are given up, so eps-complementary slackness holds for
    every held slot when phase 2 starts. With eps-scaling (``epsilon_scales``, Bertsekas; in
-   groups of at most ``epsilon_scale_max_tokens``, 1,024 by default) earlier auctions bid those
-   many times the eps (400, then 30, by default) and settle the contested prices in large
-   steps; each next auction, and last the one above, starts again from the previous one's
+   groups of at most ``epsilon_scale_max_tokens``, every group by default) earlier auctions
+   bid those many times the eps (400, then 30, by default) and settle the contested prices in
+   large steps; each next auction, and last the one above, starts again from the previous one's
    prices (shifted so the lowest is 0) instead of the mean affinities. A trained router's
    scores, whose tail at the small eps is long, leave phase 2 far fewer slots this way;
    near-tied inputs gain less (a large first step leaves them far from their prices, and the
@@ -37,10 +37,11 @@ solver has three phases:
    network with its token nodes contracted: it gives every token ``k`` experts whenever
    ``sum_j min(c_j, n) >= n k`` (a maximum flow otherwise), and keeps the assignment optimal
    for its loads. Here the paths come from Bellman-Ford with every edge charged ``tol + eps``
-   (the auction leaves no cycle above that); the CUDA kernel runs Dijkstra, until every expert
-   with spare capacity is settled, on reduced costs whose potentials start at the auction's
-   prices (the same paths), and takes each subtree of ``D``'s best target at once (paths that
-   share no node are exactly those in different subtrees).
+   (the auction leaves no cycle above that); the CUDA kernel runs Dijkstra (below 128 experts,
+   until every expert with spare capacity is settled) or a frontier search over every warp
+   (from 128) on reduced costs whose potentials start at the auction's prices (the same paths),
+   and takes each subtree of ``D``'s best target at once (paths that share no node are exactly
+   those in different subtrees).
 3. **Cycle cancelling** on the same graph, now also with ``b -> S`` (``b`` has spare capacity),
    ``S -> a`` (any expert may lose a token) and ``a -> D`` (a token gives up its slot at ``a``
    when the flow is not full, gain ``-A_ta``): a feasible assignment is optimal iff this graph
@@ -48,10 +49,10 @@ solver has three phases:
    contracted). Each round finds, by Bellman-Ford from a virtual source joined to every node,
    the cycles of its predecessor graph (they are node-disjoint, so their moves are compatible)
    and applies them, at most ``cancel_rounds`` rounds. With no spare capacity phases 1-2 leave
-   nothing for it (measured: 0-1 rounds); spare capacity, where a slot left free should end at
-   price 0 while the warm prices are above 0, and capacity short of ``n k`` need it. Every edge
-   is charged ``tol`` (a relative 1e-6 of the affinities' spread, about 16 float32 rounding
-   steps) so rounding cannot create a cycle.
+   nothing for it (measured: 0-1 rounds); spare capacity (a slot left free should end at the
+   lowest price: the auctions then start from equal prices, :func:`starting_prices`) and
+   capacity short of ``n k`` need it. Every edge is charged ``tol`` (a relative 1e-6 of the
+   affinities' spread, about 16 float32 rounding steps) so rounding cannot create a cycle.
 
 The CUDA kernel (:mod:`.global_cuda`, ``kernels/global_auction.cu``) runs the same three phases
 on the GPU. This module computes on the host in float64, one group after another; it is the
@@ -94,11 +95,18 @@ class GlobalBudget:
             many times ``epsilon`` and each starting again from the previous one's prices; the
             last bids ``epsilon``. At most two integers (compile-time constants of the CUDA
             kernel), each above 1, decreasing; ``()``: one auction.
-        epsilon_scale_max_tokens: eps-scaling only in groups of at most this many tokens. In
-            larger ones the later auctions' first rounds, where every slot bids again, cost
-            more than the shorter tail saves (measured on an H200, 8 groups of 4,096 tokens,
-            e = 64, k = 6: 51.5 ms a call with one auction, 92.9 ms with two, 30x and 1x).
-        cancel_rounds: cycle-cancelling rounds (phase 3) at most.
+        epsilon_scale_max_tokens: eps-scaling only in groups of at most this many tokens
+            (``None``: every group; 0: one auction everywhere). Since the kernel lists the
+            overflowing bids by expert, the later auctions' first rounds (every slot bids again)
+            are cheap in large groups too (H200, 8 groups of 4,096 tokens, the CUDA kernel:
+            e = 64, k = 6 random 13.6 -> 10.8 ms a call with three auctions instead of one,
+            near-tied 43.9 -> 20.7; e = 16, k = 2 random 3.14 -> 2.29, near-tied 4.50 -> 4.59).
+        cancel_rounds: cycle-cancelling rounds (phase 3) at most. Without spare capacity
+            phases 1-2 leave 0-1 rounds; with it the rounds run while positive cycles are left,
+            and a round moves one token through each expert at most (the NumPy reference, two
+            groups of 512 tokens, capacities 1.25 k n / e, every token preferring expert 0:
+            e = 16, k = 2 17% of the objective left after 64 rounds, none after 256; near-tied
+            scores, e = 16 and 64, k = 2: 0.3-0.5% after 64, none after 256).
         relaxations: Bellman-Ford relaxations per cycle-cancelling round (phase 3) and per first
             try of a phase-2 round. Positive cycles are short, so their predecessor cycles show up
             within a few relaxations; a phase-2 round that finds no path this way searches fully
@@ -112,8 +120,8 @@ class GlobalBudget:
     stop_open: float = 0.005
     epsilon: float = 1e-5
     epsilon_scales: tuple[int, ...] = (400, 30)
-    epsilon_scale_max_tokens: int = 1024
-    cancel_rounds: int = 16
+    epsilon_scale_max_tokens: int | None = None
+    cancel_rounds: int = 256
     relaxations: int = 12
     tolerance: float = 1e-6
 
@@ -130,15 +138,16 @@ class GlobalBudget:
                 f"decreasing integers above 1 (() for one auction), got {scales!r}"
             )
         limit = self.epsilon_scale_max_tokens
-        if not _is_int(limit) or limit < 0:
+        if limit is not None and (not _is_int(limit) or limit < 0):
             raise ValueError(
-                "GlobalBudget.epsilon_scale_max_tokens must be an integer >= 0 (0: one auction "
-                f"at every group size), got {limit!r}"
+                "GlobalBudget.epsilon_scale_max_tokens must be None (every group size) or an "
+                f"integer >= 0 (0: one auction at every group size), got {limit!r}"
             )
 
     def epsilon_scales_for(self, n: int) -> tuple[int, ...]:
         """The eps-scaling auctions of a group of ``n`` tokens (``()``: one auction)."""
-        return self.epsilon_scales if n <= self.epsilon_scale_max_tokens else ()
+        limit = self.epsilon_scale_max_tokens
+        return self.epsilon_scales if limit is None or n <= limit else ()
 
 
 def solve_reference(
@@ -231,6 +240,16 @@ def warm_prices(a: np.ndarray) -> np.ndarray:
     return mean - mean.min()
 
 
+def starting_prices(a: np.ndarray, k: int, cap: np.ndarray) -> np.ndarray:
+    """The first auction's prices: :func:`warm_prices`, or 0 for every expert when the
+    capacities exceed the demand ``n k``. Then the experts left with a free slot must end at the
+    lowest price (complementary slackness of the edges to the sink); from warm prices they stay
+    above it and keep tokens away, which cycle cancelling cannot undo in its rounds (two
+    near-tied groups of 256 x 64, k = 2, capacities 1.25 k n / e: 4.6% of the objective lost
+    from warm prices, none from equal ones; at e = 16 0.08-0.27% is still lost)."""
+    return np.zeros(a.shape[1]) if int(cap.sum()) > a.shape[0] * k else warm_prices(a)
+
+
 def _auction(
     a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -244,7 +263,7 @@ def _auction(
     """
     closed = cap == 0  # an expert without capacity is never offered
     eps = auction_epsilon(a, budget)
-    start = warm_prices(a)
+    start = starting_prices(a, k, cap)
     for scale in [*budget.epsilon_scales_for(a.shape[0]), 1]:
         held, price = _auction_stage(a, k, cap, budget, start, eps * scale)
         start = np.where(closed, 0.0, price - price[~closed].min()) if (~closed).any() else start

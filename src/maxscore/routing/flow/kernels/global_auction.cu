@@ -10,8 +10,8 @@
 //      up, so that eps-complementary slackness holds for every held slot;
 //   2. augmenting paths on the expert graph (E experts + S + D) from D, the open slots, to experts
 //      with spare capacity: shortest paths (Dijkstra in one warp, until every expert with spare
-//      capacity is settled) on reduced costs whose potentials start at the auction's prices
-//      (successive shortest paths),
+//      capacity is settled; from 128 experts a frontier search with every warp) on reduced
+//      costs whose potentials start at the auction's prices (successive shortest paths),
 //      the node-disjoint paths of their tree (one per subtree of D) applied together, until no
 //      slot is open or no path exists (a maximum flow);
 //   3. at most CANCELS rounds of cycle cancelling on the expert graph (all cycles of the
@@ -41,7 +41,8 @@
 // open tokens bids with a warp per token, a larger one with a thread per token), COMPACT (1:
 // the bid records of the experts with more bids than BUF are listed by expert before their
 // selection, which then passes over each expert's own; 0: over every record of the round),
-// STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM.
+// SEARCH_FRONTIER (phase 2's search: 1: shortest_paths_frontier, every warp; 0: Dijkstra in one
+// warp), STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM.
 
 #define WARPS (THREADS / 32)
 #define V (E + 2)
@@ -83,6 +84,15 @@ typedef unsigned int u32;
 // The lists' offsets and counts take `tmp` (WARPS * E words) in phase 1: two per expert. A
 // one-warp block has N <= 32 <= BUF tokens, so no expert ever gets more bids than BUF there.
 static_assert(!COMPACT || WARPS >= 2 || N <= BUF, "COMPACT needs two words of tmp per expert");
+// Phase 3's relaxations split each node's predecessors into CANCEL_PARTS ranges of
+// CANCEL_CHUNK (a multiple of 8), as many as the threads and `tmp` (WARPS * E words: a value and
+// a predecessor per range and node) hold.
+#define CANCEL_MAX_PARTS_T (THREADS / V < 1 ? 1 : THREADS / V)
+#define CANCEL_MAX_PARTS_M ((WARPS * E) / (2 * V) < 1 ? 1 : (WARPS * E) / (2 * V))
+#define CANCEL_MAX_PARTS \
+  (CANCEL_MAX_PARTS_T < CANCEL_MAX_PARTS_M ? CANCEL_MAX_PARTS_T : CANCEL_MAX_PARTS_M)
+#define CANCEL_CHUNK ((((V + CANCEL_MAX_PARTS - 1) / CANCEL_MAX_PARTS) + 7) / 8 * 8)
+#define CANCEL_PARTS ((V + CANCEL_CHUNK - 1) / CANCEL_CHUNK)
 #define GRAPH_BYTES (4 * V * V)
 #define A_BYTES (4 * N * E)
 
@@ -93,7 +103,7 @@ struct Block {
   float warp_max[WARPS];
   int warp_rows[WARPS];
   float price[E];    // the price a new bid must beat (reserve while a slot is free)
-  float reserve[E];  // warm price: mean affinity, the lowest shifted to 0
+  float reserve[E];  // warm price: mean affinity, the lowest shifted to 0 (0 with spare capacity)
   int cap[E];        // capacity, clamped to [0, N]
   int held[E];       // holders
   int nbid[E];       // bids posted this round
@@ -273,10 +283,9 @@ __device__ __forceinline__ int held_count(const int* tok_e, int t) {
 // spare capacity is settled. Leaves in b.dist[v] the gain of the best augmenting path
 // D -> ... -> v (NEG if v is not settled) and its tree in b.pred; then moves the potentials to
 // P - distance. A node is a lane's register entry, so a step is a warp argmin and one load of
-// the settled node's row per lane: with the graph in shared memory it beat Bellman-Ford passes
-// over every node with every thread (a block barrier per pass, and as many passes as the longest
-// path has edges) at every size measured, 16-256 experts. `first`: start P from the auction's
-// prices.
+// the settled node's row per lane. Below 128 experts it beats the frontier search (whose passes
+// each cost a block barrier); from 128 its V dependent steps, each waiting for a row, do not.
+// `first`: start P from the auction's prices.
 __device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charge, bool first) {
   constexpr int R = (V + 31) / 32;
   const int lane = threadIdx.x & 31;
@@ -378,6 +387,143 @@ __device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charg
   }
   __syncwarp();
 }
+
+#if SEARCH_FRONTIER
+// A frontier search's label of an expert: its distance from D (non-negative, so its bits order as
+// the float), then the edges of its path and its predecessor, so that among equal distances the
+// path with fewer edges wins (labels cannot form a cycle of zero-cost edges) and then the lower
+// predecessor: a total order, so the labels the search ends with do not depend on the order in
+// which the warps' relaxations land.
+__device__ __forceinline__ unsigned long long search_label(float distance, int edges, int pred) {
+  return ((unsigned long long)__float_as_uint(distance) << 32) | ((u32)edges << 16) | (u32)pred;
+}
+
+// Phase 2's search with every warp, for large graphs: the same shortest paths from D as
+// shortest_paths_dijkstra (the same reduced costs, potentials and results in b.dist, b.pred and
+// b.pot), by passes over a frontier (the experts whose label was lowered and whose row has not
+// been relaxed since). Each warp owns the experts u = warp + WARPS i and in a pass relaxes the
+// row of its frontier expert of lowest label: a row with every entry's load in flight at once,
+// each entry by a 64-bit shared-memory atomic min on its label. The warps' row loads overlap
+// where Dijkstra waits for one row a step, and taking the lowest label first relaxes few rows
+// again (H200, e = 256, k = 8: 3.9 ms a call against Dijkstra's 7.2 and 4.6 for Bellman-Ford
+// passes over the whole frontier; at e = 64 about even, below it slower: kernel_variants.json).
+// A pass is one block barrier. Every thread calls it. The labels use b.tree_best and the
+// frontiers b.jump / b.jump_next (the path selection sets them again afterwards).
+__device__ void shortest_paths_frontier(Block& b, const float* gain, float charge, bool first) {
+  constexpr int R = LANE_E;
+  constexpr int OWNED = (E + WARPS - 1) / WARPS;  // experts per warp
+  constexpr unsigned long long UNREACHED = ~0ull;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  unsigned long long* label = b.tree_best;
+  int* front = b.jump;         // to relax (each warp reads and clears its own experts')
+  int* lowered = b.jump_next;  // lowered since the owner last looked (any warp sets it)
+  if (first) {
+    for (int v = tid; v < E; v += THREADS) b.pot[v] = b.price[v];
+    __syncthreads();
+  }
+  // P(D) as in Dijkstra (every warp computes the same maximum), and the potentials of this lane's
+  // experts, fixed during the search.
+  float pv[R];
+  float best_open = NEG;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int v = lane + 32 * r;
+    pv[r] = v < E ? b.pot[v] : 0.0f;
+    const float g = v < E ? gain[GAIN(DROP, v)] : NEG;
+    if (g > NEG) best_open = fmaxf(best_open, g - pv[r]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    best_open = fmaxf(best_open, __shfl_xor_sync(FULL_MASK, best_open, o));
+  const float pd = -best_open;
+  // D's row: each expert's label is its edge from D.
+  for (int v = tid; v < E; v += THREADS) {
+    const float g = gain[GAIN(DROP, v)];
+    const bool edge = g > NEG;
+    label[v] = edge ? search_label(fmaxf(0.0f, -g + b.pot[v] - pd + charge), 1, DROP) : UNREACHED;
+    front[v] = edge;
+    lowered[v] = 0;
+  }
+  __syncthreads();
+  // After 2 E passes every frontier row is relaxed in each pass (Bellman-Ford passes, which
+  // converge within E + 2 more), so the work is bounded whatever the order (never reached in
+  // the measurements: about 30 passes at e = 256).
+  for (int pass = 0; pass < 3 * E + 4; ++pass) {
+    const int rows = pass < 2 * E ? 1 : OWNED;
+    int changed = 0, left = 0;
+    for (int row = 0; row < rows; ++row) {
+      // this warp's frontier expert of lowest label (ties: the lower expert)
+      u32 best_hi = 0xffffffffu;
+      int best_u = 0x7fffffff;
+      for (int i = lane; i < OWNED; i += 32) {
+        const int u = warp + WARPS * i;
+        if (u >= E) continue;
+        if (row == 0 && atomicExch(&lowered[u], 0)) front[u] = 1;
+        if (!front[u]) continue;
+        const u32 hi = (u32)(*(volatile unsigned long long*)&label[u] >> 32);
+        if (hi < best_hi || (hi == best_hi && u < best_u)) {
+          best_hi = hi;
+          best_u = u;
+        }
+      }
+      const u32 low = __reduce_min_sync(FULL_MASK, best_hi);
+      const int u = (int)__reduce_min_sync(FULL_MASK, best_hi == low ? (u32)best_u : 0x7fffffffu);
+      if (u >= E) break;
+      __syncwarp();
+      // Cleared before the label is read: a lowering after the read sets `lowered` again.
+      if (lane == 0) front[u] = 0;
+      const unsigned long long lu = *(volatile unsigned long long*)&label[u];
+      const float du = __uint_as_float((u32)(lu >> 32));
+      const int edges = (int)((lu >> 16) & 0xffffu) + 1;
+      const float pu = b.pot[u];
+      float row_gain[R];  // every load issued before any is used (see Dijkstra)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int v = lane + 32 * r;
+        row_gain[r] = v < E ? gain[GAIN(u, v)] : NEG;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int v = lane + 32 * r;
+        if (v >= E || v == u || row_gain[r] <= NEG) continue;
+        const unsigned long long lv =
+            search_label(du + fmaxf(0.0f, -row_gain[r] + pv[r] - pu + charge), edges, u);
+        if (lv < *(volatile unsigned long long*)&label[v] && atomicMin(&label[v], lv) > lv) {
+          lowered[v] = 1;
+          changed = 1;
+        }
+      }
+      __syncwarp();
+    }
+    for (int i = lane; i < OWNED; i += 32) {  // frontier experts left for the next pass
+      const int u = warp + WARPS * i;
+      if (u < E && front[u]) left = 1;
+    }
+    if (!__syncthreads_or(changed | left)) break;
+  }
+  // Path gains for the selection, then the new potentials: P - distance for the reached
+  // experts, P - (the largest distance) for the others (reduced costs stay >= 0 either way).
+  if (warp == 0) {
+    float reached_max = 0.0f;
+    for (int v = lane; v < E; v += 32) {
+      const unsigned long long l = label[v];
+      if (l != UNREACHED) reached_max = fmaxf(reached_max, __uint_as_float((u32)(l >> 32)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      reached_max = fmaxf(reached_max, __shfl_xor_sync(FULL_MASK, reached_max, o));
+    for (int v = lane; v < V; v += 32) {
+      const unsigned long long l = v < E ? label[v] : UNREACHED;
+      const bool reached = l != UNREACHED;
+      const float d = __uint_as_float((u32)(l >> 32));
+      b.dist[v] = reached ? b.pot[v] - pd - d : NEG;
+      b.pred[v] = reached ? (int)(l & 0xffffu) : -1;
+      if (v < E) b.pot[v] -= reached ? d : reached_max;
+    }
+    __syncwarp();
+  }
+}
+#endif
 
 // Phase 2's paths of one round (warp 0 alone, right after its search: the other warps would only
 // wait at block barriers): the paths of one shortest-path tree that share no node. Two paths share
@@ -736,9 +882,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   }
   __syncthreads();
   if (tid == 0) {
+    // With more capacity than demand the experts left with a free slot must end at the lowest
+    // price (warm prices above it keep tokens away from them; cycle cancelling then has too much
+    // to undo): every auction starts from equal prices then (global_reference.starting_prices).
+    long long total = 0;
+    for (int j = 0; j < E; ++j) total += b.cap[j];
+    const bool spare = total > (long long)b.real_rows * K;
     float lowest = 3.0e38f, rsum = 0.0f;
     for (int j = 0; j < E; ++j) lowest = fminf(lowest, b.reserve[j]);
-    for (int j = 0; j < E; ++j) b.reserve[j] -= lowest;
+    for (int j = 0; j < E; ++j) b.reserve[j] = spare ? 0.0f : b.reserve[j] - lowest;
     for (int w = 0; w < WARPS; ++w) rsum += b.warp_max[w];
     b.lo = unord_float(b.lo_ord);
     b.hi = unord_float(b.hi_ord);
@@ -1274,8 +1426,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // slackness; P(D) is set so that D's edges are >= 0); the few negative ones count as 0,
         // so the paths are the best augmenting paths up to eps each. Afterwards P -= distance
         // keeps the costs non-negative for the next round (successive shortest paths).
+#if SEARCH_FRONTIER
+        shortest_paths_frontier(b, gain, charge, round == 0);
+#endif
         if (warp == 0) {
+#if !SEARCH_FRONTIER
           shortest_paths_dijkstra(b, gain, charge, round == 0);
+#endif
           if (tid == 0) {
             const long long now = clock64();
             b.prof[4] += now - t_part;
@@ -1298,27 +1455,67 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
         __syncthreads();
         changed = 1;
+        // Each node's predecessors in CANCEL_PARTS ranges, a thread each (the threads beyond V
+        // would idle), combined in range order (the same maximum and the same tie to the lower
+        // predecessor as one pass over all of them); the ranges' results in `tmp`.
+        float* part_best = tmp;
+        int* part_pred = (int*)(tmp + CANCEL_PARTS * V);
         for (int it = 0; it < RELAX_CANCEL && changed; ++it) {
-          // Jacobi relaxation into the other buffer: one barrier per relaxation
+          // Jacobi relaxation into the other buffer: one barrier per relaxation (two with ranges)
           float* cur = (it & 1) ? b.dist_next : b.dist;
           float* nxt = (it & 1) ? b.dist : b.dist_next;
           int mine = 0;
-          for (int v = tid; v < V; v += THREADS) {
-            float best = cur[v];
-            int bp = b.pred[v];
-            for (int u = 0; u < V; ++u) {
-              const float du = cur[u];
-              const float w = gain[GAIN(u, v)];
-              if (du <= NEG || w <= NEG) continue;
-              const float x = du + w - charge;
-              if (x > best) {
-                best = x;
-                bp = u;
+          for (int i = tid; i < CANCEL_PARTS * V; i += THREADS) {
+            const int v = i % V, part = i / V;
+            const int lo = part * CANCEL_CHUNK;
+            const int hi = lo + CANCEL_CHUNK < V ? lo + CANCEL_CHUNK : V;
+            float best = part == 0 ? cur[v] : NEG;
+            int bp = part == 0 ? b.pred[v] : -1;
+            // Eight predecessors' entries loaded before any is used: with the graph in global
+            // memory a load per step waited its own latency (phase 3's first round, which finds
+            // no cycle, took 1.2M cycles at e = 256).
+            for (int u0 = lo; u0 < hi; u0 += 8) {
+              float du[8], w[8];
+#pragma unroll
+              for (int j = 0; j < 8; ++j) {
+                const int u = u0 + j;
+                du[j] = u < hi ? cur[u] : NEG;
+                w[j] = u < hi ? gain[GAIN(u, v)] : NEG;
+              }
+#pragma unroll
+              for (int j = 0; j < 8; ++j) {
+                if (du[j] <= NEG || w[j] <= NEG) continue;
+                const float x = du[j] + w[j] - charge;
+                if (x > best) {
+                  best = x;
+                  bp = u0 + j;
+                }
               }
             }
-            nxt[v] = best;
-            mine |= best != cur[v];
-            b.pred[v] = bp;  // only this thread reads or writes pred[v] during the loop
+            if (CANCEL_PARTS == 1) {
+              nxt[v] = best;
+              mine |= best != cur[v];
+              b.pred[v] = bp;  // only this thread reads or writes pred[v] during the loop
+            } else {
+              part_best[i] = best;
+              part_pred[i] = bp;
+            }
+          }
+          if (CANCEL_PARTS > 1) {
+            __syncthreads();
+            for (int v = tid; v < V; v += THREADS) {
+              float best = part_best[v];
+              int bp = part_pred[v];
+              for (int part = 1; part < CANCEL_PARTS; ++part) {
+                if (part_best[part * V + v] > best) {
+                  best = part_best[part * V + v];
+                  bp = part_pred[part * V + v];
+                }
+              }
+              nxt[v] = best;
+              mine |= best != cur[v];
+              b.pred[v] = bp;
+            }
           }
           changed = __syncthreads_or(mine);
           if ((it & 1) == 0 && (!changed || it + 1 == RELAX_CANCEL)) {
