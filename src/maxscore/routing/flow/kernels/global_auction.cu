@@ -109,7 +109,8 @@ struct Block {
   int nbid[E];       // bids posted this round
   float dist[V], dist_next[V], pot[V];
   int pred[V], jump[V], jump_next[V], on_cycle[V];
-  unsigned long long tree_best[E];      // phase 2: each tree's best target (gain, -index)
+  unsigned long long tree_best[E];      // phase 2: each tree's best target (gain, -index);
+                                        // the frontier search's labels before that
   int drop_token[V];  // the open token realising each edge D -> v
   int dirty[E];       // rows of the expert graph to recompute whole (all, then where one left)
   // A round's listed experts: in phase 1 those bid for (their merges, shared by the warps), in
@@ -278,6 +279,42 @@ __device__ __forceinline__ int held_count(const int* tok_e, int t) {
 #define DEMAND(real, t) ((real) == nullptr || (real)[t] ? K : 0)
 #define OPEN_SLOTS(tok_e, real, t) (DEMAND(real, t) - held_count(tok_e, t))
 
+// Phase 2's searches share these (a warp calls each). P(D) = -(the largest reduced value an
+// open slot can take), so that every edge out of D has rc = -gain + P(v) - P(D) >= 0.
+__device__ __forceinline__ float drop_potential(const Block& b, const float* gain) {
+  float best_open = NEG;
+  for (int v = threadIdx.x & 31; v < E; v += 32) {
+    const float g = gain[GAIN(DROP, v)];
+    if (g > NEG) best_open = fmaxf(best_open, g - b.pot[v]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    best_open = fmaxf(best_open, __shfl_xor_sync(FULL_MASK, best_open, o));
+  return -best_open;
+}
+
+// Node u's row of the expert graph, entry lane + 32 r in row[r] (NEG past the experts), every
+// load issued before any is used: with the graph in global memory, loads behind the per-node
+// branches of a relaxation would each wait their own latency.
+template <int R>
+__device__ __forceinline__ void load_row(const float* gain, int u, float (&row)[R]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int v = (threadIdx.x & 31) + 32 * r;
+    row[r] = v < E ? gain[GAIN(u, v)] : NEG;
+  }
+}
+
+// A search's result for node v: the gain of the best augmenting path D -> ... -> v for the
+// selection (NEG if v is not reached) and its predecessor, then the potential moved to
+// P - distance (P - `unreached_shift`, the largest distance found, where v is not reached).
+__device__ __forceinline__ void store_search_result(Block& b, int v, bool reached, float d,
+                                                    int pred, float pd, float unreached_shift) {
+  b.dist[v] = reached ? b.pot[v] - pd - d : NEG;
+  b.pred[v] = reached ? pred : -1;
+  if (v < E) b.pot[v] -= reached ? d : unreached_shift;
+}
+
 // Phase 2's search (warp 0 alone, no block barrier): Dijkstra from D over the expert graph on
 // reduced costs rc(u, v) = max(0, -gain(u, v) + P(v) - P(u) + charge), until every expert with
 // spare capacity is settled. Leaves in b.dist[v] the gain of the best augmenting path
@@ -294,17 +331,7 @@ __device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charg
     for (int v = lane; v < E; v += 32) b.pot[v] = b.price[v];
   }
   __syncwarp();
-  // P(D) = -(the largest reduced value an open slot can take), so that every edge out of D has
-  // rc = -gain + P(v) - P(D) >= 0.
-  float best_open = NEG;
-  for (int v = lane; v < E; v += 32) {
-    const float g = gain[GAIN(DROP, v)];
-    if (g > NEG) best_open = fmaxf(best_open, g - b.pot[v]);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    best_open = fmaxf(best_open, __shfl_xor_sync(FULL_MASK, best_open, o));
-  const float pd = -best_open;
+  const float pd = drop_potential(b, gain);
   float dist[R], pv[R];
   int pred[R];
   bool done[R], target[R];
@@ -353,14 +380,8 @@ __device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charg
     targets -= __ballot_sync(FULL_MASK, settled_target) ? 1 : 0;
     if (targets == 0) break;
     const float pu = bu == DROP ? pd : b.pot[bu];
-    // The settled node's row first, every load issued before any is used: with the graph in
-    // global memory, loads behind the per-node branches below would each wait their own latency.
     float row[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int v = lane + 32 * r;
-      row[r] = v < E ? gain[GAIN(bu, v)] : NEG;
-    }
+    load_row(gain, bu, row);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int v = lane + 32 * r;
@@ -379,11 +400,7 @@ __device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charg
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int v = lane + 32 * r;
-    if (v >= V) continue;
-    const bool reached = done[r] && v < E;
-    b.dist[v] = reached ? b.pot[v] - pd - dist[r] : NEG;
-    b.pred[v] = reached ? pred[r] : -1;
-    if (v < E) b.pot[v] -= reached ? dist[r] : reached_max;
+    if (v < V) store_search_result(b, v, done[r] && v < E, dist[r], pred[r], pd, reached_max);
   }
   __syncwarp();
 }
@@ -421,21 +438,15 @@ __device__ void shortest_paths_frontier(Block& b, const float* gain, float charg
     for (int v = tid; v < E; v += THREADS) b.pot[v] = b.price[v];
     __syncthreads();
   }
-  // P(D) as in Dijkstra (every warp computes the same maximum), and the potentials of this lane's
-  // experts, fixed during the search.
+  // P(D) (every warp computes the same maximum), and the potentials of this lane's experts,
+  // fixed during the search.
+  const float pd = drop_potential(b, gain);
   float pv[R];
-  float best_open = NEG;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int v = lane + 32 * r;
     pv[r] = v < E ? b.pot[v] : 0.0f;
-    const float g = v < E ? gain[GAIN(DROP, v)] : NEG;
-    if (g > NEG) best_open = fmaxf(best_open, g - pv[r]);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    best_open = fmaxf(best_open, __shfl_xor_sync(FULL_MASK, best_open, o));
-  const float pd = -best_open;
   // D's row: each expert's label is its edge from D.
   for (int v = tid; v < E; v += THREADS) {
     const float g = gain[GAIN(DROP, v)];
@@ -476,12 +487,8 @@ __device__ void shortest_paths_frontier(Block& b, const float* gain, float charg
       const float du = __uint_as_float((u32)(lu >> 32));
       const int edges = (int)((lu >> 16) & 0xffffu) + 1;
       const float pu = b.pot[u];
-      float row_gain[R];  // every load issued before any is used (see Dijkstra)
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int v = lane + 32 * r;
-        row_gain[r] = v < E ? gain[GAIN(u, v)] : NEG;
-      }
+      float row_gain[R];
+      load_row(gain, u, row_gain);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int v = lane + 32 * r;
@@ -514,11 +521,8 @@ __device__ void shortest_paths_frontier(Block& b, const float* gain, float charg
       reached_max = fmaxf(reached_max, __shfl_xor_sync(FULL_MASK, reached_max, o));
     for (int v = lane; v < V; v += 32) {
       const unsigned long long l = v < E ? label[v] : UNREACHED;
-      const bool reached = l != UNREACHED;
-      const float d = __uint_as_float((u32)(l >> 32));
-      b.dist[v] = reached ? b.pot[v] - pd - d : NEG;
-      b.pred[v] = reached ? (int)(l & 0xffffu) : -1;
-      if (v < E) b.pot[v] -= reached ? d : reached_max;
+      store_search_result(b, v, l != UNREACHED, __uint_as_float((u32)(l >> 32)),
+                          (int)(l & 0xffffu), pd, reached_max);
     }
     __syncwarp();
   }
