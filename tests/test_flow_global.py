@@ -273,6 +273,7 @@ def test_budget_knobs_keep_the_contract() -> None:
     for budget in [
         GlobalBudget(auction_rounds=0),
         GlobalBudget(cancel_rounds=0),
+        GlobalBudget(sink_rounds=0, cancel_rounds=0),
         GlobalBudget(relaxations=1),
     ]:
         index = solve_global(affinities, 2, capacity, budget=budget, backend="reference")
@@ -289,6 +290,20 @@ def test_epsilon_scales_must_be_decreasing_integers_above_one(bad: object) -> No
 def test_epsilon_scale_max_tokens_must_be_a_count(bad: object) -> None:
     with pytest.raises(ValueError, match=r"epsilon_scale_max_tokens must be None .* or an integer"):
         GlobalBudget(epsilon_scale_max_tokens=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "256"])
+def test_sink_rounds_must_be_a_count(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"sink_rounds must be None .* or an integer"):
+        GlobalBudget(sink_rounds=bad)  # type: ignore[arg-type]
+
+
+def test_sink_rounds_default_to_phase_2_bound() -> None:
+    """The kernel's SINK_ROUNDS: ``n k`` by default (paths into one expert take a round each),
+    else the budget's."""
+    assert global_cuda.kernel_defines(512, 16, 2, 80, GlobalBudget())["SINK_ROUNDS"] == "1024"
+    budget = GlobalBudget(sink_rounds=7)
+    assert global_cuda.kernel_defines(512, 16, 2, 80, budget)["SINK_ROUNDS"] == "7"
 
 
 def test_eps_scaling_only_up_to_its_group_size() -> None:
@@ -673,6 +688,76 @@ def test_spare_capacity_near_tied(backend: str, e: int, k: int) -> None:
     fh.check_constraints(index, k, capacity, e)
     gaps = fh.optimality_gaps(affinities, index, k, capacity)
     assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
+
+
+def _one_hot(seed: int, count: int, n: int, e: int) -> torch.Tensor:
+    """Every token preferring expert 0 by far (its logit raised by 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(count, n, e, generator=gen)
+    logits[..., 0] += 8.0
+    return torch.softmax(logits, -1)
+
+
+@pytest.mark.parametrize(
+    ("backend", "e", "k", "family"),
+    [
+        ("reference", 16, 2, "one-hot"),
+        ("reference", 64, 6, "one-hot"),
+        ("reference", 128, 8, "one-hot"),
+        ("reference", 64, 2, "near-tied"),
+        ("emulated", 16, 2, "one-hot"),
+        ("emulated", 64, 2, "near-tied"),
+        pytest.param("emulated", 64, 6, "one-hot", marks=pytest.mark.slow),
+    ],
+)
+def test_spare_capacity_paths_through_the_sink(backend: str, e: int, k: int, family: str) -> None:
+    """With a quarter more capacity than demand, eps-scaling's restarts leave free slots priced
+    above the rest (every token preferring expert 0 got a quarter of its slots: 55% of the
+    objective lost with 16 cancelling rounds, 1-2% at 128-256 experts). Phase 2's paths from S
+    repair it alone: the gap targets with no cancelling round at all."""
+    n = 256
+    one_hot = family == "one-hot"
+    affinities = _one_hot(11, 2, n, e) if one_hot else fh.near_tied(7, 2, n, e, 0.03)
+    capacity = torch.full((e,), math.ceil(1.25 * k * n / e))
+    budget = GlobalBudget(cancel_rounds=0)
+    if backend == "reference":
+        index = solve_global(affinities, k, capacity, budget=budget, backend="reference")
+    else:
+        index, _ = _emulated().solve_emulated(affinities, k, capacity, budget=budget)
+    fh.check_constraints(index, k, capacity, e)
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
+
+
+def test_sink_paths_into_one_expert_take_a_round_each() -> None:
+    """4,096 tokens all preferring expert 0 of 16 with a quarter more capacity than demand: the
+    restarts leave expert 0's 640 slots to the paths from S, one a round (256 rounds left 19% of
+    the objective), so the default budget is phase 2's own bound ``n k``."""
+    n, e, k = 4096, 16, 2
+    affinities = _one_hot(13, 1, n, e)
+    capacity = torch.full((e,), math.ceil(1.25 * k * n / e))
+    index = solve_global(affinities, k, capacity, budget=GlobalBudget(), backend="reference")
+    gaps = fh.optimality_gaps(affinities, index, k, capacity)
+    assert gaps.max() <= fh.MEDIAN_GAP, gaps
+
+
+def test_sink_rounds_run_only_with_spare_capacity() -> None:
+    """Paths through the sink run once every slot is filled and only where the capacities
+    exceed the demand; they raise the objective."""
+    from maxscore.routing.flow import global_reference as ref
+
+    k, n, e = 2, 128, 16
+    a = _one_hot(5, 1, n, e)[0].double().numpy()
+    exact: dict[str, int] = {}
+    ref.solve_group(a, k, np.full(e, k * n // e), GlobalBudget(), exact)
+    assert exact["sink_rounds"] == 0
+    spare: dict[str, int] = {}
+    ref.solve_group(a, k, np.full(e, math.ceil(1.25 * k * n / e)), GlobalBudget(), spare)
+    assert spare["sink_rounds"] > 0 and spare["sink_paths"] >= spare["sink_rounds"]
+    cap = np.full(e, math.ceil(1.25 * k * n / e))
+    before = ref.solve_group(a, k, cap, GlobalBudget(sink_rounds=0, cancel_rounds=0))
+    after = ref.solve_group(a, k, cap, GlobalBudget(cancel_rounds=0))
+    assert float((a * after).sum()) > float((a * before).sum())
 
 
 def test_kernel_defines_pick_the_search_by_experts() -> None:

@@ -182,6 +182,11 @@ def graph_time_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"512x64x2,4096x16x2"`` -> ``[(512, 64, 2), (4096, 16, 2)]`` (``""``: none)."""
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]  # type: ignore[misc]
+
+
 def run_gaps(args: argparse.Namespace, results: dict) -> None:
     device = "cuda" if torch.cuda.is_available() and not args.reference else "cpu"
     backend = "cuda" if device == "cuda" else "reference"
@@ -189,9 +194,11 @@ def run_gaps(args: argparse.Namespace, results: dict) -> None:
     # spawn, not fork: the parent has initialised CUDA, and a forked child would hang on it
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
-        for n, e, k in SHAPES + (LARGE_SHAPES if args.large else []):
+        shapes = parse_shapes(args.shapes) or SHAPES + (LARGE_SHAPES if args.large else [])
+        names = args.families.split(",") if args.families else SYNTHETIC
+        for n, e, k in shapes:
             c = math.ceil(args.capacity_factor * k * n / e)
-            families = {f: synthetic(f, args.groups, n, e, seed=1000 + e + k) for f in SYNTHETIC}
+            families = {f: synthetic(f, args.groups, n, e, seed=1000 + e + k) for f in names}
             if args.router_steps > 0:
                 families.update(router_scores(n, e, k, args.router_steps, args.groups, device))
             for family, a in families.items():
@@ -223,10 +230,7 @@ def run_gaps(args: argparse.Namespace, results: dict) -> None:
 
 def run_timing(args: argparse.Namespace, results: dict) -> None:
     rows = results.setdefault("timing", [])
-    shapes = SHAPES + LARGE_SHAPES
-    if args.shapes:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    for n, e, k in shapes:
+    for n, e, k in parse_shapes(args.shapes) or SHAPES + LARGE_SHAPES:
         groups = 32 if n <= 512 else 8
         c = math.ceil(args.capacity_factor * k * n / e)
         cap = torch.full((e,), c, device="cuda")
@@ -288,7 +292,12 @@ def main() -> None:
     )
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--shapes", default="", help="timing shapes, e.g. 512x64x2,512x128x8")
+    parser.add_argument(
+        "--shapes", default="", help="shapes to time or measure, e.g. 512x64x2,4096x16x2"
+    )
+    parser.add_argument(
+        "--families", default="", help="synthetic families for --gaps, e.g. one-hot,random"
+    )
     parser.add_argument(
         "--budget",
         default="",

@@ -85,6 +85,12 @@ def main() -> None:
         "--shapes", default="512x16x2,512x32x2,512x64x2,512x64x6,512x128x8,512x256x8"
     )
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=1.0,
+        help="time at capacity ceil(factor k n / e) (above 1: spare capacity)",
+    )
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     root = HERE.parents[1]
@@ -120,12 +126,18 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "baseline": args.baseline,
         "baseline_defines": args.baseline_define,
+        "capacity_factor": args.capacity_factor,
         "runs": [],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         use_kernel(*kernels[name])
-        timing_args = argparse.Namespace(shapes=args.shapes, reps=args.reps, budget=GlobalBudget())
+        timing_args = argparse.Namespace(
+            shapes=args.shapes,
+            reps=args.reps,
+            budget=GlobalBudget(),
+            capacity_factor=args.capacity_factor,
+        )
         rows: dict[str, Any] = {}
         bench.run_timing(timing_args, rows)
         run = {"variant": name, "objective_ok": objective_matches_reference(bench), **rows}

@@ -137,6 +137,7 @@ def kernel_defines(
         "BUF": str(min(BID_BUFFER, max(2 * cb, 32))),
         "AUCTION": str(max(0, budget.auction_rounds)),
         "STOP_OPEN": str(stop_open_slots(n, k, budget)),
+        "SINK_ROUNDS": str(n * k if budget.sink_rounds is None else budget.sink_rounds),
         "CANCELS": str(max(0, budget.cancel_rounds)),
         "RELAX_CANCEL": str(max(1, min(budget.relaxations, e + 3))),
         "EPS_REL": f"{float(budget.epsilon)!r}f",
@@ -193,6 +194,7 @@ def block_bytes(defines: dict[str, str]) -> int:
         + 3  # lo_ord, hi_ord, real_rows
         + 4  # lo, hi, eps, tol
         + 4  # open_count, open_tokens, moves, overflowed
+        + 1  # spare
     )
     return 4 * words + 8 * 12 + 16  # prof; alignment padding
 

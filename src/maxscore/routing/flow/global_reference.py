@@ -41,17 +41,21 @@ solver has three phases:
    until every expert with spare capacity is settled) or a frontier search over every warp
    (from 128) on reduced costs whose potentials start at the auction's prices (the same paths),
    and takes each subtree of ``D``'s best target at once (paths that share no node are exactly
-   those in different subtrees).
+   those in different subtrees). Where the capacities exceed the demand, phase 2 then goes on
+   from ``S`` (:func:`_to_sink`): a free slot must end at the lowest price, which eps-scaling's
+   restarts do not leave, and each path of positive gain from ``S`` to an expert with a free
+   slot is a positive cycle through ``S``; a round applies every node-disjoint one of its tree
+   (phase 3 would find them one a round, since they share ``S``).
 3. **Cycle cancelling** on the same graph, now also with ``b -> S`` (``b`` has spare capacity),
    ``S -> a`` (any expert may lose a token) and ``a -> D`` (a token gives up its slot at ``a``
    when the flow is not full, gain ``-A_ta``): a feasible assignment is optimal iff this graph
    has no cycle of positive gain (the residual graph of the flow network with the token nodes
    contracted). Each round finds, by Bellman-Ford from a virtual source joined to every node,
    the cycles of its predecessor graph (they are node-disjoint, so their moves are compatible)
-   and applies them, at most ``cancel_rounds`` rounds. With no spare capacity phases 1-2 leave
-   nothing for it (measured: 0-1 rounds); spare capacity (a slot left free should end at the
-   lowest price: the auctions then start from equal prices, :func:`starting_prices`) and
-   capacity short of ``n k`` need it. Every edge is charged ``tol`` (a relative 1e-6 of the
+   and applies them, at most ``cancel_rounds`` rounds. Phases 1-2 leave little for it (measured:
+   0-1 rounds without spare capacity; with a quarter more capacity than demand 0 on the NumPy
+   reference's groups, 0-1 on the GPU's, where the float32 search may leave one); capacity
+   short of ``n k`` needs it. Every edge is charged ``tol`` (a relative 1e-6 of the
    affinities' spread, about 16 float32 rounding steps) so rounding cannot create a cycle.
 
 The CUDA kernel (:mod:`.global_cuda`, ``kernels/global_auction.cu``) runs the same three phases
@@ -101,12 +105,16 @@ class GlobalBudget:
             are cheap in large groups too (H200, 8 groups of 4,096 tokens, the CUDA kernel:
             e = 64, k = 6 random 13.6 -> 10.8 ms a call with three auctions instead of one,
             near-tied 43.9 -> 20.7; e = 16, k = 2 random 3.14 -> 2.29, near-tied 4.50 -> 4.59).
-        cancel_rounds: cycle-cancelling rounds (phase 3) at most. Without spare capacity
-            phases 1-2 leave 0-1 rounds; with it the rounds run while positive cycles are left,
-            and a round moves one token through each expert at most (the NumPy reference, two
-            groups of 512 tokens, capacities 1.25 k n / e, every token preferring expert 0:
-            e = 16, k = 2 17% of the objective left after 64 rounds, none after 256; near-tied
-            scores, e = 16 and 64, k = 2: 0.3-0.5% after 64, none after 256).
+        sink_rounds: rounds of paths through the sink (phase 2's last part, with spare capacity
+            only) at most (``None``: ``n k``, phase 2's own bound); each round applies every
+            node-disjoint positive path of its tree, so paths into one expert take a round each
+            (NumPy reference, capacities 1.25 k n / e: 2-86 rounds in groups of 256-512 tokens;
+            640 where every one of 4,096 tokens prefers expert 0 of 16, which 256 rounds left
+            19% short of the optimum).
+        cancel_rounds: cycle-cancelling rounds (phase 3) at most. Phases 1-2 leave it 0-1 rounds
+            without spare capacity; with it the paths from ``S`` leave little (H200, capacities
+            1.25 k n / e, groups of 512 and 4,096 tokens: 0 rounds, 1 at e = 128 near-tied).
+            A round moves one token through each expert at most.
         relaxations: Bellman-Ford relaxations per cycle-cancelling round (phase 3) and per first
             try of a phase-2 round. Positive cycles are short, so their predecessor cycles show up
             within a few relaxations; a phase-2 round that finds no path this way searches fully
@@ -121,11 +129,17 @@ class GlobalBudget:
     epsilon: float = 1e-5
     epsilon_scales: tuple[int, ...] = (400, 30)
     epsilon_scale_max_tokens: int | None = None
+    sink_rounds: int | None = None
     cancel_rounds: int = 256
     relaxations: int = 12
     tolerance: float = 1e-6
 
     def __post_init__(self) -> None:
+        if self.sink_rounds is not None and (not _is_int(self.sink_rounds) or self.sink_rounds < 0):
+            raise ValueError(
+                "GlobalBudget.sink_rounds must be None (n k: phase 2's own bound) or an integer "
+                f">= 0, got {self.sink_rounds!r}"
+            )
         scales = self.epsilon_scales
         if (
             not isinstance(scales, tuple)
@@ -182,7 +196,7 @@ def solve_group(
     """One group: ``a[n, e]`` float64, ``capacity[e]`` ints; the ``[n, e]`` bool ``P``.
 
     ``stats``, if given, receives the work done: ``open_after_auction`` (slots phase 1 left
-    open), ``augment_rounds``, ``paths``, ``cancel_rounds``.
+    open), ``augment_rounds``, ``paths``, ``sink_rounds``, ``sink_paths``, ``cancel_rounds``.
     """
     stats = {} if stats is None else stats
     n, e = a.shape
@@ -191,7 +205,12 @@ def solve_group(
         return np.zeros((n, e), dtype=bool)
     held, _ = _auction(a, k, cap, budget)
     stats.update(
-        open_after_auction=int(k * n - held.sum()), augment_rounds=0, paths=0, cancel_rounds=0
+        open_after_auction=int(k * n - held.sum()),
+        augment_rounds=0,
+        paths=0,
+        sink_rounds=0,
+        sink_paths=0,
+        cancel_rounds=0,
     )
     spread = float(a.max() - a.min()) or 1.0
     tol = budget.tolerance * spread
@@ -206,6 +225,14 @@ def solve_group(
         stats["paths"] += moved
         if not moved:  # no path left: the flow is maximum
             break
+    # Then, with spare capacity, tokens move towards free slots along positive paths from S.
+    if int(np.minimum(cap, n).sum()) > n * k:
+        for _ in range(n * k if budget.sink_rounds is None else budget.sink_rounds):
+            moved = _to_sink(_expert_graph(a, held, cap, k, cycles=False), held, charge)
+            if not moved:
+                break
+            stats["sink_rounds"] += 1
+            stats["sink_paths"] += moved
     # Phase 3: cancel positive cycles until none is left or the budget is spent.
     for _ in range(budget.cancel_rounds):
         if not _cancel(_expert_graph(a, held, cap, k, cycles=True), held, tol, budget.relaxations):
@@ -497,6 +524,46 @@ def _apply_paths(
             continue
         claimed[path[1:]] = True
         open_left[first] -= 1
+        _apply(held, graph, path)
+        applied += 1
+    return applied
+
+
+def _to_sink(graph: _Graph, held: np.ndarray, tol: float) -> int:
+    """One round of phase 2's last part, with spare capacity: longest paths from ``S`` (edges
+    ``S -> a``, gain 0, for every expert ``a`` holding a token; every edge charged ``tol``) to
+    the experts with a free slot; each such path of positive gain, closed by ``b -> S``, is a
+    positive cycle through ``S`` (a token leaves ``a``, ..., a token takes ``b``'s free slot).
+    Every such path of the tree that shares no expert with a better one is applied; returns how
+    many (0: none is left).
+
+    Cycle cancelling (phase 3) finds these cycles too, but at most one a round (they all pass
+    through ``S``): where an auction's restart left free slots priced above the rest, it needed
+    up to its whole budget (NumPy reference, two groups of 256-512 tokens, capacities 1.25 k n
+    / e, at most 16 cancelling rounds: every token preferring expert 0 lost 55% of the objective
+    at e = 16 and 1-2% at e = 128-256, near-tied groups 0.2-0.4%; with this part first: <= 6e-7
+    everywhere, in 2-86 rounds, then 0-15 cancelling rounds).
+    """
+    e = held.shape[1]
+    sink = e
+    gain = graph.gain.copy()
+    gain[e + 1, :] = -np.inf  # no edge of D: every slot is filled
+    gain[sink, :e] = np.where(held.any(axis=0), 0.0, -np.inf)
+    start = np.full(e + 2, -np.inf)
+    start[sink] = 0.0
+    dist, pred, _ = _bellman_ford(gain, start, tol, e + 3)
+    claimed = np.zeros(e + 2, dtype=bool)
+    applied = 0
+    for b in np.argsort(-dist[:e], kind="stable"):
+        if not (graph.spare[b] and dist[b] > 0.0):
+            continue
+        path = [int(b)]
+        while path[-1] != sink and pred[path[-1]] >= 0 and len(path) <= e + 2:
+            path.append(int(pred[path[-1]]))
+        if path[-1] != sink or len(set(path)) != len(path) or claimed[path[:-1]].any():
+            continue  # a loop (not settled), or it shares an expert with a better path
+        claimed[path[:-1]] = True
+        path.reverse()
         _apply(held, graph, path)
         applied += 1
     return applied

@@ -13,7 +13,10 @@
 //      capacity is settled; from 128 experts a frontier search with every warp) on reduced
 //      costs whose potentials start at the auction's prices (successive shortest paths),
 //      the node-disjoint paths of their tree (one per subtree of D) applied together, until no
-//      slot is open or no path exists (a maximum flow);
+//      slot is open or no path exists (a maximum flow); then, where the capacities exceed the
+//      demand, at most SINK_ROUNDS rounds of the same search from S (D's row standing for S's)
+//      applying its paths of positive gain to experts with a free slot (positive cycles
+//      through S, which phase 3 would find one a round);
 //   3. at most CANCELS rounds of cycle cancelling on the expert graph (all cycles of the
 //      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left (on
 //      capacities with no spare slot phase 2 leaves none: measured, 0-1 rounds).
@@ -34,7 +37,7 @@
 //
 // Compile-time constants (prepended by maxscore.routing.flow.global_cuda): N, E, K, THREADS,
 // CB (holders per expert: the largest capacity, clamped to N), BUF (bids an expert takes per
-// round; more wait a round), AUCTION, STOP_OPEN, CANCELS, RELAX_CANCEL (Bellman-Ford
+// round; more wait a round), AUCTION, STOP_OPEN, SINK_ROUNDS, CANCELS, RELAX_CANCEL (Bellman-Ford
 // relaxations per cancelling round: positive cycles are short, so their predecessor cycles
 // show up within a few), EPS_REL, EPS_SCALE and EPS_SCALE2 (the earlier auctions' eps in units
 // of EPS_REL's; 1: no such auction), TOL_REL, WARP_BID_TOKENS (a round with at most this many
@@ -122,6 +125,7 @@ struct Block {
   int lo_ord, hi_ord, real_rows;
   float lo, hi, eps, tol;
   int open_count, open_tokens, moves, overflowed;
+  int spare;           // the capacities exceed the demand
   long long prof[12];  // SM cycles per part (thread 0's clock): see the stats at the end
 };
 
@@ -538,7 +542,7 @@ __device__ void shortest_paths_frontier(Block& b, const float* gain, float charg
 // keeping the paths that touch no claimed node. Writes the moves (token or -1, from, to) into
 // `move` and their number into b.moves.
 __device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
-                                      const unsigned char* real) {
+                                      const unsigned char* real, bool to_sink) {
   const int lane = threadIdx.x & 31;
   // Each reached expert's root (the first expert of its path) by pointer jumping.
   for (int v = lane; v < E; v += 32) {
@@ -584,7 +588,8 @@ __device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
   }
   __syncwarp();
   // Accept a tree's path while its open token has slots: its rank among the better trees of the
-  // same token (the keys are distinct: one target each); each accepted path's first move by an
+  // same token (the keys are distinct: one target each); with `to_sink` (D's edges are S's,
+  // moving no token) where its gain is positive. Each accepted path's first move by an
   // exclusive scan of the lengths.
   int base = 0;
   for (int i0 = 0; i0 < count; i0 += 32) {
@@ -594,19 +599,22 @@ __device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
       r = trees[i];
       const unsigned long long key = b.tree_best[r];
       const int tok = b.drop_token[r];
-      if (tok >= 0) {
+      bool take = false;
+      if (to_sink) {  // D stands for S: a path of positive gain closes a positive cycle
+        take = b.dist[E - (int)(u32)key] > 0.0f;
+      } else if (tok >= 0) {
         int rank = 0;
         for (int q = 0; q < count; ++q) {
           const int o = trees[q];
           rank += b.tree_best[o] > key && b.drop_token[o] == tok;
         }
-        const int open = OPEN_SLOTS(tok_e, real, tok);
-        if (rank < open) {
-          for (int x = E - (int)(u32)key; x != DROP; x = b.pred[x]) {
-            if (x < 0 || ++len > V) {  // not a path to D (never expected)
-              len = 0;
-              break;
-            }
+        take = rank < OPEN_SLOTS(tok_e, real, tok);
+      }
+      if (take) {
+        for (int x = E - (int)(u32)key; x != DROP; x = b.pred[x]) {
+          if (x < 0 || ++len > V) {  // not a path to D (never expected)
+            len = 0;
+            break;
           }
         }
       }
@@ -892,6 +900,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     long long total = 0;
     for (int j = 0; j < E; ++j) total += b.cap[j];
     const bool spare = total > (long long)b.real_rows * K;
+    b.spare = spare;
     float lowest = 3.0e38f, rsum = 0.0f;
     for (int j = 0; j < E; ++j) lowest = fminf(lowest, b.reserve[j]);
     for (int j = 0; j < E; ++j) b.reserve[j] = spare ? 0.0f : b.reserve[j] - lowest;
@@ -1342,7 +1351,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
   // ---- phases 2 and 3: the expert graph ----
   for (int u = tid; u < E; u += THREADS) b.dirty[u] = 1;
-  int open_after_auction = 0, augment_rounds = 0, cancel_rounds = 0;
+  int open_after_auction = 0, augment_rounds = 0, cancel_rounds = 0, sink_rounds = 0;
+  bool to_sink = false;  // phase 2's last part: paths from S (spare capacity)
   long long t_augment = t_auction;
   for (int phase = 2; phase <= 3; ++phase) {
     const bool cycles = phase == 3;
@@ -1360,7 +1370,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       __syncthreads();
       long long t_part = clock64();
       if (!cycles && round == 0) open_after_auction = b.open_count;
-      if (!cycles && b.open_count == 0) break;
+      if (!cycles && b.open_count == 0 && !to_sink) {
+        // Every slot is filled. With spare capacity, tokens then move towards free slots along
+        // positive paths from S (global_reference._to_sink): the same search with D's row
+        // standing for S's (gain 0 into every expert holding a token), since cycle cancelling
+        // finds the cycles through S one a round.
+        if (!b.spare) break;  // the same in every thread
+        to_sink = true;
+      }
+      if (to_sink && sink_rounds == SINK_ROUNDS) break;
       const int open_tokens = b.open_tokens;
       // Rows of the experts: the best move of one of their holders to every other expert. Only
       // the rows a holder left in the last round are computed again (all of them the first
@@ -1383,7 +1401,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       for (int v = warp; v < V; v += WARPS) {
         float best = NEG;
         int bt = 0x7fffffff;
-        if (v < E && b.cap[v] > 0) {
+        if (to_sink) {
+          best = v < E && b.held[v] > 0 ? 0.0f : NEG;
+        } else if (v < E && b.cap[v] > 0) {
           for (int q = lane; q < open_tokens; q += 32) {
             const int t = open_list[q];
             if (has_bit(mask + t * MW, v)) continue;
@@ -1397,7 +1417,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         warp_argmax(best, bt);
         if (lane == 0) {
           gain[GAIN(DROP, v)] = best;
-          b.drop_token[v] = best > NEG ? bt : -1;
+          b.drop_token[v] = best > NEG && !to_sink ? bt : -1;
         }
       }
       __syncthreads();
@@ -1442,7 +1462,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             b.prof[4] += now - t_part;
             t_part = now;
           }
-          select_disjoint_paths(b, move, tok_e, real);
+          select_disjoint_paths(b, move, tok_e, real, to_sink);
           if (tid == 0) {
             const long long now = clock64();
             b.prof[9] += now - t_part;
@@ -1568,6 +1588,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (nm == 0) break;  // phase 2: no path (maximum flow); phase 3: no positive cycle
       if (cycles) ++cancel_rounds;
       else ++augment_rounds;
+      sink_rounds += to_sink;
       // Each edge's token: the holder of u (or open token for u = D) realising gain[u][v], the
       // lowest index among equals; a warp per move.
       for (int q = warp; q < nm; q += WARPS) {
@@ -1666,6 +1687,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (tid == 0) b.prof[5 + 3 * cycles] += clock64() - t_part;
     }
     if (!cycles) t_augment = clock64();
+    to_sink = false;
   }
   const long long t_end = clock64();
   if (tid == 0 && want_stats) {
