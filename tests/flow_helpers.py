@@ -39,6 +39,15 @@ def near_tied(seed: int, count: int, n: int, e: int, noise: float) -> torch.Tens
     return torch.softmax(logits, -1)
 
 
+def one_hot(seed: int, count: int, n: int, e: int) -> torch.Tensor:
+    """Every token preferring expert 0 by far (its logit raised by 8; the benchmarks' "one-hot"
+    family)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(count, n, e, generator=gen)
+    logits[..., 0] += 8.0
+    return torch.softmax(logits, -1)
+
+
 REAL_SCORES = Path(__file__).resolve().parent / "data" / "router_scores.npz"
 
 

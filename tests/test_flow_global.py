@@ -690,14 +690,6 @@ def test_spare_capacity_near_tied(backend: str, e: int, k: int) -> None:
     assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
 
 
-def _one_hot(seed: int, count: int, n: int, e: int) -> torch.Tensor:
-    """Every token preferring expert 0 by far (its logit raised by 8)."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(count, n, e, generator=gen)
-    logits[..., 0] += 8.0
-    return torch.softmax(logits, -1)
-
-
 @pytest.mark.parametrize(
     ("backend", "e", "k", "family"),
     [
@@ -717,7 +709,7 @@ def test_spare_capacity_paths_through_the_sink(backend: str, e: int, k: int, fam
     repair it alone: the gap targets with no cancelling round at all."""
     n = 256
     one_hot = family == "one-hot"
-    affinities = _one_hot(11, 2, n, e) if one_hot else fh.near_tied(7, 2, n, e, 0.03)
+    affinities = fh.one_hot(11, 2, n, e) if one_hot else fh.near_tied(7, 2, n, e, 0.03)
     capacity = torch.full((e,), math.ceil(1.25 * k * n / e))
     budget = GlobalBudget(cancel_rounds=0)
     if backend == "reference":
@@ -734,7 +726,7 @@ def test_sink_paths_into_one_expert_take_a_round_each() -> None:
     restarts leave expert 0's 640 slots to the paths from S, one a round (256 rounds left 19% of
     the objective), so the default budget is phase 2's own bound ``n k``."""
     n, e, k = 4096, 16, 2
-    affinities = _one_hot(13, 1, n, e)
+    affinities = fh.one_hot(13, 1, n, e)
     capacity = torch.full((e,), math.ceil(1.25 * k * n / e))
     index = solve_global(affinities, k, capacity, budget=GlobalBudget(), backend="reference")
     gaps = fh.optimality_gaps(affinities, index, k, capacity)
@@ -747,7 +739,7 @@ def test_sink_rounds_run_only_with_spare_capacity() -> None:
     from maxscore.routing.flow import global_reference as ref
 
     k, n, e = 2, 128, 16
-    a = _one_hot(5, 1, n, e)[0].double().numpy()
+    a = fh.one_hot(5, 1, n, e)[0].double().numpy()
     exact: dict[str, int] = {}
     ref.solve_group(a, k, np.full(e, k * n // e), GlobalBudget(), exact)
     assert exact["sink_rounds"] == 0

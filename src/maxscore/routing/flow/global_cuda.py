@@ -137,7 +137,7 @@ def kernel_defines(
         "BUF": str(min(BID_BUFFER, max(2 * cb, 32))),
         "AUCTION": str(max(0, budget.auction_rounds)),
         "STOP_OPEN": str(stop_open_slots(n, k, budget)),
-        "SINK_ROUNDS": str(n * k if budget.sink_rounds is None else budget.sink_rounds),
+        "SINK_ROUNDS": str(budget.sink_rounds_for(n, k)),
         "CANCELS": str(max(0, budget.cancel_rounds)),
         "RELAX_CANCEL": str(max(1, min(budget.relaxations, e + 3))),
         "EPS_REL": f"{float(budget.epsilon)!r}f",

@@ -158,6 +158,10 @@ class GlobalBudget:
                 f"integer >= 0 (0: one auction at every group size), got {limit!r}"
             )
 
+    def sink_rounds_for(self, n: int, k: int) -> int:
+        """Rounds of paths through the sink at most in a group of ``n`` tokens."""
+        return n * k if self.sink_rounds is None else self.sink_rounds
+
     def epsilon_scales_for(self, n: int) -> tuple[int, ...]:
         """The eps-scaling auctions of a group of ``n`` tokens (``()``: one auction)."""
         limit = self.epsilon_scale_max_tokens
@@ -226,8 +230,8 @@ def solve_group(
         if not moved:  # no path left: the flow is maximum
             break
     # Then, with spare capacity, tokens move towards free slots along positive paths from S.
-    if int(np.minimum(cap, n).sum()) > n * k:
-        for _ in range(n * k if budget.sink_rounds is None else budget.sink_rounds):
+    if int(cap.sum()) > n * k:
+        for _ in range(budget.sink_rounds_for(n, k)):
             moved = _to_sink(_expert_graph(a, held, cap, k, cycles=False), held, charge)
             if not moved:
                 break
@@ -498,6 +502,17 @@ def _augment(graph: _Graph, held: np.ndarray, cap: np.ndarray, tol: float, relax
             charge *= 16
 
 
+def _tree_path(pred: np.ndarray, target: int, root: int) -> list[int] | None:
+    """The path ``root -> ... -> target`` of the predecessor tree ``pred``; None if ``target``
+    does not reach ``root`` or the walk loops (a positive cycle left the search unsettled)."""
+    path = [target]
+    while path[-1] != root and pred[path[-1]] >= 0 and len(path) <= len(pred):
+        path.append(int(pred[path[-1]]))
+    if path[-1] != root or len(set(path)) != len(path):
+        return None
+    return path[::-1]
+
+
 def _apply_paths(
     graph: _Graph, held: np.ndarray, cap: np.ndarray, dist: np.ndarray, pred: np.ndarray
 ) -> int:
@@ -513,12 +528,9 @@ def _apply_paths(
             break
         if not (graph.spare[b] and np.isfinite(dist[b])):
             continue
-        path = [int(b)]
-        while path[-1] != drop and pred[path[-1]] >= 0 and len(path) <= e + 2:
-            path.append(int(pred[path[-1]]))
-        if path[-1] != drop or len(set(path)) != len(path):  # unreachable, or a loop
+        path = _tree_path(pred, int(b), drop)
+        if path is None:
             continue
-        path.reverse()
         first = graph.token[drop, path[1]]
         if claimed[path[1:]].any() or open_left[first] == 0:
             continue
@@ -557,13 +569,10 @@ def _to_sink(graph: _Graph, held: np.ndarray, tol: float) -> int:
     for b in np.argsort(-dist[:e], kind="stable"):
         if not (graph.spare[b] and dist[b] > 0.0):
             continue
-        path = [int(b)]
-        while path[-1] != sink and pred[path[-1]] >= 0 and len(path) <= e + 2:
-            path.append(int(pred[path[-1]]))
-        if path[-1] != sink or len(set(path)) != len(path) or claimed[path[:-1]].any():
-            continue  # a loop (not settled), or it shares an expert with a better path
-        claimed[path[:-1]] = True
-        path.reverse()
+        path = _tree_path(pred, int(b), sink)
+        if path is None or claimed[path[1:]].any():
+            continue  # shares an expert with a better path
+        claimed[path[1:]] = True
         _apply(held, graph, path)
         applied += 1
     return applied
