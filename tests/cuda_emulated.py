@@ -51,6 +51,9 @@ extern "C" int block_struct_bytes() {{ return (int)sizeof(Block); }}
 #ifdef CHECK_GRAPH
 extern "C" int graph_mismatches() {{ return graph_check_mismatches; }}
 #endif
+#ifdef COUNT_RELAXATIONS
+extern "C" int relaxation_count(int i) {{ return relaxation_counts[i]; }}
+#endif
 """
 
 
@@ -178,6 +181,26 @@ def graph_mismatches(
     before = int(lib.graph_mismatches())  # a library's counter lives as long as the process
     index, _ = solve_emulated(affinities, k, capacity, budget, defines=checked, kernel=kernel)
     return index, int(lib.graph_mismatches()) - before
+
+
+def phase3_relaxations(
+    affinities: torch.Tensor,
+    k: int,
+    capacity: torch.Tensor,
+    budget: GlobalBudget | None = None,
+    *,
+    kernel: Path | None = None,
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """:func:`solve_emulated` with the kernel's ``COUNT_RELAXATIONS`` hook: the assignment, and
+    phase 3's Bellman-Ford relaxations, rounds, and rounds stopped by the relaxation cap while
+    distances still changed, summed over the groups. ``kernel``: as in :func:`solve_emulated`."""
+    counted = {"COUNT_RELAXATIONS": "1"}
+    lib = library(affinities, k, capacity, budget, defines=counted, kernel=kernel)
+    before = [int(lib.relaxation_count(i)) for i in range(3)]  # counters outlive a solve
+    index, _ = solve_emulated(affinities, k, capacity, budget, defines=counted, kernel=kernel)
+    after = [int(lib.relaxation_count(i)) for i in range(3)]
+    passes, rounds, capped = (b - a for a, b in zip(before, after, strict=True))
+    return index, (passes, rounds, capped)
 
 
 def solve_emulated(

@@ -134,6 +134,12 @@ struct Block {
 // holders) that differ from a computation from scratch, summed over every round of phases 2-3.
 __device__ int graph_check_mismatches = 0;
 #endif
+#ifdef COUNT_RELAXATIONS
+// A test hook, compiled only by the CPU emulator's tests: phase 3's Bellman-Ford relaxations,
+// its rounds, and the rounds that RELAX_CANCEL stopped while distances still changed (no
+// certificate that no positive cycle is left), summed over every group.
+__device__ int relaxation_counts[3] = {0, 0, 0};
+#endif
 
 // Monotone map of floats to ints (integer atomics give float min / max).
 __device__ __forceinline__ int ord_float(float f) {
@@ -1352,7 +1358,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   // ---- phases 2 and 3: the expert graph ----
   for (int u = tid; u < E; u += THREADS) b.dirty[u] = 1;
   int open_after_auction = 0, augment_rounds = 0, cancel_rounds = 0, sink_rounds = 0;
-  bool to_sink = false;  // phase 2's last part: paths from S (spare capacity)
+  bool to_sink = false;   // phase 2's last part: paths from S (spare capacity)
+  bool searched = false;  // phase 2 ran a search: b.pot holds its potentials
   long long t_augment = t_auction;
   for (int phase = 2; phase <= 3; ++phase) {
     const bool cycles = phase == 3;
@@ -1450,6 +1457,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // slackness; P(D) is set so that D's edges are >= 0); the few negative ones count as 0,
         // so the paths are the best augmenting paths up to eps each. Afterwards P -= distance
         // keeps the costs non-negative for the next round (successive shortest paths).
+        searched = true;
 #if SEARCH_FRONTIER
         shortest_paths_frontier(b, gain, charge, round == 0);
 #endif
@@ -1471,10 +1479,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
       } else {
         // Phase 3: Bellman-Ford (longest paths, every edge charged `charge`, at most
-        // RELAX_CANCEL relaxations) from a virtual source joined to every node; the cycles of its
-        // predecessor graph have positive gain.
+        // RELAX_CANCEL relaxations) from a virtual source joined to every expert v by P(v),
+        // phase 2's potentials (the auction's prices where it searched nothing); the cycles of
+        // its predecessor graph have positive gain. Any start finds the same cycles; this one
+        // leaves only the edges with rc = -gain + P(v) - P(u) + charge < 0 to relax (after
+        // successive shortest paths a few, within eps of 0), so the distances settle within
+        // the cap where they can (a certificate that no positive cycle is left), where from 0
+        // every positive gain relaxed and most checks stopped at the cap. S and D start
+        // unreached.
         for (int v = tid; v < V; v += THREADS) {
-          b.dist[v] = 0.0f;
+          b.dist[v] = v < E ? (searched ? b.pot[v] : b.price[v]) : NEG;
           b.pred[v] = -1;
         }
         __syncthreads();
@@ -1542,6 +1556,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             }
           }
           changed = __syncthreads_or(mine);
+#ifdef COUNT_RELAXATIONS
+          if (tid == 0) {
+            atomicAdd(&relaxation_counts[0], 1);
+            if (it == 0) atomicAdd(&relaxation_counts[1], 1);
+            if (changed && it + 1 == RELAX_CANCEL) atomicAdd(&relaxation_counts[2], 1);
+          }
+#endif
           if ((it & 1) == 0 && (!changed || it + 1 == RELAX_CANCEL)) {
             for (int v = tid; v < V; v += THREADS) b.dist[v] = b.dist_next[v];
             __syncthreads();
