@@ -1491,6 +1491,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           b.dist[v] = v < E ? (searched ? b.pot[v] : b.price[v]) : NEG;
           b.pred[v] = -1;
         }
+        // A relaxation reads only the rows of the nodes whose distance the one before changed
+        // (every node the first time): any other row offers no node more than it took then, so
+        // the passes end with the same distances and predecessors as passes over every row, and
+        // from phase 2's potentials few rows are left after the first. The changed nodes as bit
+        // masks, three in turn (read / written / cleared for the next), in b.jump,
+        // b.jump_next and b.on_cycle, which are free until the cycles are looked for.
+        auto front_of = [&](int it) {  // (a select: an array of the three would live in memory)
+          const int r = it % 3;
+          return r == 0 ? (u32*)b.jump : r == 1 ? (u32*)b.jump_next : (u32*)b.on_cycle;
+        };
+        for (int w = tid; w < (V + 31) / 32; w += THREADS) {
+          const int rest = V - 32 * w;
+          front_of(0)[w] = rest >= 32 ? FULL_MASK : (1u << rest) - 1u;
+          front_of(1)[w] = 0u;
+          front_of(2)[w] = 0u;
+        }
         __syncthreads();
         changed = 1;
         // Each node's predecessors in CANCEL_PARTS ranges, a thread each (the threads beyond V
@@ -1502,6 +1518,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           // Jacobi relaxation into the other buffer: one barrier per relaxation (two with ranges)
           float* cur = (it & 1) ? b.dist_next : b.dist;
           float* nxt = (it & 1) ? b.dist : b.dist_next;
+          const u32* front = front_of(it);
+          u32* front_next = front_of(it + 1);
+          u32* front_clear = front_of(it + 2);
+          for (int w = tid; w < (V + 31) / 32; w += THREADS) front_clear[w] = 0u;
           int mine = 0;
           for (int i = tid; i < CANCEL_PARTS * V; i += THREADS) {
             const int v = i % V, part = i / V;
@@ -1513,12 +1533,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // memory a load per step waited its own latency (phase 3's first round, which finds
             // no cycle, took 1.2M cycles at e = 256).
             for (int u0 = lo; u0 < hi; u0 += 8) {
+              // (lo is a multiple of 8, so the eight share one mask word)
+              const u32 eight = (front[u0 >> 5] >> (u0 & 31)) & 0xffu;
+              if (eight == 0u) continue;
               float du[8], w[8];
 #pragma unroll
               for (int j = 0; j < 8; ++j) {
                 const int u = u0 + j;
-                du[j] = u < hi ? cur[u] : NEG;
-                w[j] = u < hi ? gain[GAIN(u, v)] : NEG;
+                const bool load = u < hi && ((eight >> j) & 1u);
+                du[j] = load ? cur[u] : NEG;
+                w[j] = load ? gain[GAIN(u, v)] : NEG;
               }
 #pragma unroll
               for (int j = 0; j < 8; ++j) {
@@ -1532,7 +1556,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             }
             if (CANCEL_PARTS == 1) {
               nxt[v] = best;
-              mine |= best != cur[v];
+              if (best != cur[v]) {
+                mine = 1;
+                atomicOr(&front_next[v >> 5], 1u << (v & 31));
+              }
               b.pred[v] = bp;  // only this thread reads or writes pred[v] during the loop
             } else {
               part_best[i] = best;
@@ -1551,7 +1578,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 }
               }
               nxt[v] = best;
-              mine |= best != cur[v];
+              if (best != cur[v]) {
+                mine = 1;
+                atomicOr(&front_next[v >> 5], 1u << (v & 31));
+              }
               b.pred[v] = bp;
             }
           }
