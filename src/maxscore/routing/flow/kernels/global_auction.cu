@@ -332,15 +332,10 @@ __device__ __forceinline__ void store_search_result(Block& b, int v, bool reache
 // P - distance. A node is a lane's register entry, so a step is a warp argmin and one load of
 // the settled node's row per lane. Below 128 experts it beats the frontier search (whose passes
 // each cost a block barrier); from 128 its V dependent steps, each waiting for a row, do not.
-// `first`: start P from the auction's prices.
-__device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charge, bool first) {
+__device__ void shortest_paths_dijkstra(Block& b, const float* gain, float charge) {
   constexpr int R = (V + 31) / 32;
   const int lane = threadIdx.x & 31;
   const float INF = 3.0e38f;
-  if (first) {
-    for (int v = lane; v < E; v += 32) b.pot[v] = b.price[v];
-  }
-  __syncwarp();
   const float pd = drop_potential(b, gain);
   float dist[R], pv[R];
   int pred[R];
@@ -436,7 +431,7 @@ __device__ __forceinline__ unsigned long long search_label(float distance, int e
 // passes over the whole frontier; at e = 64 about even, below it slower: kernel_variants.json).
 // A pass is one block barrier. Every thread calls it. The labels use b.tree_best and the
 // frontiers b.jump / b.jump_next (the path selection sets them again afterwards).
-__device__ void shortest_paths_frontier(Block& b, const float* gain, float charge, bool first) {
+__device__ void shortest_paths_frontier(Block& b, const float* gain, float charge) {
   constexpr int R = LANE_E;
   constexpr int OWNED = (E + WARPS - 1) / WARPS;  // experts per warp
   constexpr unsigned long long UNREACHED = ~0ull;
@@ -444,10 +439,6 @@ __device__ void shortest_paths_frontier(Block& b, const float* gain, float charg
   unsigned long long* label = b.tree_best;
   int* front = b.jump;         // to relax (each warp reads and clears its own experts')
   int* lowered = b.jump_next;  // lowered since the owner last looked (any warp sets it)
-  if (first) {
-    for (int v = tid; v < E; v += THREADS) b.pot[v] = b.price[v];
-    __syncthreads();
-  }
   // P(D) (every warp computes the same maximum), and the potentials of this lane's experts,
   // fixed during the search.
   const float pd = drop_potential(b, gain);
@@ -1356,10 +1347,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   const long long t_auction = clock64();
 
   // ---- phases 2 and 3: the expert graph ----
-  for (int u = tid; u < E; u += THREADS) b.dirty[u] = 1;
+  // Phase 2's potentials P start at the auction's prices (phase 3's check starts from P too).
+  for (int u = tid; u < E; u += THREADS) {
+    b.dirty[u] = 1;
+    b.pot[u] = b.price[u];
+  }
   int open_after_auction = 0, augment_rounds = 0, cancel_rounds = 0, sink_rounds = 0;
-  bool to_sink = false;   // phase 2's last part: paths from S (spare capacity)
-  bool searched = false;  // phase 2 ran a search: b.pot holds its potentials
+  bool to_sink = false;  // phase 2's last part: paths from S (spare capacity)
   long long t_augment = t_auction;
   for (int phase = 2; phase <= 3; ++phase) {
     const bool cycles = phase == 3;
@@ -1457,13 +1451,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // slackness; P(D) is set so that D's edges are >= 0); the few negative ones count as 0,
         // so the paths are the best augmenting paths up to eps each. Afterwards P -= distance
         // keeps the costs non-negative for the next round (successive shortest paths).
-        searched = true;
 #if SEARCH_FRONTIER
-        shortest_paths_frontier(b, gain, charge, round == 0);
+        shortest_paths_frontier(b, gain, charge);
 #endif
         if (warp == 0) {
 #if !SEARCH_FRONTIER
-          shortest_paths_dijkstra(b, gain, charge, round == 0);
+          shortest_paths_dijkstra(b, gain, charge);
 #endif
           if (tid == 0) {
             const long long now = clock64();
@@ -1488,7 +1481,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // every positive gain relaxed and most checks stopped at the cap. S and D start
         // unreached.
         for (int v = tid; v < V; v += THREADS) {
-          b.dist[v] = v < E ? (searched ? b.pot[v] : b.price[v]) : NEG;
+          b.dist[v] = v < E ? b.pot[v] : NEG;
           b.pred[v] = -1;
         }
         // A relaxation reads only the rows of the nodes whose distance the one before changed
@@ -1504,8 +1497,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int w = tid; w < (V + 31) / 32; w += THREADS) {
           const int rest = V - 32 * w;
           front_of(0)[w] = rest >= 32 ? FULL_MASK : (1u << rest) - 1u;
-          front_of(1)[w] = 0u;
-          front_of(2)[w] = 0u;
+          front_of(1)[w] = 0u;  // (the third is cleared by the first pass)
         }
         __syncthreads();
         changed = 1;
