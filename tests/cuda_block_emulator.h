@@ -20,6 +20,7 @@ using std::min;
 #define __global__
 #define __device__
 #define __forceinline__ inline
+#define __noinline__
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 #define __align__(x) alignas(x)

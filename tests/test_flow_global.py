@@ -23,7 +23,7 @@ from maxscore.routing.flow import (
     global_cuda,
     min_cost_flow_assignment,
 )
-from maxscore.routing.flow.global_reference import GlobalBudget, starting_prices
+from maxscore.routing.flow.global_reference import GlobalBudget, dual_prices, starting_prices
 from maxscore.routing.flow.global_solver import GLOBAL_BACKENDS, pick_backend, solve_global
 
 
@@ -307,10 +307,10 @@ def test_sink_rounds_default_to_phase_2_bound() -> None:
 
 
 def test_eps_scaling_only_up_to_its_group_size() -> None:
-    """By default every group runs the three auctions; groups above a set
-    ``epsilon_scale_max_tokens`` run one, in the reference (by the group's size) and in the
-    kernel (by its compiled size, which crosses 1,024 where the group size does); the kernel
-    gets the earlier auctions' scales as EPS_SCALE and EPS_SCALE2."""
+    """By default every group runs the three auctions where its prices do not start at the
+    duals; groups above a set ``epsilon_scale_max_tokens`` run one, in the reference (by the
+    group's size) and in the kernel (by its compiled size, which crosses 1,024 where the group
+    size does); the kernel gets the earlier auctions' scales as EPS_SCALE and EPS_SCALE2."""
     default = GlobalBudget()
     assert [default.epsilon_scales_for(n) for n in (5, 1025, 65536)] == [(400, 30)] * 3
     defines = global_cuda.kernel_defines(4096, 64, 6, 384, default)
@@ -337,8 +337,8 @@ def test_eps_scaling_hands_phase_2_fewer_slots_on_near_tied_rows() -> None:
     affinities = fh.near_tied(5, 3, n, e, 0.03)
     capacity = torch.full((e,), -(-k * n // e))
     open_slots = {}
-    for scales in [(), (400, 30)]:
-        budget = GlobalBudget(epsilon_scales=scales)
+    for scales in [(), (400, 30)]:  # from the mean affinities, as eps-scaling was tuned
+        budget = GlobalBudget(epsilon_scales=scales, price_iterations=0)
         stats: list[dict[str, int]] = [{} for _ in affinities]
         for a, found in zip(affinities.double().numpy(), stats, strict=True):
             ref.solve_group(a, k, capacity.numpy(), budget, found)
@@ -506,7 +506,8 @@ def test_emulator_runs_the_kernel_file_it_is_given(tmp_path) -> None:
     other.write_text(text.replace("#define STALL_FILL 2", "#define STALL_FILL 40"))
     affinities = fh.near_tied(6, 1, 128, 16, 0.03)
     capacity = torch.full((16,), 16)
-    one = GlobalBudget(epsilon_scales=())  # one auction: its rounds show the stall rule plainly
+    # one auction from the mean affinities: its rounds show the stall rule plainly
+    one = GlobalBudget(epsilon_scales=(), price_iterations=0)
     _, first = emu.solve_emulated(affinities, 2, capacity, one)
     _, changed = emu.solve_emulated(affinities, 2, capacity, one, kernel=other)
     _, again = emu.solve_emulated(affinities, 2, capacity, one)
@@ -533,12 +534,17 @@ def test_kernel_emulated_phases_and_scratch() -> None:
     emu = _emulated()
     affinities = fh.instances(8, 2, 64, 8, 1.0)
     capacity = torch.full((8,), 16)
-    budget = GlobalBudget(auction_rounds=2)
+    # from the mean affinities (dual prices leave phase 2 nothing here)
+    budget = GlobalBudget(auction_rounds=2, price_iterations=0)
     index, stats = emu.solve_emulated(affinities, 2, capacity, budget)
     assert int(stats[:, 1].max()) > 0 and int(stats[:, 2].max()) > 0  # slots left, paths used
     fh.check_constraints(index, 2, capacity, 8)
     scratch, _ = emu.solve_emulated(affinities, 2, capacity, budget, use_scratch=True)
     assert torch.equal(index, scratch)
+    # the dual prices' sums in the scratch buffer too
+    dual, _ = emu.solve_emulated(affinities, 2, capacity)
+    dual_scratch, _ = emu.solve_emulated(affinities, 2, capacity, use_scratch=True)
+    assert torch.equal(dual, dual_scratch)
     assert fh.optimality_gaps(affinities, index, 2, capacity).max() <= fh.WORST_GAP
 
 
@@ -552,8 +558,8 @@ def test_kernel_emulated_eps_scaling(scales: tuple[int, ...]) -> None:
     affinities = fh.near_tied(29, 3, n, e, 0.03)
     capacity = torch.full((e,), -(-k * n // e))
     open_slots = {}
-    for budget_scales in [(), scales]:
-        budget = GlobalBudget(epsilon_scales=budget_scales)
+    for budget_scales in [(), scales]:  # from the mean affinities, where eps-scaling runs
+        budget = GlobalBudget(epsilon_scales=budget_scales, price_iterations=0)
         index, stats = emu.solve_emulated(affinities, k, capacity, budget)
         fh.check_constraints(index, k, capacity, e)
         gaps = fh.optimality_gaps(affinities, index, k, capacity)
@@ -576,7 +582,7 @@ def test_kernel_emulated_graph_placements_agree(placement: dict[str, str]) -> No
     n, e, k = 64, 12, 3
     affinities = fh.instances(21, 2, n, e, 1.0)
     capacity = torch.full((e,), -(-k * n // e))
-    budget = GlobalBudget(auction_rounds=3)
+    budget = GlobalBudget(auction_rounds=3, price_iterations=0)  # slots left for phase 2
     base, stats = emu.solve_emulated(affinities, k, capacity, budget)
     assert int(stats[:, 2].max()) > 0  # phase 2 ran
     moved, _ = emu.solve_emulated(affinities, k, capacity, budget, defines=placement)
@@ -686,12 +692,113 @@ def test_kernel_emulated_property() -> None:
 
 
 def test_starting_prices_are_equal_with_spare_capacity() -> None:
-    """Warm prices (mean affinities, the lowest at 0) when the capacities meet the demand
-    exactly or fall short of it; every price 0 when they exceed it."""
+    """Warm prices (mean affinities, the lowest at 0) without the dual iterations, the dual
+    prices with them, when the capacities meet the demand exactly or fall short of it; every
+    price 0 when they exceed it."""
     a = np.array([[0.9, 0.1, 0.0], [0.8, 0.2, 0.0]])
-    assert np.allclose(starting_prices(a, 1, np.array([1, 1, 0])), [0.85, 0.15, 0.0])
-    assert np.allclose(starting_prices(a, 1, np.array([1, 0, 0])), [0.85, 0.15, 0.0])
-    assert np.allclose(starting_prices(a, 1, np.array([1, 1, 1])), 0.0)
+    warm = GlobalBudget(price_iterations=0)
+    assert np.allclose(starting_prices(a, 1, np.array([1, 1, 0]), warm), [0.85, 0.15, 0.0])
+    assert np.allclose(starting_prices(a, 1, np.array([1, 0, 0]), warm), [0.85, 0.15, 0.0])
+    for budget in (warm, GlobalBudget()):
+        assert np.allclose(starting_prices(a, 1, np.array([1, 1, 1]), budget), 0.0)
+    dual = starting_prices(a, 1, np.array([1, 1, 0]), GlobalBudget())
+    assert np.allclose(dual, dual_prices(a, 1, np.array([1, 1, 0]), GlobalBudget()))
+
+
+def test_dual_prices_separate_the_optimal_assignment() -> None:
+    """Hand-computed: tokens (0.9, 0.1) and (0.8, 0.2), k = 1, one slot each. The optimum gives
+    token 0 expert 0 and token 1 expert 1 (1.1 against 0.9); prices support it iff token 0
+    prefers expert 0 (p0 - p1 <= 0.8) and token 1 expert 1 (p0 - p1 >= 0.6). The dual prices
+    land inside, near the middle; an expert without capacity keeps price 0."""
+    a = np.array([[0.9, 0.1, 0.5], [0.8, 0.2, 0.5]])
+    p = dual_prices(a, 1, np.array([1, 1, 0]), GlobalBudget())
+    assert 0.6 < p[0] - p[1] < 0.8 and abs(p[0] - p[1] - 0.7) < 0.05, p
+    assert p[1] == 0.0 and p[2] == 0.0
+
+
+@pytest.mark.parametrize(("e", "k", "near_tied"), [(16, 2, False), (64, 6, False), (64, 2, True)])
+def test_dual_prices_nearly_balance_the_experts(e: int, k: int, near_tied: bool) -> None:
+    """At the dual prices each token's top-k experts fill every expert close to its capacity
+    (the auction from them has little to move), far closer than at the mean affinities."""
+    from maxscore.routing.flow.global_reference import warm_prices
+
+    n = 512
+    c = k * n // e
+    if near_tied:
+        groups = fh.near_tied(11, 2, n, e, 0.03).double().numpy()
+    else:
+        groups = fh.instances(11, 2, n, e, 0.0).double().numpy()
+    cap = np.full(e, c)
+    for a in groups:
+
+        def overfill(prices: np.ndarray, a: np.ndarray = a) -> int:
+            top = np.argsort(-(a - prices), axis=1, kind="stable")[:, :k]
+            loads = np.bincount(top.ravel(), minlength=e)
+            return int(np.maximum(loads - c, 0).sum())
+
+        dual, warm = overfill(dual_prices(a, k, cap, GlobalBudget())), overfill(warm_prices(a))
+        assert dual <= n * k // 20 and dual * 10 < warm, (dual, warm)
+
+
+def test_dual_prices_leave_the_auction_few_rounds() -> None:
+    """From the dual prices the auction takes a few rounds where it took dozens from the mean
+    affinities (three eps-scaled auctions), in the reference and in the kernel (emulated), and
+    both reach the exact optimum."""
+    from maxscore.routing.flow import global_reference as ref
+
+    n, e, k = 256, 64, 6
+    affinities = fh.instances(12, 2, n, e, 0.0)
+    capacity = torch.full((e,), k * n // e)
+    exact = FLOW_SOLVERS["exact"].solve(affinities, k, capacity)
+    old = GlobalBudget(epsilon_scales=(400, 30), price_iterations=0)
+    optimum = flow_objective(affinities, exact)
+    for a, best in zip(affinities.double().numpy(), optimum.tolist(), strict=True):
+        rounds = {}
+        for name, budget in [("dual", GlobalBudget()), ("warm", old)]:
+            stats: dict[str, int] = {}
+            held = ref.solve_group(a, k, capacity.numpy(), budget, stats)
+            rounds[name] = stats["auction_rounds"]
+            assert held.sum() == n * k and abs(float((a * held).sum()) - best) <= 1e-6 * best
+        assert rounds["dual"] <= 3 and rounds["warm"] >= 15, rounds
+    index, stats = _emulated().solve_emulated(affinities, k, capacity)
+    fh.check_constraints(index, k, capacity, e)
+    assert int(stats[:, 0].max()) <= 3, stats[:, :4]
+    assert flow_objective(affinities, index).allclose(flow_objective(affinities, exact), rtol=1e-6)
+    _, warm_stats = _emulated().solve_emulated(affinities, k, capacity, old)
+    assert int(warm_stats[:, 0].min()) >= 15, warm_stats[:, :4]
+
+
+@pytest.mark.parametrize("form", ["0", "1"])
+def test_kernel_emulated_dual_price_forms(form: str) -> None:
+    """Both forms of the kernel's dual-price iterations (a warp per token, a thread per token)
+    with padded tokens and an expert without capacity (capacities short of the demand): Eq. 7
+    exactly, the padded tokens take nothing, and the real ones an optimal assignment."""
+    emu = _emulated()
+    n, e, k = 96, 12, 3
+    affinities = fh.near_tied(31, 2, n, e, 0.03)
+    capacity = torch.full((e,), 8)  # 88 slots: short of either group's demand
+    capacity[5] = 0
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, n // 3 :] = False
+    index, stats = emu.solve_emulated(
+        affinities, k, capacity, token_mask=mask, defines={"PRICE_BY_THREAD": form}
+    )
+    assert bool((index[1, n // 3 :] == -1).all())
+    for g, rows in [(0, n), (1, n // 3)]:
+        real = index[g : g + 1, :rows]
+        assert not bool((real == 5).any())
+        fh.check_constraints(real, k, capacity, e)
+        assert int((real >= 0).sum()) == 88  # every slot filled (a maximum flow)
+        gaps = fh.optimality_gaps(affinities[g : g + 1, :rows], real, k, capacity)
+        assert gaps.max() <= fh.WORST_GAP, (form, g, gaps, stats)
+
+
+def test_price_budget_is_checked() -> None:
+    with pytest.raises(ValueError, match="price_iterations"):
+        GlobalBudget(price_iterations=-1)
+    for bad in [(0.3,), (1e-5, 0.3), (0.3, 0.0), (float("nan"), 1e-5)]:
+        with pytest.raises(ValueError, match="price_temperatures"):
+            GlobalBudget(price_temperatures=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("backend", ["reference", "emulated"])
@@ -993,7 +1100,7 @@ def test_auction_leaves_every_held_slot_eps_complementary(e: int, k: int, bias: 
     budget = GlobalBudget()
     for a in fh.instances(7, 2, 256, e, bias).double().numpy():
         cap = np.full(e, -(-k * 256 // e))
-        held, price = ref._auction(a, k, cap, budget)
+        held, price, _ = ref._auction(a, k, cap, budget)
         assert price.shape == (e,) and held.sum(axis=1).max() <= k
         reduced = a - price
         best_other = np.where(held, -np.inf, reduced).max(axis=1, keepdims=True)

@@ -67,19 +67,21 @@ def run(a: np.ndarray, k: int, cap: np.ndarray, scales: Sequence[int], gap: bool
 
     def auction(
         a_: np.ndarray, k_: int, cap_: np.ndarray, budget: GlobalBudget
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         price = None
         for scale in [*scales, 1]:
             if price is not None:
                 start = price - price[np.isfinite(price)].min()
                 ref.warm_prices = lambda _a, start=start: start
-            stage = GlobalBudget(epsilon=budget.epsilon * scale, epsilon_scales=())
+            stage = GlobalBudget(
+                epsilon=budget.epsilon * scale, epsilon_scales=(), price_iterations=0
+            )
             try:
-                (held, price), used = counted(lambda s=stage: original_auction(a_, k_, cap_, s))
+                (held, price, _), used = counted(lambda s=stage: original_auction(a_, k_, cap_, s))
             finally:
                 ref.warm_prices = original_warm
             rounds[0] += used
-        return held, price
+        return held, price, rounds[0]
 
     found = solve_with_auction(a, k, cap, auction, gap)
     return {**found, "auction_rounds": rounds[0]}

@@ -4,10 +4,10 @@ Trains each ``--presets`` model with maxscore (``real_scores.py``'s recording: c
 micro-batch 64 x 512, so 64 routing groups of 512 tokens per MoE layer), keeps the scores of the
 last solver call (all groups; ``--save-scores`` writes them as float16 to
 ``OUT/scores_<preset>.npz``), then times each variant of the kernel on exactly those scores, in
-one process: compile-time constants set by the host (the eps-scaling auctions' ``EPS_SCALE`` and
-``EPS_SCALE2``, ``THREADS``, the bid mode's ``WARP_BID_TOKENS``), or the auction's stall rule
-(``STALL``, ``STALL_FILL``, constants of the kernel file). The shipped kernel runs first and
-again last, so the spread between its two runs bounds the noise.
+one process: compile-time constants set by the host (the starting prices' ``PRICE_ITERS``,
+``PRICE_T1`` and ``PRICE_BY_THREAD``, ``THREADS``, the bid mode's ``WARP_BID_TOKENS``), or the
+auction's stall rule (``STALL``, ``STALL_FILL``, constants of the kernel file). The shipped
+kernel runs first and again last, so the spread between its two runs bounds the noise.
 
     PYTHONPATH=src:tests python benchmarks/flow_solver/real_scores_variants.py \\
         --presets base-2x64,deepseek-base,base-8x128 --out OUT
@@ -36,10 +36,16 @@ from common import load_script  # noqa: E402
 # own "#define STALL 8" / "#define STALL_FILL 2"; the rest are constants the host prepends.
 VARIANTS: list[tuple[str, list[tuple[str, str]], list[tuple[str, str, int]]]] = [
     ("shipped", [], []),
-    ("one auction", [], [("EPS_SCALE", "1", 0), ("EPS_SCALE2", "1", 0)]),
-    ("two auctions, 10x", [], [("EPS_SCALE", "10", 0), ("EPS_SCALE2", "1", 0)]),
-    ("two auctions, 30x", [], [("EPS_SCALE", "30", 0), ("EPS_SCALE2", "1", 0)]),
-    ("two auctions, 100x", [], [("EPS_SCALE", "100", 0), ("EPS_SCALE2", "1", 0)]),
+    # the previous start: the mean affinities and three auctions (400x, 30x, then the eps)
+    ("mean-affinity prices, three auctions", [], [("PRICE_ITERS", "0", 0)]),
+    ("20 dual iterations", [], [("PRICE_ITERS", "20", 0)]),
+    (
+        "40 dual iterations, last temperature 1e-5",
+        [],
+        [("PRICE_ITERS", "40", 0), ("PRICE_T1", "1e-5f", 0)],
+    ),
+    ("dual prices: thread form everywhere", [], [("PRICE_BY_THREAD", "1", 0)]),
+    ("dual prices: warp form everywhere", [], [("PRICE_BY_THREAD", "0", 0)]),
     ("STALL_FILL=4", [("#define STALL_FILL 2", "#define STALL_FILL 4")], []),
     ("STALL=4", [("#define STALL 8 ", "#define STALL 4 ")], []),
     ("THREADS=512", [], [("THREADS", "512", 0)]),

@@ -88,5 +88,7 @@ def solve_with_auction(
     a: np.ndarray, k: int, cap: np.ndarray, auction: Callable[..., Any], gap: bool
 ) -> dict:
     """:func:`solve_patched` with ``auction`` in place of its phase 1. The budget is the
-    one-auction phase 1 (``epsilon_scales=()``) that these leads were measured against."""
-    return solve_patched(a, k, cap, {"_auction": auction}, GlobalBudget(epsilon_scales=()), gap)
+    one-auction phase 1 from the mean affinities (``epsilon_scales=()``, no dual prices) that
+    these leads were measured against."""
+    budget = GlobalBudget(epsilon_scales=(), price_iterations=0)
+    return solve_patched(a, k, cap, {"_auction": auction}, budget, gap)

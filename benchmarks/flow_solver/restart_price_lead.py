@@ -6,9 +6,9 @@ and a forward auction cannot lower a price, so experts priced one coarse step to
 and phase 2 fills their slots one path at a time. This script lowers every restart price by
 ``m`` steps (floored at 0: the shipped auction with its stages wrapped) and prints, per input
 family and shape, the open slots phase 2 receives and its rounds, with the shipped schedule
-(``GlobalBudget().epsilon_scales``): ``m`` = none, 1, 4 and 16 steps of the previous auction's
-(coarse) eps, and 1 and 4 steps of the restarting auction's own (finer) eps. The shipped solver
-does not change.
+(``GlobalBudget().epsilon_scales``, from the mean affinities: ``price_iterations=0``): ``m`` =
+none, 1, 4 and 16 steps of the previous auction's (coarse) eps, and 1 and 4 steps of the
+restarting auction's own (finer) eps. The shipped solver does not change.
 
 ``PYTHONPATH=src:tests python benchmarks/flow_solver/restart_price_lead.py --out DIR``
 """
@@ -34,6 +34,7 @@ from reference_leads import lead_arguments, record, solve_patched, write_rows  #
 from common import load_script  # noqa: E402
 
 SCHEDULE = GlobalBudget().epsilon_scales
+BUDGET = GlobalBudget(price_iterations=0)  # the start these leads were measured from
 
 
 def stages_lowering(steps: int | None, original: Callable[..., Any], fine: bool = False):
@@ -45,7 +46,7 @@ def stages_lowering(steps: int | None, original: Callable[..., Any], fine: bool 
 
     def stage(
         a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget, start: np.ndarray, eps: float
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, int]:
         if steps is not None and previous_eps:  # a restart (closed experts start at 0 already)
             start = np.maximum(start - steps * (eps if fine else previous_eps[-1]), 0.0)
         previous_eps.append(eps)
@@ -62,7 +63,7 @@ def run(a_all: np.ndarray, k: int, steps: int | None, fine: bool = False) -> dic
     found = []
     for a in a_all:
         stage = stages_lowering(steps, original, fine)  # a fresh one per group
-        found.append(solve_patched(a, k, cap, {"_auction_stage": stage}, GlobalBudget(), False))
+        found.append(solve_patched(a, k, cap, {"_auction_stage": stage}, BUDGET, False))
     return {
         "open_after_auction": [s["open_after_auction"] for s in found],
         "augment_rounds": [s["augment_rounds"] for s in found],

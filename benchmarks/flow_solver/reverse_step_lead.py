@@ -77,11 +77,11 @@ def run(a: np.ndarray, k: int, cap: np.ndarray, reverse: bool) -> dict[str, Any]
 
     def auction(
         a_: np.ndarray, k_: int, cap_: np.ndarray, budget: GlobalBudget
-    ) -> tuple[np.ndarray, np.ndarray]:
-        held, price = original(a_, k_, cap_, budget)
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        held, price, rounds = original(a_, k_, cap_, budget)
         if reverse:
             reverse_steps(a_, k_, cap_, held, price, ref.auction_epsilon(a_, budget))
-        return held, price
+        return held, price, rounds
 
     return solve_with_auction(a, k, cap, auction, gap=True)
 

@@ -144,6 +144,9 @@ def kernel_defines(
         # eps-scaling's earlier auctions (1: none)
         "EPS_SCALE": str(scales[0]),
         "EPS_SCALE2": str(scales[1]),
+        "PRICE_ITERS": str(budget.price_iterations),
+        "PRICE_T0": f"{float(budget.price_temperatures[0])!r}f",
+        "PRICE_T1": f"{float(budget.price_temperatures[1])!r}f",
         "TOL_REL": f"{float(budget.tolerance)!r}f",
         "WARP_BID_TOKENS": str(n if e > SMALL_E else SMALL_E_WARP_BID_TOKENS),
         # the overflowing experts' bid records listed by expert (4 bytes a record of state);
@@ -191,8 +194,8 @@ def block_bytes(defines: dict[str, str]) -> int:
         + v  # drop_token
         + 4 * e  # dirty, expert_list, col_rows, worst
         + 2  # experts_listed, ncol
-        + 3  # lo_ord, hi_ord, real_rows
-        + 4  # lo, hi, eps, tol
+        + 4  # lo_ord, hi_ord, real_rows, live
+        + 5  # lo, hi, eps, tol, scale
         + 4  # open_count, open_tokens, moves, overflowed
         + 1  # spare
     )

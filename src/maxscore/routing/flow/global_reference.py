@@ -11,22 +11,23 @@ solver has three phases:
    ``c_j`` highest offers among its slots' prices and the new bids, and its price ``p_j`` is its
    cheapest slot's. A slot won this way is within ``eps`` of the token's best alternative
    (eps-complementary slackness), and a finished auction is within ``n k eps`` of the optimum.
-   The prices start at the experts' mean affinities (shifted so the lowest is 0): a router early
-   in training gives every token nearly the same row, and from zero prices the auction would
-   spend thousands of rounds raising the popular experts' prices by ``eps`` at a time. The
-   auction stops after ``auction_rounds`` rounds, once at most ``stop_open`` of the slots are
-   open, or once its last ``STALL_ROUNDS`` rounds filled fewer than ``STALL_FILL`` slots: its
-   tail fills slowly, and phase 2 fills those slots in far fewer steps. A token evicted from one
-   expert may then prefer it to a slot it still holds by more than ``eps`` (that slot was won
-   against other prices); such slots are given up, so eps-complementary slackness holds for
-   every held slot when phase 2 starts. With eps-scaling (``epsilon_scales``, Bertsekas; in
-   groups of at most ``epsilon_scale_max_tokens``, every group by default) earlier auctions
-   bid those many times the eps (400, then 30, by default) and settle the contested prices in
-   large steps; each next auction, and last the one above, starts again from the previous one's
-   prices (shifted so the lowest is 0) instead of the mean affinities. A trained router's
-   scores, whose tail at the small eps is long, leave phase 2 far fewer slots this way;
-   near-tied inputs gain less (a large first step leaves them far from their prices, and the
-   middle auction wins back most of that).
+   The prices start near the optimal duals (:func:`dual_prices`: block coordinate ascent of the
+   LP's entropy-regularised dual, about 30 vectorised passes over the affinities): from zero
+   prices the auction would spend thousands of rounds raising the popular experts' prices by
+   ``eps`` at a time (a router early in training gives every token nearly the same row), and
+   from the experts' mean affinities 13-169 rounds over three eps-scaled auctions, where from
+   these prices 1-9 remain (the CUDA kernel, the slowest of 8-64 groups of 512 or 4,096 tokens
+   of random, near-tied and trained routers' scores). The auction stops after ``auction_rounds`` rounds, once at most
+   ``stop_open`` of the slots are open, or once its last ``STALL_ROUNDS`` rounds filled fewer
+   than ``STALL_FILL`` slots: its tail fills slowly, and phase 2 fills those slots in far fewer
+   steps. A token evicted from one expert may then prefer it to a slot it still holds by more
+   than ``eps`` (that slot was won against other prices); such slots are given up, so
+   eps-complementary slackness holds for every held slot when phase 2 starts. With eps-scaling
+   (``epsilon_scales``, Bertsekas; in groups of at most ``epsilon_scale_max_tokens``; only
+   where the prices do not start at the duals: with spare capacity, or without
+   ``price_iterations``) earlier auctions bid those many times the eps and settle the contested
+   prices in large steps; each next auction, and last the one above, starts again from the
+   previous one's prices (shifted so the lowest is 0).
 2. **Augmenting paths** on the *expert graph*: ``e + 2`` nodes (the experts, a node ``S`` for
    spare capacity and a node ``D`` for open slots). Edge ``a -> b`` carries the best move
    "a token on ``a`` that is not on ``b`` leaves ``a`` for ``b``", of gain ``A_tb - A_ta``;
@@ -98,13 +99,20 @@ class GlobalBudget:
         epsilon_scales: eps-scaling: the auctions before the last, in order, each bidding that
             many times ``epsilon`` and each starting again from the previous one's prices; the
             last bids ``epsilon``. At most two integers (compile-time constants of the CUDA
-            kernel), each above 1, decreasing; ``()``: one auction.
+            kernel), each above 1, decreasing; ``()``: one auction. Only where the auction does
+            not start from the dual prices (:func:`uses_dual_prices`): with spare capacity, or
+            without ``price_iterations``.
         epsilon_scale_max_tokens: eps-scaling only in groups of at most this many tokens
             (``None``: every group; 0: one auction everywhere). Since the kernel lists the
             overflowing bids by expert, the later auctions' first rounds (every slot bids again)
             are cheap in large groups too (H200, 8 groups of 4,096 tokens, the CUDA kernel:
             e = 64, k = 6 random 13.6 -> 10.8 ms a call with three auctions instead of one,
             near-tied 43.9 -> 20.7; e = 16, k = 2 random 3.14 -> 2.29, near-tied 4.50 -> 4.59).
+        price_iterations: iterations of :func:`dual_prices`, the auction's starting prices
+            where the capacities do not exceed the demand (0: the experts' mean affinities).
+            Each is one Newton step for every token's and then every expert's dual variable.
+        price_temperatures: (first, last) temperature of :func:`dual_prices`, relative like
+            ``epsilon``; the iterations lower it geometrically from the first to the last.
         sink_rounds: rounds of paths through the sink (phase 2's last part, with spare capacity
             only) at most (``None``: ``n k``, phase 2's own bound); each round applies every
             node-disjoint positive path of its tree, so paths into one expert take a round each
@@ -129,6 +137,8 @@ class GlobalBudget:
     epsilon: float = 1e-5
     epsilon_scales: tuple[int, ...] = (400, 30)
     epsilon_scale_max_tokens: int | None = None
+    price_iterations: int = 30
+    price_temperatures: tuple[float, float] = (0.3, 3e-5)
     sink_rounds: int | None = None
     cancel_rounds: int = 256
     relaxations: int = 12
@@ -150,6 +160,22 @@ class GlobalBudget:
             raise ValueError(
                 f"GlobalBudget.epsilon_scales must be a tuple of at most {MAX_EPSILON_SCALES} "
                 f"decreasing integers above 1 (() for one auction), got {scales!r}"
+            )
+        if not _is_int(self.price_iterations) or self.price_iterations < 0:
+            raise ValueError(
+                "GlobalBudget.price_iterations must be an integer >= 0 (0: the auction starts "
+                f"from the experts' mean affinities), got {self.price_iterations!r}"
+            )
+        temps = self.price_temperatures
+        if (
+            not isinstance(temps, tuple)
+            or len(temps) != 2
+            or not all(isinstance(t, float | int) and math.isfinite(t) and t > 0 for t in temps)
+            or temps[1] > temps[0]
+        ):
+            raise ValueError(
+                "GlobalBudget.price_temperatures must be (first, last): two positive numbers, "
+                f"the first not below the last, got {temps!r}"
             )
         limit = self.epsilon_scale_max_tokens
         if limit is not None and (not _is_int(limit) or limit < 0):
@@ -199,16 +225,18 @@ def solve_group(
 ) -> np.ndarray:
     """One group: ``a[n, e]`` float64, ``capacity[e]`` ints; the ``[n, e]`` bool ``P``.
 
-    ``stats``, if given, receives the work done: ``open_after_auction`` (slots phase 1 left
-    open), ``augment_rounds``, ``paths``, ``sink_rounds``, ``sink_paths``, ``cancel_rounds``.
+    ``stats``, if given, receives the work done: ``auction_rounds`` (of all its auctions),
+    ``open_after_auction`` (slots phase 1 left open), ``augment_rounds``, ``paths``,
+    ``sink_rounds``, ``sink_paths``, ``cancel_rounds``.
     """
     stats = {} if stats is None else stats
     n, e = a.shape
     cap = np.minimum(np.asarray(capacity, dtype=np.int64), n)
     if n == 0 or e == 0:
         return np.zeros((n, e), dtype=bool)
-    held, _ = _auction(a, k, cap, budget)
+    held, _, rounds = _auction(a, k, cap, budget)
     stats.update(
+        auction_rounds=rounds,
         open_after_auction=int(k * n - held.sum()),
         augment_rounds=0,
         paths=0,
@@ -271,20 +299,90 @@ def warm_prices(a: np.ndarray) -> np.ndarray:
     return mean - mean.min()
 
 
-def starting_prices(a: np.ndarray, k: int, cap: np.ndarray) -> np.ndarray:
-    """The first auction's prices: :func:`warm_prices`, or 0 for every expert when the
-    capacities exceed the demand ``n k``. Then the experts left with a free slot must end at the
+def price_temperature(budget: GlobalBudget, iteration: int) -> float:
+    """:func:`dual_prices`' temperature at ``iteration`` (relative to the mean row maximum):
+    geometric from ``price_temperatures[0]`` at the first iteration to ``[1]`` at the last."""
+    first, last = budget.price_temperatures
+    steps = max(1, budget.price_iterations - 1)
+    return float(first * (last / first) ** (iteration / steps))
+
+
+def dual_prices(a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget) -> np.ndarray:
+    """Prices near the optimal dual of Eq. (8)'s linear program, by block coordinate ascent of
+    its entropy-regularised dual.
+
+    Eq. (8)'s LP (``0 <= P_ij <= 1``, rows summing to ``k``, column ``j`` to ``c_j``) has a dual
+    variable ``u_i`` per token and a price ``p_j`` per expert; at the optimum token ``i`` takes
+    the experts with ``A_ij - p_j > u_i``. With an entropy term of temperature ``T`` (entries
+    in ``[0, 1]``: the Fermi-Dirac form) the plan is ``P_ij = sigmoid((A_ij - u_i - p_j) / T)``,
+    and each iteration takes one Newton step on every ``u_i`` (row sum ``k``) and then on every
+    ``p_j`` (column sum ``c_j``), each step clipped to ``2 T`` (the sums are steep where few
+    entries are fractional). ``T`` falls geometrically (:func:`price_temperature`), so early
+    iterations move the prices in large steps and late ones settle them within a few ``T`` of
+    the optimal duals. An auction started from them has little left to do: 1-9 rounds instead
+    of 13-169 over three eps-scaled auctions from :func:`warm_prices` (the CUDA kernel, which
+    computes the same iterations in float32; groups of 512 and 4,096 tokens, e = 16-256, random,
+    near-tied and trained routers' scores). Starts from :func:`warm_prices` and each token's
+    mean reduced affinity. Temperatures are relative to the mean row maximum (the spread, or 1,
+    where that is not positive). Experts without capacity keep price 0 (the auction never
+    offers them)."""
+    n, e = a.shape
+    live = cap > 0
+    p = warm_prices(a)
+    if budget.price_iterations == 0 or n == 0 or not live.any():
+        return p
+    scale = float(a.max(axis=1).mean())
+    if not scale > 0:
+        scale = float(a.max() - a.min()) or 1.0
+    target = np.minimum(cap, n).astype(np.float64)
+    al = a[:, live]
+    pl, tl = p[live], target[live]
+    u = (al - pl).mean(axis=1)
+
+    def sigmoid(x: np.ndarray) -> np.ndarray:
+        return 0.5 + 0.5 * np.tanh(0.5 * np.clip(x, -80.0, 80.0))
+
+    def newton(x: np.ndarray, z: np.ndarray, goal: float | np.ndarray, t: float) -> np.ndarray:
+        # One Newton step per row of z (z[r] - x[r] inside the sigmoid), sums towards goal.
+        s = sigmoid((z - x[:, None]) / t)
+        f = s.sum(axis=1) - goal
+        d = (s * (1.0 - s)).sum(axis=1) / t
+        return x + np.clip(f / np.maximum(d, 1e-30), -2.0 * t, 2.0 * t)
+
+    for it in range(budget.price_iterations):
+        t = price_temperature(budget, it) * scale
+        u = newton(u, al - pl, float(k), t)
+        pl = newton(pl, (al - u[:, None]).T, tl, t)
+    p = np.zeros(e)
+    p[live] = pl - pl.min()
+    return p
+
+
+def uses_dual_prices(n: int, k: int, cap: np.ndarray, budget: GlobalBudget) -> bool:
+    """Whether the auction starts from :func:`dual_prices` (then as one auction, without
+    eps-scaling: the prices are already settled): with ``price_iterations`` and capacities not
+    above the demand ``n k``."""
+    return budget.price_iterations > 0 and int(np.asarray(cap).sum()) <= n * k
+
+
+def starting_prices(a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget) -> np.ndarray:
+    """The first auction's prices: :func:`dual_prices` (:func:`uses_dual_prices`), or
+    :func:`warm_prices` without its iterations, or 0 for every expert when the capacities exceed
+    the demand ``n k``. Then the experts left with a free slot must end at the
     lowest price (complementary slackness of the edges to the sink); from warm prices they stay
     above it and keep tokens away, more than cycle cancelling undoes in its rounds (two
     near-tied groups of 256 x 64, k = 2, capacities 1.25 k n / e, 16 cancelling rounds: 4.6% of
     the objective lost from warm prices, none from equal ones)."""
-    return np.zeros(a.shape[1]) if int(cap.sum()) > a.shape[0] * k else warm_prices(a)
+    if int(cap.sum()) > a.shape[0] * k:
+        return np.zeros(a.shape[1])
+    return dual_prices(a, k, cap, budget)
 
 
 def _auction(
     a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget
-) -> tuple[np.ndarray, np.ndarray]:
-    """Phase 1: ``[n, e]`` bool holdings and the experts' final prices (their cheapest slots').
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Phase 1: ``[n, e]`` bool holdings, the experts' final prices (their cheapest slots') and
+    the rounds of all its auctions.
 
     With eps-scaling (``budget.epsilon_scales``, groups of at most
     ``epsilon_scale_max_tokens``) earlier auctions bid those many times the eps: they settle
@@ -294,9 +392,12 @@ def _auction(
     """
     closed = cap == 0  # an expert without capacity is never offered
     eps = auction_epsilon(a, budget)
-    start = starting_prices(a, k, cap)
-    for scale in [*budget.epsilon_scales_for(a.shape[0]), 1]:
-        held, price = _auction_stage(a, k, cap, budget, start, eps * scale)
+    start = starting_prices(a, k, cap, budget)
+    rounds = 0
+    dual = uses_dual_prices(a.shape[0], k, cap, budget)
+    for scale in [*(() if dual else budget.epsilon_scales_for(a.shape[0])), 1]:
+        held, price, used = _auction_stage(a, k, cap, budget, start, eps * scale)
+        rounds += used
         start = np.where(closed, 0.0, price - price[~closed].min()) if (~closed).any() else start
     # A token evicted from one expert can now prefer it to one it still holds by more than eps
     # (it was won against other prices): give such slots up, so that eps-complementary
@@ -304,14 +405,15 @@ def _auction(
     reduced = a - price
     best_alt = np.where(held | closed, -np.inf, reduced).max(axis=1, keepdims=True)
     held &= ~(reduced < best_alt - eps)
-    return held, price
+    return held, price, rounds
 
 
 def _auction_stage(
     a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget, start: np.ndarray, eps: float
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, int]:
     """One auction from the prices ``start``, every slot open, with bid increment ``eps``: at
-    most ``budget.auction_rounds`` rounds; the holdings and the experts' prices.
+    most ``budget.auction_rounds`` rounds; the holdings, the experts' prices and the rounds
+    that bid.
 
     Each expert has ``c_j`` slots, each with a price (``start`` while nobody holds it, then the
     winning bid), so prices never fall.
@@ -326,6 +428,7 @@ def _auction_stage(
     held = np.zeros((n, e), dtype=bool)
     stop = stop_open_slots(n, k, budget)
     history: list[int] = []
+    rounds = 0
     for round_ in range(budget.auction_rounds):
         missing = k - held.sum(axis=1)
         open_now = int(missing.sum())
@@ -335,6 +438,7 @@ def _auction_stage(
         if round_ >= STALL_ROUNDS and history[-STALL_ROUNDS] - open_now < STALL_FILL:
             break
         history.append(open_now)
+        rounds += 1
         price = np.array([sp.min() if sp.size else np.inf for sp in slot_price])
         bids = _bids(a, held, closed, price, missing, k, floor, eps)
         for j, (tokens, values) in bids.items():
@@ -349,7 +453,7 @@ def _auction_stage(
             for t in slot_owner[j][slot_owner[j] >= 0]:
                 held[t, j] = True
     price = np.array([sp.min() if sp.size else np.inf for sp in slot_price])
-    return held, price
+    return held, price, rounds
 
 
 def _bids(

@@ -220,7 +220,7 @@ register_flow_solver(
         exact=False,
         device="any",
         description=(
-            "Global solver of Eq. 8: auction from warm prices, augmenting paths and cycle "
+            "Global solver of Eq. 8: auction from dual prices, augmenting paths and cycle "
             "cancelling on the expert graph; one CUDA kernel per call on GPUs (no host sync), "
             "NumPy on the host elsewhere"
         ),
