@@ -741,9 +741,9 @@ def test_dual_prices_nearly_balance_the_experts(e: int, k: int, near_tied: bool)
 
 
 def test_dual_prices_leave_the_auction_few_rounds() -> None:
-    """From the dual prices the auction takes a few rounds where it took dozens from the mean
-    affinities (three eps-scaled auctions), in the reference and in the kernel (emulated), and
-    both reach the exact optimum."""
+    """From the dual prices one auction takes a round or two where three eps-scaled auctions from
+    the mean affinities took dozens, in the reference and in the kernel (emulated), and both
+    reach the exact optimum."""
     from maxscore.routing.flow import global_reference as ref
 
     n, e, k = 256, 64, 6
@@ -759,10 +759,11 @@ def test_dual_prices_leave_the_auction_few_rounds() -> None:
             held = ref.solve_group(a, k, capacity.numpy(), budget, stats)
             rounds[name] = stats["auction_rounds"]
             assert held.sum() == n * k and abs(float((a * held).sum()) - best) <= 1e-6 * best
-        assert rounds["dual"] <= 3 and rounds["warm"] >= 15, rounds
+        # <= 2: one auction (three eps-scaled ones would take at least 3 rounds)
+        assert rounds["dual"] <= 2 and rounds["warm"] >= 15, rounds
     index, stats = _emulated().solve_emulated(affinities, k, capacity)
     fh.check_constraints(index, k, capacity, e)
-    assert int(stats[:, 0].max()) <= 3, stats[:, :4]
+    assert int(stats[:, 0].max()) <= 2, stats[:, :4]
     assert flow_objective(affinities, index).allclose(flow_objective(affinities, exact), rtol=1e-6)
     _, warm_stats = _emulated().solve_emulated(affinities, k, capacity, old)
     assert int(warm_stats[:, 0].min()) >= 15, warm_stats[:, :4]
