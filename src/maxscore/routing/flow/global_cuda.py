@@ -194,7 +194,7 @@ def block_bytes(defines: dict[str, str]) -> int:
         + v  # drop_token
         + 4 * e  # dirty, expert_list, col_rows, worst
         + 2  # experts_listed, ncol
-        + 4  # lo_ord, hi_ord, real_rows, live
+        + 3  # lo_ord, hi_ord, real_rows
         + 5  # lo, hi, eps, tol, scale
         + 4  # open_count, open_tokens, moves, overflowed
         + 1  # spare

@@ -129,7 +129,6 @@ struct Block {
   float part_worst[WARPS];    // a split row's chunks: their b.worst
   float worst[E];     // -(lowest affinity among each expert's holders): the edge u -> D
   int lo_ord, hi_ord, real_rows;
-  int live;            // experts with capacity
   float lo, hi, eps, tol;
   float scale;         // the mean row maximum (the spread, or 1, where not positive)
   int open_count, open_tokens, moves, overflowed;
@@ -813,10 +812,12 @@ static_assert(PRICE_SLICES <= BUF && WARPS <= BUF, "dual_prices' sums take phase
 // sigmoid(z) = (1 + tanh(z / 2)) / 2, so they sum to (count + sum) / 2, and the derivative's
 // sigmoid(z) (1 - sigmoid(z)) = (1 - tanh^2) / 4 entries to (count - sum_sq) / 4: one tanh, one
 // add and one fused multiply-add an entry.
+__device__ __forceinline__ float clipped_newton_step(float excess, float slope, float step) {
+  return fminf(step, fmaxf(-step, excess / fmaxf(slope, 1e-30f)));
+}
 __device__ __forceinline__ float dual_newton_step(float count, float sum, float sum_sq,
                                                   float target, float inv, float step) {
-  const float f = 0.5f * (count + sum) - target, d = 0.25f * (count - sum_sq) * inv;
-  return fminf(step, fmaxf(-step, f / fmaxf(d, 1e-30f)));
+  return clipped_newton_step(0.5f * (count + sum) - target, 0.25f * (count - sum_sq) * inv, step);
 }
 
 // The end of a dual_prices iteration: every price p_j takes its Newton step towards the column
@@ -942,7 +943,7 @@ __device__ __forceinline__ void dual_price_step_by_warp(Block& b, const float* a
     for (int r = 0; r < PRICE_BATCH; ++r) {
       const int t = t0 + r;
       if (t >= N || DEMAND(real, t) == 0) continue;  // the same in every lane
-      x[r] += fminf(step, fmaxf(-step, (f[r] - (float)K) / fmaxf(d[r] * inv, 1e-30f)));
+      x[r] += clipped_newton_step(f[r] - (float)K, d[r] * inv, step);
       if (lane == 0) u[t] = x[r];
       ++rows;
 #pragma unroll
@@ -977,12 +978,12 @@ __device__ __forceinline__ void dual_price_step_by_warp(Block& b, const float* a
 __device__ __noinline__ void dual_prices(Block& b, const float* a, const unsigned char* real,
                                          float* u, float* scaled_u, float* part) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    int live = 0;
-    for (int j = 0; j < E; ++j) live += b.cap[j] > 0;
-    b.live = live;
+  int live = 0;  // experts with capacity
+#pragma unroll
+  for (int c = 0; c < LANE_E; ++c) {
+    const int j = lane + 32 * c;
+    live += __popc(__ballot_sync(FULL_MASK, j < E && b.cap[j] > 0));
   }
-  __syncthreads();
   // Rows start at their mean reduced affinity over the experts with capacity; a closed expert's
   // price becomes PRICE_CLOSED, so that its entries add 0 to every sum below.
   for (int t = warp; t < N; t += WARPS) {
@@ -994,7 +995,7 @@ __device__ __noinline__ void dual_prices(Block& b, const float* a, const unsigne
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
-    if (lane == 0) u[t] = sum / (float)(b.live > 0 ? b.live : 1);
+    if (lane == 0) u[t] = sum / (float)(live > 0 ? live : 1);
   }
   const float ratio = PRICE_ITERS > 1 ? powf(PRICE_T1 / PRICE_T0, 1.0f / (PRICE_ITERS - 1)) : 1.0f;
   float temp = b.scale * PRICE_T0;
@@ -1160,11 +1161,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     b.scale = rsum / b.real_rows > 0.0f ? rsum / b.real_rows : spread;
   }
   __syncthreads();
-#if PRICE_ITERS > 0
-  // The prices start near the optimal duals where the capacities do not exceed the demand
-  // (global_reference.starting_prices); b.spare is the same in every thread.
-  if (!b.spare) dual_prices(b, a, real, (float*)open_list, rec_p, (float*)bid_t);
-#endif
+  // The prices start near the optimal duals where the capacities do not exceed the demand, and
+  // one auction follows (global_reference.uses_dual_prices); the same in every thread.
+  const bool dual_start = PRICE_ITERS > 0 && !b.spare;
+  if (dual_start) dual_prices(b, a, real, (float*)open_list, rec_p, (float*)bid_t);
   for (int j = tid; j < E; j += THREADS) b.price[j] = b.reserve[j];
   __syncthreads();
   // No alternative left (a token needing every expert it does not hold): bid as if the next
@@ -1178,11 +1178,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   int rounds = 0;
   const float eps_final = b.eps;
   const int scales[3] = {EPS_SCALE, EPS_SCALE2, 1};
-  // From the dual prices one auction (global_reference.uses_dual_prices): they are settled.
-  const bool one_auction = PRICE_ITERS > 0 && !b.spare;
   for (int stage = 0; stage < 3; ++stage) {
-    // no such auction (the same in every thread)
-    if (stage < 2 && (scales[stage] <= 1 || one_auction)) continue;
+    // no such auction (the same in every thread; from the dual prices only the last)
+    if (stage < 2 && (scales[stage] <= 1 || dual_start)) continue;
     if (tid == 0) b.eps = eps_final * (float)scales[stage];
     int open_history[STALL];  // open slots of the last STALL rounds (same in every thread)
     for (int r = 0; r < AUCTION; ++r, ++rounds) {
