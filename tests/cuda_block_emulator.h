@@ -1,9 +1,12 @@
-// A CPU emulator of one CUDA thread block, enough to run the flow-solver kernels under g++ in the
+// A CPU emulator of CUDA thread blocks, enough to run the flow-solver kernels under g++ in the
 // tests:
 // one std::thread per CUDA thread, __syncthreads as a block barrier, warp intrinsics (ballot,
 // shuffles) through a per-warp exchange buffer and a warp barrier, atomics through
-// std::atomic_ref. Blocks run one after another. Every warp intrinsic in the kernel is called by
-// all 32 lanes of a warp (uniform control flow), which is what this emulation requires.
+// std::atomic_ref. Blocks run one after another (launch_blocks), or a thread-block cluster's
+// blocks together (launch_clusters: a cluster barrier, each block its own dynamic shared memory,
+// which its peers read through cluster_peer; such kernels keep no static __shared__ state).
+// Every warp intrinsic in the kernel is called by all 32 lanes of a warp (uniform control flow),
+// which is what this emulation requires.
 #pragma once
 #include <array>
 #include <atomic>
@@ -15,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+using std::max;
 using std::min;
 
 #define __global__
@@ -25,25 +29,43 @@ using std::min;
 #define __launch_bounds__(...)
 #define __align__(x) alignas(x)
 #define __shared__ static
+#define __cluster_dims__(...)
 #define extern_c_kernel
 
 struct Dim3 {
   int x = 0;
 };
 inline thread_local Dim3 threadIdx;
-inline Dim3 blockIdx;
+inline thread_local Dim3 blockIdx;
 inline Dim3 gridDim;
 
 struct BlockState {
   std::unique_ptr<std::barrier<>> block;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
-  std::vector<uint64_t> exchange;  // [warps * 32]
+  std::vector<uint64_t> exchange;  // [2][warps * 32]
   std::atomic<int> or_acc[2];
 };
-inline BlockState* g_block = nullptr;
+inline thread_local BlockState* g_block = nullptr;  // this thread's block
 inline thread_local int t_or_parity = 0;
-alignas(16) inline unsigned char g_dynamic_shared[256 * 1024];
-#define DYNAMIC_SHARED(name) unsigned char* name = g_dynamic_shared
+#define SHARED_BYTES (256 * 1024)
+alignas(16) inline unsigned char g_dynamic_shared[SHARED_BYTES];
+inline thread_local unsigned char* t_dynamic_shared = nullptr;  // this thread's block's
+#define DYNAMIC_SHARED(name) unsigned char* name = t_dynamic_shared
+
+// A thread-block cluster: its blocks' shared memory and a barrier of all their threads.
+struct ClusterState {
+  std::vector<std::vector<unsigned char>> shared;
+  std::unique_ptr<std::barrier<>> all;
+};
+inline thread_local ClusterState* t_cluster = nullptr;
+inline thread_local unsigned t_rank = 0;
+#define CLUSTER_OPS
+inline unsigned cluster_rank() { return t_rank; }
+inline void cluster_sync() { t_cluster->all->arrive_and_wait(); }
+inline const float* cluster_peer(const float* p, unsigned rank) {
+  const auto offset = (const unsigned char*)p - t_dynamic_shared;
+  return (const float*)(t_cluster->shared[rank].data() + offset);
+}
 
 inline void __syncthreads() { g_block->block->arrive_and_wait(); }
 inline void __syncwarp() { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
@@ -70,16 +92,20 @@ inline T from_bits(uint64_t b) {
   std::memcpy(&v, &b, sizeof(T));
   return v;
 }
-// Every lane of the warp publishes a value; every lane gets all 32 (one warp-wide exchange).
+// Every lane of the warp publishes a value; every lane gets all 32 (one warp-wide exchange). Two
+// buffers in turn, so one barrier a call: a lane writes a buffer again two calls later, after
+// the barrier of the call between, which every lane reaches only once it has read this one.
+inline thread_local int t_exchange_parity = 0;
 template <typename T>
 inline std::array<T, 32> warp_values(T v) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  auto& wb = *g_block->warps[warp];
-  g_block->exchange[warp * 32 + lane] = to_bits(v);
-  wb.arrive_and_wait();
+  uint64_t* buffer = g_block->exchange.data() + t_exchange_parity * (g_block->exchange.size() / 2);
+  buffer += warp * 32;
+  t_exchange_parity ^= 1;
+  buffer[lane] = to_bits(v);
+  g_block->warps[warp]->arrive_and_wait();
   std::array<T, 32> all;
-  for (int l = 0; l < 32; ++l) all[l] = from_bits<T>(g_block->exchange[warp * 32 + l]);
-  wb.arrive_and_wait();  // nobody overwrites the buffer before every lane has read it
+  for (int l = 0; l < 32; ++l) all[l] = from_bits<T>(buffer[l]);
   return all;
 }
 inline unsigned __ballot_sync(unsigned, int p) {
@@ -133,6 +159,7 @@ inline unsigned __float_as_uint(float f) { return from_bits<unsigned>(to_bits(f)
 inline float __int_as_float(int i) { return from_bits<float>(to_bits(i)); }
 inline float __uint_as_float(unsigned i) { return from_bits<float>(to_bits(i)); }
 inline long long clock64() { return 0; }
+inline float __fdividef(float a, float b) { return a / b; }
 
 template <typename T>
 inline T atomicAdd(T* p, T v) {
@@ -176,29 +203,69 @@ inline T atomicMin(T* p, T v) {
   return old;
 }
 
+inline void init_block(BlockState& st, int threads) {
+  st.block = std::make_unique<std::barrier<>>(threads);
+  for (int w = 0; w < threads / 32; ++w) st.warps.push_back(std::make_unique<std::barrier<>>(32));
+  st.exchange.assign(2 * threads, 0);
+  st.or_acc[0] = 0;
+  st.or_acc[1] = 0;
+}
+
 // Run `kernel` over `grid` blocks of `threads` threads, one block after another.
 template <typename F>
 inline void launch_blocks(int grid, int threads, F kernel) {
+  gridDim.x = grid;
   for (int b = 0; b < grid; ++b) {
     BlockState st;
-    st.block = std::make_unique<std::barrier<>>(threads);
-    for (int w = 0; w < threads / 32; ++w) st.warps.push_back(std::make_unique<std::barrier<>>(32));
-    st.exchange.assign(threads, 0);
-    st.or_acc[0] = 0;
-    st.or_acc[1] = 0;
-    g_block = &st;
-    blockIdx.x = b;
-    gridDim.x = grid;
+    init_block(st, threads);
     std::vector<std::thread> pool;
     pool.reserve(threads);
     for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([t, &kernel] {
+      pool.emplace_back([t, b, &st, &kernel] {
         threadIdx.x = t;
+        blockIdx.x = b;
+        g_block = &st;
+        t_dynamic_shared = g_dynamic_shared;
         t_or_parity = 0;
+        t_exchange_parity = 0;
         kernel();
       });
     }
     for (auto& th : pool) th.join();
-    g_block = nullptr;
+  }
+}
+
+// Run `kernel` over `grid` blocks of `threads` threads in clusters of `cluster` blocks (`grid` a
+// multiple of it; blocks c * cluster + r, r < cluster, form cluster c): a cluster's blocks run
+// together, one cluster after another.
+template <typename F>
+inline void launch_clusters(int grid, int cluster, int threads, F kernel) {
+  gridDim.x = grid;
+  for (int c = 0; c < grid / cluster; ++c) {
+    std::vector<BlockState> blocks(cluster);
+    ClusterState cs;
+    cs.all = std::make_unique<std::barrier<>>(cluster * threads);
+    for (int r = 0; r < cluster; ++r) {
+      init_block(blocks[r], threads);
+      cs.shared.emplace_back(SHARED_BYTES, (unsigned char)0);
+    }
+    std::vector<std::thread> pool;
+    pool.reserve(cluster * threads);
+    for (int r = 0; r < cluster; ++r) {
+      for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([=, &blocks, &cs, &kernel] {
+          threadIdx.x = t;
+          blockIdx.x = c * cluster + r;
+          g_block = &blocks[r];
+          t_cluster = &cs;
+          t_rank = (unsigned)r;
+          t_dynamic_shared = cs.shared[r].data();
+          t_or_parity = 0;
+          t_exchange_parity = 0;
+          kernel();
+        });
+      }
+    }
+    for (auto& th : pool) th.join();
   }
 }

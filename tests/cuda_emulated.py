@@ -42,9 +42,9 @@ _RUNNER = """
 #include "{kernel}"
 extern "C" void run_solver(const float* a, const int* cap, long long* out, int* stats,
                            unsigned char* scratch, int use_scratch, const unsigned char* mask,
-                           int has_mask, int groups) {{
+                           int has_mask, const float* prices, int groups) {{
   launch_blocks(groups, THREADS, [&] {{
-    global_auction_kernel(a, cap, out, stats, scratch, use_scratch, 1, mask, has_mask);
+    global_auction_kernel(a, cap, out, stats, scratch, use_scratch, 1, mask, has_mask, prices);
   }});
 }}
 extern "C" int block_struct_bytes() {{ return (int)sizeof(Block); }}
@@ -54,6 +54,17 @@ extern "C" int graph_mismatches() {{ return graph_check_mismatches; }}
 #ifdef COUNT_RELAXATIONS
 extern "C" int relaxation_count(int i) {{ return relaxation_counts[i]; }}
 #endif
+"""
+# The starting prices' kernel, its clusters' blocks run together.
+_PRICES_RUNNER = """
+#include "cuda_block_emulator.h"
+#include "{kernel}"
+extern "C" void run_prices(const float* a, const int* cap, const unsigned char* mask, int has_mask,
+                           float* prices, float* duals, int groups) {{
+  launch_clusters(groups * CLUSTER, CLUSTER, THREADS, [&] {{
+    dual_prices_kernel(a, cap, mask, has_mask, prices, duals);
+  }});
+}}
 """
 
 
@@ -72,8 +83,8 @@ def compiler_available() -> bool:
     return done.returncode == 0
 
 
-def _kernel_path() -> Path:
-    return Path(global_cuda.__file__).with_name("kernels") / "global_auction.cu"
+def _kernel_path(name: str = "global_auction.cu") -> Path:
+    return Path(global_cuda.__file__).with_name("kernels") / name
 
 
 # Built libraries by the hash of their defines, kernel text and emulator: a kernel file that
@@ -82,10 +93,12 @@ def _kernel_path() -> Path:
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 
-def _library(defines: tuple[tuple[str, str], ...], kernel: Path | None = None) -> ctypes.CDLL:
+def _library(
+    defines: tuple[tuple[str, str], ...], kernel: Path | None = None, runner: str = _RUNNER
+) -> ctypes.CDLL:
     kernel = (kernel or _kernel_path()).resolve()
     emulator = (HERE / "cuda_block_emulator.h").read_text()
-    text = repr(defines) + kernel.read_text() + emulator
+    text = repr(defines) + kernel.read_text() + emulator + runner
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if key in _LOADED:
         return _LOADED[key]
@@ -94,7 +107,8 @@ def _library(defines: tuple[tuple[str, str], ...], kernel: Path | None = None) -
     lib = build / f"auction_{key}.so"
     if not lib.exists():
         src = build / f"runner_{key}.cpp"
-        runner = _RUNNER + (_RADIX_RUNNER if "warp_radix_select" in kernel.read_text() else "")
+        if runner == _RUNNER and "warp_radix_select" in kernel.read_text():
+            runner += _RADIX_RUNNER
         src.write_text(runner.format(kernel=kernel))
         flags = [f"-D{name}={value}" for name, value in defines]
         tmp = build / f"auction_{key}.tmp.so"
@@ -203,6 +217,49 @@ def phase3_relaxations(
     return index, (passes, rounds, capped)
 
 
+# The emulated prices' kernel runs one block per group of at most 128 threads unless a test
+# asks for a cluster: every emulated thread is an OS thread on the test machine's few cores,
+# and the kernel's logic does not depend on either (the tests that do pass `cluster`).
+EMULATED_PRICE_THREADS = 128
+
+
+def dual_prices_emulated(
+    affinities: torch.Tensor,
+    k: int,
+    capacity: torch.Tensor,
+    budget: GlobalBudget | None = None,
+    *,
+    token_mask: torch.Tensor | None = None,
+    cluster: int | None = None,
+    defines: dict[str, str] | None = None,
+) -> torch.Tensor:
+    """``[G, e]`` starting prices from ``dual_prices.cu`` on the CPU, its clusters' blocks run
+    together; ``cluster``: blocks per group (default 1); ``defines``: compile-time constants to
+    override (e.g. ``IN_REGS``; ``THREADS`` is at most ``EMULATED_PRICE_THREADS`` unless
+    given)."""
+    budget = budget or GlobalBudget()
+    groups, n, e = affinities.shape
+    cluster = cluster or 1
+    constants = global_cuda.price_defines(n, e, k, budget, cluster)
+    threads = min(int(constants["THREADS"]), EMULATED_PRICE_THREADS)
+    constants = {**constants, "THREADS": str(threads), **(defines or {})}
+    lib = _library(tuple(constants.items()), _kernel_path("dual_prices.cu"), _PRICES_RUNNER)
+    a = np.ascontiguousarray(affinities.float().numpy())
+    cap = np.ascontiguousarray(capacity.to(torch.int32).expand(groups, e).numpy())
+    mask = np.ones((groups, n), dtype=np.uint8)
+    if token_mask is not None:
+        mask = np.ascontiguousarray(token_mask.expand(groups, n).numpy().astype(np.uint8))
+    prices = np.zeros((groups, e), dtype=np.float32)
+    duals = np.zeros((groups, n), dtype=np.float32)
+    ptr = ctypes.c_void_p
+    lib.run_prices(
+        ptr(a.ctypes.data), ptr(cap.ctypes.data), ptr(mask.ctypes.data),
+        ctypes.c_int(0 if token_mask is None else 1), ptr(prices.ctypes.data),
+        ptr(duals.ctypes.data), ctypes.c_int(groups),
+    )  # fmt: skip
+    return torch.from_numpy(prices)
+
+
 def solve_emulated(
     affinities: torch.Tensor,
     k: int,
@@ -213,10 +270,13 @@ def solve_emulated(
     use_scratch: bool = False,
     defines: dict[str, str] | None = None,
     kernel: Path | None = None,
+    cluster: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics.
-    ``defines`` overrides compile-time constants (e.g. ``GRAPH_IN_WORK``); ``kernel``: another
-    kernel file than the shipped one (an earlier version, to compare assignments with)."""
+    """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics: the
+    starting prices' kernel (:func:`dual_prices_emulated`, ``cluster`` blocks per group), then
+    the solver kernel. ``defines`` overrides the solver's compile-time constants (e.g.
+    ``GRAPH_IN_WORK``); ``kernel``: another solver kernel file than the shipped one (an earlier
+    version, to compare assignments with)."""
     groups, n, e = affinities.shape
     cap = capacity.to(torch.int32).expand(groups, e)
     items = _defines(affinities, k, cap, budget, use_scratch, defines)
@@ -231,6 +291,13 @@ def solve_emulated(
     mask = np.ones((groups, n), dtype=np.uint8)
     if token_mask is not None:
         mask = np.ascontiguousarray(token_mask.expand(groups, n).numpy().astype(np.uint8))
+    prices = np.zeros((groups, e), dtype=np.float32)
+    if (budget or GlobalBudget()).price_iterations > 0:
+        prices = np.ascontiguousarray(
+            dual_prices_emulated(
+                affinities, k, cap, budget, token_mask=token_mask, cluster=cluster
+            ).numpy()
+        )
     ptr = ctypes.c_void_p
     lib.run_solver(
         ptr(a.ctypes.data),
@@ -241,6 +308,7 @@ def solve_emulated(
         ctypes.c_int(0 if defines["STATE_SMEM"] == "1" else 1),
         ptr(mask.ctypes.data),
         ctypes.c_int(0 if token_mask is None else 1),
+        ptr(prices.ctypes.data),
         ctypes.c_int(groups),
     )
     return torch.from_numpy(out), torch.from_numpy(stats)

@@ -769,11 +769,12 @@ def test_dual_prices_leave_the_auction_few_rounds() -> None:
     assert int(warm_stats[:, 0].min()) >= 15, warm_stats[:, :4]
 
 
-@pytest.mark.parametrize("form", ["0", "1"])
-def test_kernel_emulated_dual_price_forms(form: str) -> None:
-    """Both forms of the kernel's dual-price iterations (a warp per token, a thread per token)
-    with padded tokens and an expert without capacity (capacities short of the demand): Eq. 7
-    exactly, the padded tokens take nothing, and the real ones an optimal assignment."""
+@pytest.mark.parametrize("cluster", [1, 2, 3])
+def test_kernel_emulated_dual_price_clusters(cluster: int) -> None:
+    """The starting prices' kernel with one to three blocks per group (a thread-block cluster;
+    at three the last block has fewer tokens), padded tokens and an expert without capacity
+    (capacities short of the demand): Eq. 7 exactly, the padded tokens take nothing, and the
+    real ones an optimal assignment."""
     emu = _emulated()
     n, e, k = 96, 12, 3
     affinities = fh.near_tied(31, 2, n, e, 0.03)
@@ -781,9 +782,7 @@ def test_kernel_emulated_dual_price_forms(form: str) -> None:
     capacity[5] = 0
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, n // 3 :] = False
-    index, stats = emu.solve_emulated(
-        affinities, k, capacity, token_mask=mask, defines={"PRICE_BY_THREAD": form}
-    )
+    index, stats = emu.solve_emulated(affinities, k, capacity, token_mask=mask, cluster=cluster)
     assert bool((index[1, n // 3 :] == -1).all())
     for g, rows in [(0, n), (1, n // 3)]:
         real = index[g : g + 1, :rows]
@@ -791,7 +790,79 @@ def test_kernel_emulated_dual_price_forms(form: str) -> None:
         fh.check_constraints(real, k, capacity, e)
         assert int((real >= 0).sum()) == 88  # every slot filled (a maximum flow)
         gaps = fh.optimality_gaps(affinities[g : g + 1, :rows], real, k, capacity)
-        assert gaps.max() <= fh.WORST_GAP, (form, g, gaps, stats)
+        assert gaps.max() <= fh.WORST_GAP, (cluster, g, gaps, stats)
+
+
+def _overfill(a: np.ndarray, prices: np.ndarray, k: int, c: int) -> int:
+    """Slots by which each token's top-k experts at ``prices`` overfill capacity ``c``."""
+    top = np.argsort(-(a - prices), axis=1, kind="stable")[:, :k]
+    loads = np.bincount(top.ravel(), minlength=a.shape[1])
+    return int(np.maximum(loads - c, 0).sum())
+
+
+def test_kernel_emulated_dual_prices_balance_the_experts() -> None:
+    """The kernel's starting prices (emulated, one and four blocks per group) balance the
+    experts as the reference's do: each token's top-k at them overfill the experts by at most
+    n k / 20 slots, and 10x fewer than at the mean affinities."""
+    from maxscore.routing.flow.global_reference import warm_prices
+
+    emu = _emulated()
+    n, e, k = 128, 16, 2
+    c = k * n // e
+    affinities = torch.cat([fh.instances(13, 1, n, e, 0.0), fh.near_tied(13, 1, n, e, 0.03)])
+    capacity = torch.full((e,), c)
+    for cluster in (1, 4):
+        prices = emu.dual_prices_emulated(affinities, k, capacity, cluster=cluster).double()
+        for a, p in zip(affinities.double().numpy(), prices.numpy(), strict=True):
+            dual, warm = _overfill(a, p, k, c), _overfill(a, warm_prices(a), k, c)
+            reference = _overfill(a, dual_prices(a, k, capacity.numpy(), GlobalBudget()), k, c)
+            assert dual <= n * k // 20 and dual * 10 < warm, (cluster, dual, reference, warm)
+
+
+def test_kernel_emulated_dual_prices_from_registers_or_memory() -> None:
+    """The prices' kernel keeps a block's affinities and u_t in registers where they fit and
+    reads them from memory each iteration elsewhere (e = 256 at 171 tokens a block, 4,096-token
+    groups): the same arithmetic, so the same prices to the bit, with padded tokens."""
+    emu = _emulated()
+    n, e, k = 96, 12, 3
+    affinities = fh.instances(32, 2, n, e, 0.5)
+    capacity = torch.full((e,), k * n // e)
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, n // 2 :] = False
+    held = {"IN_REGS": "1"}
+    kept, read = (
+        emu.dual_prices_emulated(affinities, k, capacity, token_mask=mask, cluster=2, defines=d)
+        for d in (held, {"IN_REGS": "0"})
+    )
+    assert torch.equal(kept, read) and bool(kept.abs().sum() > 0)
+
+
+def test_price_cluster_plan() -> None:
+    """The prices' kernel takes as many blocks per group (2, 3, 4, 6 or 8) as leave each
+    block 64 tokens and 8,192 affinities and let every group's cluster run at once (as the
+    driver counts them, else an SM a block); one before compute capability 9.0 (no clusters);
+    its shared memory stays within the 48 KiB every launch may use, whatever the group size."""
+    plan = global_cuda.price_cluster
+    assert plan(512, 64, 32, 132, (9, 0)) == 4
+    assert plan(512, 64, 40, 132, (9, 0)) == 3
+    assert plan(512, 64, 64, 132, (9, 0)) == 2
+    assert plan(512, 64, 100, 132, (9, 0)) == 1
+    assert plan(4096, 64, 8, 132, (9, 0)) == 8
+    assert plan(200, 256, 8, 132, (9, 0)) == 3  # at least 64 tokens a block
+    assert plan(512, 32, 8, 132, (9, 0)) == 2  # at least 8,192 affinities a block
+    assert plan(512, 16, 8, 132, (9, 0)) == 1
+    assert plan(512, 64, 32, 108, (8, 0)) == 1
+    # where the driver says how many clusters fit at once (an H100's, 512-thread blocks)
+    held = {2: 66, 3: 40, 4: 30, 6: 20, 8: 15}
+    assert plan(512, 64, 32, 132, (9, 0), resident=held.get) == 3
+    assert plan(4096, 64, 8, 132, (9, 0), resident=held.get) == 8
+    assert plan(512, 64, 32, 132, (9, 0), resident=lambda c: None) == 4  # no answer: SM count
+    for n, e in [(32, 1), (100, 5), (4096, 16), (4096, 17), (512, 64), (65536, 256)]:
+        for cluster in (1, 8):
+            defines = global_cuda.price_defines(n, e, min(e, 8), GlobalBudget(), cluster)
+            assert int(defines["THREADS"]) % 32 == 0 and int(defines["CLUSTER"]) == cluster
+            assert 32 % int(defines["SEG"]) == 0 and -(-e // int(defines["SEG"])) <= 8
+            assert global_cuda.price_shared_bytes(defines) <= 48 * 1024
 
 
 def test_price_budget_is_checked() -> None:
@@ -1076,6 +1147,29 @@ def test_cuda_group_sizes_off_the_compiled_list() -> None:
         fh.check_constraints(index[1:, : n // 2], k, capacity, e)
         gaps = fh.optimality_gaps(affinities[:1], index[:1], k, capacity)
         assert gaps.max() <= fh.WORST_GAP, (n, e, k, gaps)
+
+
+@pytest.mark.gpu
+def test_cuda_dual_prices_balance_the_experts() -> None:
+    """The starting prices' kernel on the GPU (clusters of blocks where the GPU has them) at
+    the shapes of the timing table: each token's top-k at its prices overfill the experts by
+    at most n k / 20 slots, and 10x fewer than at the mean affinities."""
+    from maxscore.routing.flow.global_reference import warm_prices
+
+    device = torch.cuda.current_device()
+    for n, e, k, groups in [(512, 64, 2, 32), (512, 256, 8, 32), (4096, 16, 2, 8)]:
+        c = k * n // e
+        affinities = torch.cat(
+            [fh.instances(21, groups // 2, n, e, 0.0), fh.near_tied(21, groups // 2, n, e, 0.03)]
+        )
+        capacity = torch.full((groups, e), c, dtype=torch.int32)
+        prices = global_cuda.start_prices(
+            affinities.cuda(), k, capacity.cuda(), GlobalBudget(), None, device
+        )
+        assert prices is not None
+        for a, p in zip(affinities.double().numpy(), prices.double().cpu().numpy(), strict=True):
+            dual, warm = _overfill(a, p, k, c), _overfill(a, warm_prices(a), k, c)
+            assert dual <= n * k // 20 and dual * 10 < warm, (n, e, k, dual, warm)
 
 
 @pytest.mark.gpu

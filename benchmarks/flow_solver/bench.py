@@ -240,6 +240,10 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
                 solve_global, a, k, cap, capacity_bound=c, budget=args.budget, backend="cuda"
             )
             ms = graph_time_ms(call, args.reps)
+            # the starting prices' kernel alone (None: this solver kernel computes its own)
+            capacities = cap.to(torch.int32).expand(groups, e).contiguous()
+            prices = partial(global_cuda.start_prices, a, k, capacities, args.budget, None, 0)
+            prices_ms = graph_time_ms(prices, args.reps) if prices() is not None else None
             stats = torch.zeros(groups, 20, dtype=torch.int32, device="cuda")
             global_cuda.solve_cuda(a, k, cap.expand(groups, e), c, args.budget, stats=stats)
             s = stats.cpu()
@@ -251,6 +255,7 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
                 "groups": groups,
                 "family": family,
                 "ms": ms,
+                "prices_ms": prices_ms,
                 "auction_rounds_max": int(s[:, 0].max()),
                 "open_after_auction_max": int(s[:, 1].max()),
                 "augment_rounds_max": int(s[:, 2].max()),
@@ -266,7 +271,8 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
             }
             rows.append(row)
             print(
-                f"time {groups}x{n} e={e:3d} k={k} {family:15s} {ms:.3f} ms  rounds "
+                f"time {groups}x{n} e={e:3d} k={k} {family:15s} {ms:.3f} ms "
+                f"(prices {prices_ms if prices_ms is None else round(prices_ms, 3)})  rounds "
                 f"{row['auction_rounds_max']} / open {row['open_after_auction_max']} / "
                 f"{row['augment_rounds_max']} / {row['cancel_rounds_max']}",
                 flush=True,

@@ -45,8 +45,16 @@ KERNEL = "src/maxscore/routing/flow/kernels/global_auction.cu"
 SHIPPED_DEFINES = global_cuda.kernel_defines
 
 
+SHIPPED_SOURCE = global_cuda.kernel_source
+SHIPPED_START_PRICES = global_cuda.start_prices
+# An earlier solver kernel that computes its starting prices itself (before they had a kernel
+# of their own) takes their temperatures as constants, and the host launches no prices' kernel.
+IN_KERNEL_PRICES = [("PRICE_T0", "0.3f", 0), ("PRICE_T1", "3e-05f", 0)]
+
+
 def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
-    """Make ``global_cuda`` compile ``source`` with the ``extra`` (key, value, min_e) defines."""
+    """Make ``global_cuda`` compile ``source`` as the solver kernel with the ``extra`` (key,
+    value, min_e) defines."""
 
     def defines(n: int, e: int, *args: Any, **kwargs: Any) -> dict[str, str]:
         # Given to the planner, so a constant that changes the memory (THREADS) is counted; they
@@ -55,10 +63,16 @@ def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
         overrides.update({key: value for key, value, min_e in extra if e >= min_e})
         return SHIPPED_DEFINES(n, e, *args, overrides=overrides, **kwargs)
 
-    global_cuda.kernel_source = lambda: source
+    def kernel_source(name: str = "global_auction.cu") -> str:
+        return source if name == "global_auction.cu" else SHIPPED_SOURCE(name)
+
+    own_prices = "start_prices" not in source
+    global_cuda.kernel_source = kernel_source
     global_cuda.kernel_defines = defines
+    global_cuda.start_prices = (lambda *_: None) if own_prices else SHIPPED_START_PRICES
     global_cuda.launch_defines.cache_clear()
     global_cuda._compiled.cache_clear()
+    global_cuda._price_launch.cache_clear()
 
 
 def objective_matches_reference(bench: Any) -> bool:
@@ -113,6 +127,8 @@ def main() -> None:
         extra.append(("GRAPH_IN_WORK", "0", 0))  # buffers, so the host must not count on one
     if "WARP_BID_TOKENS" not in baseline:  # an older kernel: its bid mode was one switch for
         extra.append(("WARP_BIDS", "1", 33))  # every round, warp bids above 32 experts
+    if "start_prices" not in baseline and "PRICE_T0" in baseline:
+        extra += IN_KERNEL_PRICES
     kernels = {
         "shipped": (global_cuda.kernel_source(), []),
         "baseline": (baseline, extra),

@@ -4,8 +4,8 @@ Trains each ``--presets`` model with maxscore (``real_scores.py``'s recording: c
 micro-batch 64 x 512, so 64 routing groups of 512 tokens per MoE layer), keeps the scores of the
 last solver call (all groups; ``--save-scores`` writes them as float16 to
 ``OUT/scores_<preset>.npz``), then times each variant of the kernel on exactly those scores, in
-one process: compile-time constants set by the host (the starting prices' ``PRICE_ITERS``,
-``PRICE_T1`` and ``PRICE_BY_THREAD``, ``THREADS``, the bid mode's ``WARP_BID_TOKENS``), or the
+one process: the starting prices' budget (iterations, temperatures) and blocks per group,
+compile-time constants set by the host (``THREADS``, the bid mode's ``WARP_BID_TOKENS``), or the
 auction's stall rule (``STALL``, ``STALL_FILL``, constants of the kernel file). The shipped
 kernel runs first and again last, so the spread between its two runs bounds the noise.
 
@@ -32,25 +32,52 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
 from common import load_script  # noqa: E402
 
-# (name, replacements in the kernel file, host constants): the stall rule is the kernel file's
-# own "#define STALL 8" / "#define STALL_FILL 2"; the rest are constants the host prepends.
-VARIANTS: list[tuple[str, list[tuple[str, str]], list[tuple[str, str, int]]]] = [
-    ("shipped", [], []),
-    # the previous start: the mean affinities and three auctions (400x, 30x, then the eps)
-    ("mean-affinity prices, three auctions", [], [("PRICE_ITERS", "0", 0)]),
-    ("20 dual iterations", [], [("PRICE_ITERS", "20", 0)]),
+# (name, replacements in the solver kernel file, its host constants, budget, blocks per group of
+# the starting prices' kernel at most): the stall rule is the kernel file's own "#define STALL 8"
+# / "#define STALL_FILL 2"; the constants are prepended by the host.
+Variant = tuple[str, list[tuple[str, str]], list[tuple[str, str, int]], GlobalBudget, int]
+VARIANTS: list[Variant] = [
+    ("shipped", [], [], GlobalBudget(), global_cuda.MAX_CLUSTER),
+    # the start before the dual prices: the mean affinities and three auctions (400x, 30x, eps)
+    (
+        "mean-affinity prices, three auctions",
+        [],
+        [],
+        GlobalBudget(price_iterations=0),
+        global_cuda.MAX_CLUSTER,
+    ),
+    ("20 dual iterations", [], [], GlobalBudget(price_iterations=20), global_cuda.MAX_CLUSTER),
     (
         "40 dual iterations, last temperature 1e-5",
         [],
-        [("PRICE_ITERS", "40", 0), ("PRICE_T1", "1e-5f", 0)],
+        [],
+        GlobalBudget(price_iterations=40, price_temperatures=(0.3, 1e-5)),
+        global_cuda.MAX_CLUSTER,
     ),
-    ("dual prices: thread form everywhere", [], [("PRICE_BY_THREAD", "1", 0)]),
-    ("dual prices: warp form everywhere", [], [("PRICE_BY_THREAD", "0", 0)]),
-    ("STALL_FILL=4", [("#define STALL_FILL 2", "#define STALL_FILL 4")], []),
-    ("STALL=4", [("#define STALL 8 ", "#define STALL 4 ")], []),
-    ("THREADS=512", [], [("THREADS", "512", 0)]),
-    ("thread bids in every round", [], [("WARP_BID_TOKENS", "0", 0)]),
-    ("shipped again", [], []),
+    ("dual prices: one block per group", [], [], GlobalBudget(), 1),
+    (
+        "STALL_FILL=4",
+        [("#define STALL_FILL 2", "#define STALL_FILL 4")],
+        [],
+        GlobalBudget(),
+        global_cuda.MAX_CLUSTER,
+    ),
+    (
+        "STALL=4",
+        [("#define STALL 8 ", "#define STALL 4 ")],
+        [],
+        GlobalBudget(),
+        global_cuda.MAX_CLUSTER,
+    ),
+    ("THREADS=512", [], [("THREADS", "512", 0)], GlobalBudget(), global_cuda.MAX_CLUSTER),
+    (
+        "thread bids in every round",
+        [],
+        [("WARP_BID_TOKENS", "0", 0)],
+        GlobalBudget(),
+        global_cuda.MAX_CLUSTER,
+    ),
+    ("shipped again", [], [], GlobalBudget(), global_cuda.MAX_CLUSTER),
 ]
 
 
@@ -63,8 +90,18 @@ def variant_source(source: str, replacements: list[tuple[str, str]]) -> str:
     return source
 
 
-def time_variants(preset: str, steps: int, reps: int, out: Path, save: bool) -> list[dict]:
-    """Train ``preset``, then time every variant on its last solver call's scores."""
+def time_variants(
+    preset: str,
+    steps: int,
+    reps: int,
+    out: Path,
+    save: bool,
+    baseline: str | None = None,
+    only: set[str] | None = None,
+) -> list[dict]:
+    """Train ``preset``, then time every variant (those named in ``only``, if given) on its last
+    solver call's scores; ``baseline``: the text of an earlier solver kernel file, timed after
+    the shipped kernel as the variant "baseline kernel file"."""
     real_scores = load_script(HERE / "real_scores.py", "real_scores")
     compare = load_script(HERE / "compare_kernels.py", "compare_kernels")
     timing = load_script(HERE / "bench.py", "flow_bench")
@@ -80,13 +117,24 @@ def time_variants(preset: str, steps: int, reps: int, out: Path, save: bool) -> 
     shipped = global_cuda.kernel_source()
     rows = []
     try:
-        for name, replacements, defines in VARIANTS:
-            compare.use_kernel(variant_source(shipped, replacements), defines)
+        variants = [
+            (name, variant_source(shipped, replacements), defines, budget, max_cluster)
+            for name, replacements, defines, budget, max_cluster in VARIANTS
+            if only is None or name in only
+        ]
+        if baseline is not None:
+            extra = compare.IN_KERNEL_PRICES if "start_prices" not in baseline else []
+            entry = ("baseline kernel file", baseline, extra, GlobalBudget(), 1)
+            variants.insert(1, entry)
+        for name, source, defines, budget, max_cluster in variants:
+            compare.use_kernel(source, defines)
+            global_cuda.MAX_CLUSTER = max_cluster
+            global_cuda._price_launch.cache_clear()
             stats = torch.zeros(groups, 20, dtype=torch.int32, device=a.device)
-            global_cuda.solve_cuda(a, k, cap, holders, GlobalBudget(), stats=stats)
+            global_cuda.solve_cuda(a, k, cap, holders, budget, stats=stats)
             s = stats.cpu()
             ms = timing.graph_time_ms(
-                lambda: global_cuda.solve_cuda(a, k, cap, holders, GlobalBudget()), reps
+                lambda budget=budget: global_cuda.solve_cuda(a, k, cap, holders, budget), reps
             )
 
             def median_max(column: int, s: torch.Tensor = s) -> list[int]:
@@ -109,6 +157,8 @@ def time_variants(preset: str, steps: int, reps: int, out: Path, save: bool) -> 
             rows.append(found)
     finally:
         compare.use_kernel(shipped, [])
+        global_cuda.MAX_CLUSTER = VARIANTS[0][4]
+        global_cuda._price_launch.cache_clear()
     return rows
 
 
@@ -119,7 +169,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--save-scores", action="store_true", help="every group, float16")
+    parser.add_argument("--baseline", type=Path, help="an earlier solver kernel file to time too")
+    parser.add_argument("--variants", default="", help="only these variants (comma-separated)")
     args = parser.parse_args()
+    baseline = args.baseline.read_text() if args.baseline else None
+    only = set(args.variants.split(",")) if args.variants else None
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
@@ -128,7 +182,9 @@ def main() -> None:
         "rows": [],
     }
     for preset in args.presets.split(","):
-        result["rows"] += time_variants(preset, args.steps, args.reps, args.out, args.save_scores)
+        result["rows"] += time_variants(
+            preset, args.steps, args.reps, args.out, args.save_scores, baseline, only
+        )
         (args.out / "real_scores_variants.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -18,8 +18,9 @@ Solvers (:data:`FLOW_SOLVERS`, one signature, see :mod:`.registry`):
   solved exactly on the CPU, a refused token asking for all ``k`` experts (:mod:`.two_stage`).
   ``"two-stage-exact"`` is a deprecated alias of it (it is not the authors' variant).
 - ``"global"``: the global solver (:mod:`.global_solver`): an auction from prices near the
-  LP's optimal duals, then augmenting paths and cycle cancelling on the expert graph; one CUDA
-  kernel per call on a GPU (no host sync), NumPy on the host otherwise.
+  LP's optimal duals, then augmenting paths and cycle cancelling on the expert graph; two CUDA
+  kernels per call on a GPU (the prices, then the solver; no host sync), NumPy on the host
+  otherwise.
 
 Public API: :func:`min_cost_flow_assignment` (validated, user-facing; may synchronise),
 :func:`flow_objective`, :func:`register_flow_solver`.

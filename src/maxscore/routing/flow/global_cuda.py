@@ -1,11 +1,16 @@
-"""The global solver of Eq. (8) as one CUDA kernel per call (``kernels/global_auction.cu``).
+"""The global solver of Eq. (8) as CUDA kernels (``kernels/``): the starting prices
+(``dual_prices.cu``), then the solver (``global_auction.cu``).
 
-The kernel runs the three phases of :mod:`.global_reference` (auction, augmenting paths, cycle
-cancelling on the expert graph) with one thread block per routing group. Its per-group state
-lives in shared memory when it fits and in a global scratch buffer otherwise, so any group size
-works; groups of up to a few thousand tokens fit in shared memory (see :func:`work_bytes`).
+The solver kernel runs the three phases of :mod:`.global_reference` (auction, augmenting paths,
+cycle cancelling on the expert graph) with one thread block per routing group. Its starting
+prices (:func:`.global_reference.dual_prices`) come from a kernel launched just before it with a
+cluster of up to ``MAX_CLUSTER`` blocks per group (compute capability 9.0; one block below), so
+that this dense part spreads over the SMs that one block per group leaves idle. The solver's
+per-group state lives in shared memory when it fits and in a global scratch buffer otherwise, so
+any group size works; groups of up to a few thousand tokens fit in shared memory (see
+:func:`work_bytes`).
 
-The source is compiled at first use for each shape and budget with NVRTC through PyTorch's
+The sources are compiled at first use for each shape and budget with NVRTC through PyTorch's
 runtime-compilation helpers (``torch.cuda._utils``, private; present since PyTorch 2.8) and
 launched on the current stream, so calls are capturable in CUDA graphs and need no host sync.
 Where NVRTC or those helpers are missing, :func:`available` is false.
@@ -17,6 +22,7 @@ import ctypes
 import functools
 import importlib.resources
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -36,8 +42,12 @@ __all__ = [
     "kernel_source",
     "launch_defines",
     "phase1_bytes",
+    "price_cluster",
+    "price_defines",
+    "price_shared_bytes",
     "shared_and_scratch_bytes",
     "solve_cuda",
+    "start_prices",
     "supported",
     "work_bytes",
 ]
@@ -47,6 +57,14 @@ MAX_K = 8  # a token's open entry is packed in 4 bits; 8 keeps the per-token loo
 MAX_SLOTS = 1 << 27  # n k below this: bid records pack (token << 4 | entry) in an int
 MIN_CAPABILITY = (8, 0)
 KERNEL_NAME = "global_auction_kernel"
+PRICES_KERNEL_NAME = "dual_prices_kernel"
+# The starting prices' kernel: a cluster of up to MAX_CLUSTER blocks per group (the portable
+# cluster size), each taking at least MIN_CLUSTER_ROWS tokens and MIN_CLUSTER_ENTRIES
+# affinities (below, the cluster's barriers cost more than the work they split: H100, 32 groups
+# of 512 x 16, 0.048 ms with one block a group, 0.056 with 2, 0.076 with 6); blocks of up to
+# PRICE_THREADS threads.
+MAX_CLUSTER, MIN_CLUSTER_ROWS, MIN_CLUSTER_ENTRIES, PRICE_THREADS = 8, 64, 8192, 512
+MIN_CLUSTER_CAPABILITY = (9, 0)
 THREADS = 512
 # Larger blocks from this many experts: the expert rows and the auction's merges run a warp per
 # expert, so more warps shorten them (H200, 32 groups of 512 tokens: -6% at e = 64 random, -1 to
@@ -80,10 +98,11 @@ def disable(reason: str) -> None:
     _disabled_reason = reason
 
 
-def kernel_source() -> str:
-    """The CUDA C++ source of the kernel (shipped with the package)."""
+def kernel_source(name: str = "global_auction.cu") -> str:
+    """The CUDA C++ source of a kernel file (shipped with the package): the solver's, or
+    ``dual_prices.cu``."""
     kernels = importlib.resources.files(__package__).joinpath("kernels")
-    return kernels.joinpath("global_auction.cu").read_text()
+    return kernels.joinpath(name).read_text()
 
 
 def compiled_size(n: int) -> int:
@@ -145,8 +164,6 @@ def kernel_defines(
         "EPS_SCALE": str(scales[0]),
         "EPS_SCALE2": str(scales[1]),
         "PRICE_ITERS": str(budget.price_iterations),
-        "PRICE_T0": f"{float(budget.price_temperatures[0])!r}f",
-        "PRICE_T1": f"{float(budget.price_temperatures[1])!r}f",
         "TOL_REL": f"{float(budget.tolerance)!r}f",
         "WARP_BID_TOKENS": str(n if e > SMALL_E else SMALL_E_WARP_BID_TOKENS),
         # the overflowing experts' bid records listed by expert (4 bytes a record of state);
@@ -195,7 +212,7 @@ def block_bytes(defines: dict[str, str]) -> int:
         + 4 * e  # dirty, expert_list, col_rows, worst
         + 2  # experts_listed, ncol
         + 3  # lo_ord, hi_ord, real_rows
-        + 5  # lo, hi, eps, tol, scale
+        + 4  # lo, hi, eps, tol
         + 4  # open_count, open_tokens, moves, overflowed
         + 1  # spare
     )
@@ -226,9 +243,106 @@ def work_bytes(defines: dict[str, str]) -> int:
     return 4 * (words + warps * e)
 
 
-def _with_defines(defines: dict[str, str]) -> str:
+def price_cluster(
+    n: int,
+    e: int,
+    groups: int,
+    sm_count: int,
+    capability: tuple[int, int],
+    resident: Callable[[int], int | None] | None = None,
+) -> int:
+    """Blocks per group of the starting prices' kernel: the largest of 2, 3, 4, 6 and 8 (at
+    most ``MAX_CLUSTER``) that leaves at least ``MIN_CLUSTER_ROWS`` tokens and
+    ``MIN_CLUSTER_ENTRIES`` affinities (``n x e``) a block and lets all
+    ``groups`` clusters run at once: ``resident(c)``, the clusters of ``c`` blocks the GPU holds
+    at once (the driver's occupancy query: a cluster's blocks share a GPC, so on an H100 only 30
+    clusters of four 512-thread blocks fit, not 33), where it answers, else ``c * groups <=
+    sm_count``; 1 below compute capability 9.0 (no thread-block clusters)."""
+    cluster = 1
+    if capability < MIN_CLUSTER_CAPABILITY:
+        return cluster
+    for c in (2, 3, 4, 6, 8):
+        if c > MAX_CLUSTER or n < c * MIN_CLUSTER_ROWS or n * e < c * MIN_CLUSTER_ENTRIES:
+            break
+        held = resident(c) if resident is not None else None
+        if (held if held is not None else sm_count // c) >= groups:
+            cluster = c
+    return cluster
+
+
+class _LaunchConfig(ctypes.Structure):
+    """The driver's CUlaunchConfig (for its occupancy query)."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attributes", ctypes.c_void_p),
+        ("attribute_count", ctypes.c_uint),
+    ]
+
+
+def _resident_clusters(kernel, blocks: int, threads: int, shared_bytes: int) -> int | None:
+    """The clusters of a kernel compiled with its cluster size that the GPU holds at once
+    (``cuOccupancyMaxActiveClusters``), or ``None`` where the driver does not say."""
+    from torch.cuda import _utils
+
+    try:
+        query = _utils._get_gpu_runtime_library().cuOccupancyMaxActiveClusters
+    except AttributeError:
+        return None
+    config = _LaunchConfig((blocks, 1, 1), (threads, 1, 1), shared_bytes, None, None, 0)
+    count = ctypes.c_int(0)
+    if query(ctypes.byref(count), kernel.func, ctypes.byref(config)) != 0:
+        return None
+    return count.value
+
+
+def _segment(e: int, rows_per_warp: int) -> int:
+    """Lanes a token's row spreads over in the prices' kernel (its SEG, a power of two): the
+    fewest shuffles an iteration, each lane's rows' sums taking log2(SEG) steps each and its
+    experts' column sums log2(32 / SEG) (at most 8 experts a lane: registers)."""
+
+    def shuffles(seg: int) -> tuple[int, int]:
+        lane_rows = -(-rows_per_warp * seg // 32)
+        lane_experts = -(-e // seg)
+        log_seg = seg.bit_length() - 1
+        return lane_rows * log_seg + lane_experts * (5 - log_seg), -seg
+
+    top = min(32, 1 << max(0, (e - 1).bit_length()))  # a row needs no more lanes than experts
+    segs = [1 << i for i in range(6) if (1 << i) <= top and -(-e // (1 << i)) <= 8]
+    return min(segs or [top], key=shuffles)
+
+
+def price_defines(n: int, e: int, k: int, budget: GlobalBudget, cluster: int) -> dict[str, str]:
+    """The compile-time constants of the starting prices' kernel (``dual_prices.cu``): at least
+    4 tokens a warp, up to ``PRICE_THREADS`` threads a block."""
+    rows = -(-n // cluster)
+    warps = min(PRICE_THREADS // 32, max(1, -(-rows // 4)))
+    return {
+        "N": str(n),
+        "E": str(e),
+        "K": str(k),
+        "THREADS": str(32 * warps),
+        "CLUSTER": str(cluster),
+        "SEG": str(_segment(e, -(-rows // warps))),
+        "PRICE_ITERS": str(budget.price_iterations),
+        "PRICE_T0": f"{float(budget.price_temperatures[0])!r}f",
+        "PRICE_T1": f"{float(budget.price_temperatures[1])!r}f",
+    }
+
+
+def price_shared_bytes(defines: dict[str, str]) -> int:
+    """Dynamic shared memory of a block of the prices' kernel (its ``SH_FLOATS``; at most 41
+    KiB, whatever the group size)."""
+    e, warps = int(defines["E"]), int(defines["THREADS"]) // 32
+    return 4 * (2 * e + 2 * warps * e + 6 * e + 4 * warps + 4)
+
+
+def _with_defines(defines: dict[str, str], file: str = "global_auction.cu") -> str:
     head = "".join(f"#define {key} {value}\n" for key, value in defines.items())
-    return head + kernel_source()
+    return head + kernel_source(file)
 
 
 def _rtc_library() -> ctypes.CDLL:
@@ -266,11 +380,11 @@ def supported(affinities: Tensor, k: int) -> bool:
     return (props.major, props.minor) >= MIN_CAPABILITY
 
 
-def _nvrtc_cubin(source: str, arch: str) -> bytes:
+def _nvrtc_cubin(source: str, arch: str, kernel_name: str = KERNEL_NAME) -> bytes:
     """Compile ``source`` to a cubin for ``sm_<arch>`` with NVRTC (no headers needed)."""
     lib = _rtc_library()
     prog = ctypes.c_void_p()
-    name = f"{KERNEL_NAME}.cu".encode()
+    name = f"{kernel_name}.cu".encode()
 
     def check(result: int, what: str) -> None:
         if result != 0:
@@ -291,7 +405,7 @@ def _nvrtc_cubin(source: str, arch: str) -> bytes:
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        raise KernelCompileError(f"NVRTC could not compile {KERNEL_NAME}:\n{log.value.decode()}")
+        raise KernelCompileError(f"NVRTC could not compile {kernel_name}:\n{log.value.decode()}")
     size = ctypes.c_size_t()
     check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
     cubin = ctypes.create_string_buffer(size.value)
@@ -301,17 +415,24 @@ def _nvrtc_cubin(source: str, arch: str) -> bytes:
 
 
 @functools.cache
-def _compiled(device_index: int, defines: tuple[tuple[str, str], ...], dynamic_bytes: int):
-    """The loaded kernel for one device, shape and budget (compiled once per process)."""
+def _compiled(
+    device_index: int,
+    defines: tuple[tuple[str, str], ...],
+    dynamic_bytes: int,
+    file: str = "global_auction.cu",
+    kernel_name: str = KERNEL_NAME,
+):
+    """A loaded kernel for one device, shape and budget (compiled once per process)."""
     from torch.cuda import _utils
 
     with torch.cuda.device(device_index):
         props = torch.cuda.get_device_properties(device_index)
-        cubin = _nvrtc_cubin(_with_defines(dict(defines)), f"{props.major}{props.minor}")
+        source = _with_defines(dict(defines), file)
+        cubin = _nvrtc_cubin(source, f"{props.major}{props.minor}", kernel_name)
         try:
-            kernel = _utils._cuda_load_module(cubin, [KERNEL_NAME])[KERNEL_NAME]
+            kernel = _utils._cuda_load_module(cubin, [kernel_name])[kernel_name]
         except RuntimeError as exc:
-            raise KernelCompileError(f"could not load {KERNEL_NAME}: {exc}") from exc
+            raise KernelCompileError(f"could not load {kernel_name}: {exc}") from exc
         # Dynamic shared memory above 48 KiB must be allowed explicitly (set always: torch's own
         # helper skips it when the dynamic part alone is below 48 KiB).
         libcuda = _utils._get_gpu_runtime_library()
@@ -363,6 +484,35 @@ def launch_defines(
     return tuple(plan_launch(optin, n, e, k, holders, budget).items())
 
 
+@functools.cache
+def _price_launch(
+    device_index: int, n: int, e: int, k: int, budget: GlobalBudget, groups: int
+) -> tuple[dict[str, str], object]:
+    """The prices' kernel's constants and loaded kernel for this device, shape and number of
+    groups (planned and compiled once; :func:`price_cluster` compiles each cluster size it
+    asks the driver about)."""
+    props = torch.cuda.get_device_properties(device_index)
+
+    def load(cluster: int) -> tuple[dict[str, str], object]:
+        defines = price_defines(n, e, k, budget, cluster)
+        kernel = _compiled(
+            device_index,
+            tuple(defines.items()),
+            price_shared_bytes(defines),
+            "dual_prices.cu",
+            PRICES_KERNEL_NAME,
+        )
+        return defines, kernel
+
+    def resident(cluster: int) -> int | None:
+        defines, kernel = load(cluster)
+        threads = int(defines["THREADS"])
+        return _resident_clusters(kernel, groups * cluster, threads, price_shared_bytes(defines))
+
+    capability = (props.major, props.minor)
+    return load(price_cluster(n, e, groups, props.multi_processor_count, capability, resident))
+
+
 def solve_cuda(
     affinities: Tensor,
     k: int,
@@ -406,6 +556,7 @@ def solve_cuda(
     mask = None
     if token_mask is not None:
         mask = token_mask.to(device=a.device, dtype=torch.uint8).expand(groups, n).contiguous()
+    prices = start_prices(a, k, cap, budget, mask, device_index)
     with torch.cuda.device(device_index):
         kernel(
             grid=(groups, 1, 1),
@@ -420,7 +571,45 @@ def solve_cuda(
                 1 if stats is not None else 0,
                 mask if mask is not None else scratch,
                 0 if mask is None else 1,
+                prices if prices is not None else scratch,
             ],
             shared_mem=dynamic,
         )
     return out
+
+
+def start_prices(
+    a: Tensor,
+    k: int,
+    cap: Tensor,
+    budget: GlobalBudget,
+    mask: Tensor | None,
+    device_index: int,
+) -> Tensor | None:
+    """``[G, e]`` starting prices (:func:`.global_reference.dual_prices`) from ``dual_prices.cu``
+    on ``a`` (``[G, n, e]`` float32, contiguous, on GPU ``device_index``) with ``cap`` (``[G,
+    e]`` int32, contiguous) and ``mask`` (``[G, n]`` uint8, or ``None``: every token real),
+    launched on the current stream; the solver kernel reads them where the capacities do not
+    exceed the demand. ``None`` without dual iterations."""
+    if budget.price_iterations <= 0:
+        return None
+    groups, n, e = a.shape
+    defines, kernel = _price_launch(device_index, n, e, k, budget, groups)
+    cluster, dynamic = int(defines["CLUSTER"]), price_shared_bytes(defines)
+    prices = torch.empty(groups, e, dtype=torch.float32, device=a.device)
+    duals = torch.empty(groups, n, dtype=torch.float32, device=a.device)  # the tokens' u_t
+    with torch.cuda.device(device_index):
+        kernel(
+            grid=(groups * cluster, 1, 1),
+            block=(int(defines["THREADS"]), 1, 1),
+            args=[
+                a,
+                cap,
+                mask if mask is not None else cap,
+                0 if mask is None else 1,
+                prices,
+                duals,
+            ],
+            shared_mem=dynamic,
+        )
+    return prices

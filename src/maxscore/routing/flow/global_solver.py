@@ -6,7 +6,8 @@ preference reversed (the reference first):
 
 - ``"reference"``: NumPy on the host, any shape. It copies the affinities to the CPU, so on a GPU
   it synchronises; it is the CPU path and the tests' reference.
-- ``"cuda"``: one CUDA kernel per call (:mod:`.global_cuda`), no host synchronisation,
+- ``"cuda"``: two CUDA kernels per call (:mod:`.global_cuda`: the starting prices, then the
+  solver), no host synchronisation,
   capturable in CUDA graphs: a CUDA GPU of compute capability 8.0+ with NVRTC, ``e <= 256``,
   ``k <= 8``, any group size (sizes off :func:`.global_cuda.compiled_size`'s list are padded
   with masked tokens, so a few compiled kernels serve group sizes that vary between calls).
@@ -103,7 +104,7 @@ GLOBAL_BACKENDS: dict[str, GlobalBackend] = {
     "cuda": GlobalBackend(
         supported=global_cuda.supported,
         solve=_solve_cuda,
-        description="one CUDA kernel per call (NVRTC), e <= 256, k <= 8, no host sync",
+        description="two CUDA kernels per call (NVRTC), e <= 256, k <= 8, no host sync",
     ),
 }
 
@@ -221,7 +222,7 @@ register_flow_solver(
         device="any",
         description=(
             "Global solver of Eq. 8: auction from dual prices, augmenting paths and cycle "
-            "cancelling on the expert graph; one CUDA kernel per call on GPUs (no host sync), "
+            "cancelling on the expert graph; two CUDA kernels per call on GPUs (no host sync), "
             "NumPy on the host elsewhere"
         ),
         keywords=frozenset({"capacity_bound", "token_mask"}),

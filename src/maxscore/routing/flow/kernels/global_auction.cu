@@ -1,9 +1,9 @@
 // The global solver of Eq. (8) on the GPU: one thread block per routing group.
 //
 // The phases of maxscore/routing/flow/global_reference.py (read its docstring first):
-//   0. starting prices near the optimal duals (dual_prices: PRICE_ITERS iterations of block
-//      coordinate ascent of the LP's entropy-regularised dual), where the capacities do not
-//      exceed the demand (else equal prices);
+//   0. starting prices near the optimal duals where the capacities do not exceed the demand
+//      (computed before this kernel by dual_prices.cu's kernel, a cluster of blocks per group,
+//      and passed in start_prices: [groups, E]), else equal prices;
 //   1. a Jacobi forward auction from those prices, until at most STOP_OPEN slots are open, or
 //      its last STALL rounds filled fewer than STALL_FILL slots (the tail, where bidders raise
 //      prices by eps at a time), or AUCTION rounds have run; with eps-scaling where the prices
@@ -43,15 +43,14 @@
 // round; more wait a round), AUCTION, STOP_OPEN, SINK_ROUNDS, CANCELS, RELAX_CANCEL (Bellman-Ford
 // relaxations per cancelling round: positive cycles are short, so their predecessor cycles
 // show up within a few), EPS_REL, EPS_SCALE and EPS_SCALE2 (the earlier auctions' eps in units
-// of EPS_REL's; 1: no such auction), PRICE_ITERS, PRICE_T0 and PRICE_T1 (dual_prices'
-// iterations, 0: the experts' mean affinities, and its first and last temperature), TOL_REL,
+// of EPS_REL's; 1: no such auction), PRICE_ITERS (0: the auction starts from the experts' mean
+// affinities, else from start_prices where the capacities do not exceed the demand), TOL_REL,
 // WARP_BID_TOKENS (a round with at most this many open tokens bids with a warp per token, a
 // larger one with a thread per token), COMPACT (1:
 // the bid records of the experts with more bids than BUF are listed by expert before their
 // selection, which then passes over each expert's own; 0: over every record of the round),
 // SEARCH_FRONTIER (phase 2's search: 1: shortest_paths_frontier, every warp; 0: Dijkstra in one
-// warp), STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM; optionally PRICE_BY_THREAD (the form
-// of dual_prices' iterations; by default from A_SMEM and E).
+// warp), STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM.
 
 #define WARPS (THREADS / 32)
 #define V (E + 2)
@@ -112,7 +111,7 @@ struct Block {
   float warp_max[WARPS];
   int warp_rows[WARPS];
   float price[E];    // the price a new bid must beat (reserve while a slot is free)
-  float reserve[E];  // starting price (dual_prices; 0 with spare capacity), the lowest at 0
+  float reserve[E];  // starting price (start_prices; 0 with spare capacity), the lowest at 0
   int cap[E];        // capacity, clamped to [0, N]
   int held[E];       // holders
   int nbid[E];       // bids posted this round
@@ -130,7 +129,6 @@ struct Block {
   float worst[E];     // -(lowest affinity among each expert's holders): the edge u -> D
   int lo_ord, hi_ord, real_rows;
   float lo, hi, eps, tol;
-  float scale;         // the mean row maximum (the spread, or 1, where not positive)
   int open_count, open_tokens, moves, overflowed;
   int spare;           // the capacities exceed the demand
   long long prof[12];  // SM cycles per part (thread 0's clock): see the stats at the end
@@ -779,253 +777,12 @@ __device__ __forceinline__ void list_open_tokens(Block& b, const int* tok_e, int
   }
 }
 
-// tanh(x) by the GPU's one instruction (relative error below 2^-11): dual_prices evaluates it
-// 2 n e times an iteration, and its prices only start the auction, which ends exact from any
-// start.
-__device__ __forceinline__ float tanh_fast(float x) {
-#ifdef __CUDA_ARCH__
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return tanhf(x);
-#endif
-}
-
-#define PRICE_CLOSED 1.0e30f  // an expert without capacity: its entries have tanh -1, so add 0
-// Tokens a warp takes at once in dual_price_step_by_warp (their sums interleave; 2 at 256
-// experts, where 4 would spill registers).
-#define PRICE_BATCH (LANE_E >= 8 ? 2 : 4)
-// Threads per expert in dual_price_step_by_thread's column sums, each over one slice of the
-// tokens: as many as the threads allow, at most 16 (two words a slice and expert in `part`).
-#define PRICE_SLICES (THREADS / E < 1 ? 1 : (THREADS / E > 16 ? 16 : THREADS / E))
-// Which form of a dual_prices iteration (H200: the thread form is faster where the affinities
-// are in shared memory, 512-token groups at e = 16-64, k = 2, or the rows are short, 4,096 x 16;
-// the warp form, whose loads are coalesced, where long rows are in global memory).
-#ifndef PRICE_BY_THREAD
-#define PRICE_BY_THREAD (A_SMEM || E <= 32)
-#endif
-static_assert(PRICE_SLICES <= BUF && WARPS <= BUF, "dual_prices' sums take phase 1's bid buffers");
-
-// A Newton step of dual_prices, clipped to `step` (2 T): `count` entries whose tanh values sum
-// to `sum` and their squares to `sum_sq`, towards `target`. The plan's entries are
-// sigmoid(z) = (1 + tanh(z / 2)) / 2, so they sum to (count + sum) / 2, and the derivative's
-// sigmoid(z) (1 - sigmoid(z)) = (1 - tanh^2) / 4 entries to (count - sum_sq) / 4: one tanh, one
-// add and one fused multiply-add an entry.
-__device__ __forceinline__ float clipped_newton_step(float excess, float slope, float step) {
-  return fminf(step, fmaxf(-step, excess / fmaxf(slope, 1e-30f)));
-}
-__device__ __forceinline__ float dual_newton_step(float count, float sum, float sum_sq,
-                                                  float target, float inv, float step) {
-  return clipped_newton_step(0.5f * (count + sum) - target, 0.25f * (count - sum_sq) * inv, step);
-}
-
-// The end of a dual_prices iteration: every price p_j takes its Newton step towards the column
-// sum min(c_j, real tokens), from the partial sums (`parts` of them per expert: the tanh values'
-// `part[q E + j]`, their squares' `part[(parts + q) E + j]`) added in order; b.price[j] gets
-// p_j times `next_half`, the next iteration's 1 / (2 T).
-__device__ __forceinline__ void dual_price_columns(Block& b, const float* part, int parts,
-                                                   float inv, float step, float next_half) {
-  for (int j = threadIdx.x; j < E; j += THREADS) {
-    if (b.cap[j] == 0) continue;
-    float sum = 0.0f, sum_sq = 0.0f;
-    for (int q = 0; q < parts; ++q) {
-      sum += part[q * E + j];
-      sum_sq += part[(parts + q) * E + j];
-    }
-    const float rows = (float)b.real_rows, target = (float)min(b.cap[j], b.real_rows);
-    b.reserve[j] += dual_newton_step(rows, sum, sum_sq, target, inv, step);
-    b.price[j] = b.reserve[j] * next_half;
-  }
-}
-
-// One dual_prices iteration with a thread per token (its row read in an order rotated by the
-// token, so the lanes read different banks), then PRICE_SLICES threads per expert. b.price
-// holds p_j / (2 T); `scaled_u` gets -u_t / (2 T).
-__device__ __forceinline__ void dual_price_step_by_thread(Block& b, const float* a,
-                                                          const unsigned char* real, float* u,
-                                                          float* scaled_u, float* part, float inv,
-                                                          float step, float next_half) {
-  const int tid = threadIdx.x;
-  const float half = 0.5f * inv;
-  for (int t = tid; t < N; t += THREADS) {  // the rows: sum K
-    if (DEMAND(real, t) == 0) continue;
-    const float x = u[t], xh = x * half;
-    float sum = 0.0f, sum_sq = 0.0f;
-#pragma unroll 4
-    for (int q = 0; q < E; ++q) {
-      const int j = (q + t) % E;
-      const float y = tanh_fast(fmaf(a[t * E + j], half, -xh) - b.price[j]);
-      sum += y;
-      sum_sq = fmaf(y, y, sum_sq);
-    }
-    const float x_new = x + dual_newton_step((float)E, sum, sum_sq, (float)K, inv, step);
-    u[t] = x_new;
-    scaled_u[t] = -x_new * half;
-  }
-  __syncthreads();
-  for (int idx = tid; idx < PRICE_SLICES * E; idx += THREADS) {  // the columns' partial sums
-    const int j = idx % E, slice = idx / E;
-    const float ph = b.price[j];
-    float sum = 0.0f, sum_sq = 0.0f;
-#pragma unroll 4
-    for (int t = slice; t < N; t += PRICE_SLICES) {
-      if (DEMAND(real, t) == 0) continue;
-      const float y = tanh_fast(fmaf(a[t * E + j], half, scaled_u[t]) - ph);
-      sum += y;
-      sum_sq = fmaf(y, y, sum_sq);
-    }
-    part[idx] = sum;
-    part[PRICE_SLICES * E + idx] = sum_sq;
-  }
-  __syncthreads();
-  dual_price_columns(b, part, PRICE_SLICES, inv, step, next_half);
-  __syncthreads();
-}
-
-// The logistic function, sigmoid(x) = (1 + tanh(x / 2)) / 2.
-__device__ __forceinline__ float logistic(float x) { return 0.5f + 0.5f * tanh_fast(0.5f * x); }
-
-// One dual_prices iteration with a warp per PRICE_BATCH tokens, lanes over the experts (loads
-// coalesced where the affinities are in global memory): each token's new u_t from its row,
-// then at once its entries at that u_t added to the lanes' column sums (one pass over the
-// affinities); the warps' column sums are added in warp order. It sums the plan's entries
-// and their derivatives' (the tanh sums' form was slower here: H200, 32 groups of 512 tokens,
-// the prices' cycles +12-22% at e = 64-128, +30% at 4,096 x 16) and hands dual_price_columns
-// their tanh sums' equivalents.
-__device__ __forceinline__ void dual_price_step_by_warp(Block& b, const float* a,
-                                                        const unsigned char* real, float* u,
-                                                        float* part, float inv, float step,
-                                                        float next_half) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float price[LANE_E], col_f[LANE_E], col_d[LANE_E];
-#pragma unroll
-  for (int c = 0; c < LANE_E; ++c) {
-    const int j = lane + 32 * c;
-    price[c] = j < E ? b.reserve[j] : PRICE_CLOSED;
-    col_f[c] = 0.0f;
-    col_d[c] = 0.0f;
-  }
-  int rows = 0;  // the tokens this warp added to its column sums
-  for (int t0 = warp * PRICE_BATCH; t0 < N; t0 += WARPS * PRICE_BATCH) {
-    float x[PRICE_BATCH], f[PRICE_BATCH], d[PRICE_BATCH], val[PRICE_BATCH][LANE_E];
-#pragma unroll
-    for (int r = 0; r < PRICE_BATCH; ++r) {
-      const int t = t0 + r;
-      const bool row = t < N && DEMAND(real, t) > 0;  // the same in every lane
-      x[r] = row ? u[t] : 0.0f;
-#pragma unroll
-      for (int c = 0; c < LANE_E; ++c) {
-        const int j = lane + 32 * c;
-        val[r][c] = row && j < E ? a[t * E + j] : -PRICE_CLOSED;  // loads first, all in flight
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < PRICE_BATCH; ++r) {  // the rows: sum K
-      f[r] = 0.0f;  // K is subtracted after the warp's sum
-      d[r] = 0.0f;
-#pragma unroll
-      for (int c = 0; c < LANE_E; ++c) {
-        const float v = logistic((val[r][c] - x[r] - price[c]) * inv);
-        f[r] += v;
-        d[r] += v - v * v;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int r = 0; r < PRICE_BATCH; ++r) {
-        f[r] += __shfl_xor_sync(FULL_MASK, f[r], o);
-        d[r] += __shfl_xor_sync(FULL_MASK, d[r], o);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < PRICE_BATCH; ++r) {
-      const int t = t0 + r;
-      if (t >= N || DEMAND(real, t) == 0) continue;  // the same in every lane
-      x[r] += clipped_newton_step(f[r] - (float)K, d[r] * inv, step);
-      if (lane == 0) u[t] = x[r];
-      ++rows;
-#pragma unroll
-      for (int c = 0; c < LANE_E; ++c) {  // the columns at the token's new u_t
-        const float v = logistic((val[r][c] - x[r] - price[c]) * inv);
-        col_f[c] += v;
-        col_d[c] += v - v * v;
-      }
-    }
-  }
-  // entries v = (1 + y) / 2 and v (1 - v) = (1 - y^2) / 4 over `rows` tokens
-#pragma unroll
-  for (int c = 0; c < LANE_E; ++c) {
-    const int j = lane + 32 * c;
-    if (j < E) {
-      part[warp * E + j] = 2.0f * col_f[c] - (float)rows;
-      part[(WARPS + warp) * E + j] = (float)rows - 4.0f * col_d[c];
-    }
-  }
-  __syncthreads();
-  dual_price_columns(b, part, WARPS, inv, step, next_half);
-  __syncthreads();
-}
-
-// Starting prices near the optimal duals of Eq. (8)'s LP, into b.reserve (global_reference.
-// dual_prices): at temperature T the plan sigmoid((a_tj - u_t - p_j) / T) (entries in [0, 1]);
-// each of PRICE_ITERS iterations takes one Newton step, clipped to 2 T, on every token's u_t
-// (row sum K) and then on every price p_j (column sum c_j), T falling geometrically from
-// PRICE_T0 to PRICE_T1 times b.scale. From b.reserve's mean affinities; the lowest price ends
-// at 0. `u` and `scaled_u` (N floats each) and `part` (2 max(WARPS, PRICE_SLICES) E floats) are
-// free until the auction; b.price too. Every thread calls it.
-__device__ __noinline__ void dual_prices(Block& b, const float* a, const unsigned char* real,
-                                         float* u, float* scaled_u, float* part) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int live = 0;  // experts with capacity
-#pragma unroll
-  for (int c = 0; c < LANE_E; ++c) {
-    const int j = lane + 32 * c;
-    live += __popc(__ballot_sync(FULL_MASK, j < E && b.cap[j] > 0));
-  }
-  // Rows start at their mean reduced affinity over the experts with capacity; a closed expert's
-  // price becomes PRICE_CLOSED, so that its entries add 0 to every sum below.
-  for (int t = warp; t < N; t += WARPS) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int c = 0; c < LANE_E; ++c) {
-      const int j = lane + 32 * c;
-      if (j < E && b.cap[j] > 0) sum += a[t * E + j] - b.reserve[j];
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL_MASK, sum, o);
-    if (lane == 0) u[t] = sum / (float)(live > 0 ? live : 1);
-  }
-  const float ratio = PRICE_ITERS > 1 ? powf(PRICE_T1 / PRICE_T0, 1.0f / (PRICE_ITERS - 1)) : 1.0f;
-  float temp = b.scale * PRICE_T0;
-  for (int j = tid; j < E; j += THREADS) {
-    if (b.cap[j] == 0) b.reserve[j] = PRICE_CLOSED;
-    b.price[j] = b.cap[j] == 0 ? PRICE_CLOSED : b.reserve[j] * (0.5f / temp);
-  }
-  __syncthreads();
-  for (int it = 0; it < PRICE_ITERS; ++it, temp *= ratio) {
-    const float inv = 1.0f / temp, next_half = 0.5f / (temp * ratio);
-#if PRICE_BY_THREAD
-    dual_price_step_by_thread(b, a, real, u, scaled_u, part, inv, 2.0f * temp, next_half);
-#else
-    dual_price_step_by_warp(b, a, real, u, part, inv, 2.0f * temp, next_half);
-#endif
-  }
-  if (tid == 0) {
-    float lowest = 3.0e38f;
-    for (int j = 0; j < E; ++j)
-      if (b.cap[j] > 0) lowest = fminf(lowest, b.reserve[j]);
-    for (int j = 0; j < E; ++j) b.reserve[j] = b.cap[j] > 0 ? b.reserve[j] - lowest : 0.0f;
-  }
-  __syncthreads();
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     global_auction_kernel(const float* __restrict__ affinities, const int* __restrict__ capacity,
                           long long* __restrict__ out, int* __restrict__ stats,
                           unsigned char* __restrict__ scratch, int use_scratch, int want_stats,
-                          const unsigned char* __restrict__ token_mask, int has_mask) {
+                          const unsigned char* __restrict__ token_mask, int has_mask,
+                          const float* __restrict__ start_prices) {
   __shared__ Block b;
   DYNAMIC_SHARED(dyn);
   const int g = blockIdx.x;
@@ -1158,14 +915,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     b.tol = TOL_REL * spread;
     b.eps = EPS_REL * (rsum / b.real_rows);
     if (!(b.eps > 1e-12f * spread)) b.eps = 1e-12f * spread;
-    b.scale = rsum / b.real_rows > 0.0f ? rsum / b.real_rows : spread;
   }
   __syncthreads();
-  // The prices start near the optimal duals where the capacities do not exceed the demand, and
-  // one auction follows (global_reference.uses_dual_prices); the same in every thread.
+  // The prices start near the optimal duals where the capacities do not exceed the demand
+  // (dual_prices.cu's kernel, run before this one, leaves them in start_prices), and one auction
+  // follows (global_reference.uses_dual_prices); the same in every thread.
   const bool dual_start = PRICE_ITERS > 0 && !b.spare;
-  if (dual_start) dual_prices(b, a, real, (float*)open_list, rec_p, (float*)bid_t);
-  for (int j = tid; j < E; j += THREADS) b.price[j] = b.reserve[j];
+  for (int j = tid; j < E; j += THREADS) {
+    if (dual_start) b.reserve[j] = start_prices[g * E + j];
+    b.price[j] = b.reserve[j];
+  }
   __syncthreads();
   // No alternative left (a token needing every expert it does not hold): bid as if the next
   // best were this far below the worst affinity.
