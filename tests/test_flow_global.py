@@ -829,12 +829,13 @@ def test_kernel_emulated_dual_prices_from_registers_or_memory() -> None:
     capacity = torch.full((e,), k * n // e)
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, n // 2 :] = False
-    held = {"IN_REGS": "1"}
-    kept, read = (
-        emu.dual_prices_emulated(affinities, k, capacity, token_mask=mask, cluster=2, defines=d)
-        for d in (held, {"IN_REGS": "0"})
+    registers, memory = (
+        emu.dual_prices_emulated(
+            affinities, k, capacity, token_mask=mask, cluster=2, defines={"IN_REGS": flag}
+        )
+        for flag in ("1", "0")
     )
-    assert torch.equal(kept, read) and bool(kept.abs().sum() > 0)
+    assert torch.equal(registers, memory) and bool(registers.abs().sum() > 0)
 
 
 def test_price_cluster_plan() -> None:
