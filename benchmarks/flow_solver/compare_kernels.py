@@ -47,14 +47,17 @@ SHIPPED_DEFINES = global_cuda.kernel_defines
 
 SHIPPED_SOURCE = global_cuda.kernel_source
 SHIPPED_START_PRICES = global_cuda.start_prices
-# An earlier solver kernel that computes its starting prices itself (before they had a kernel
-# of their own) takes their temperatures as constants, and the host launches no prices' kernel.
-IN_KERNEL_PRICES = [("PRICE_T0", "0.3f", 0), ("PRICE_T1", "3e-05f", 0)]
 
 
 def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
     """Make ``global_cuda`` compile ``source`` as the solver kernel with the ``extra`` (key,
-    value, min_e) defines."""
+    value, min_e) defines. An earlier solver kernel that computes its starting prices itself
+    (before they had a kernel of their own) gets their temperatures as constants (the prices'
+    kernel's, from the default budget), and the host launches no prices' kernel for it."""
+    own_prices = "start_prices" not in source
+    if own_prices and "PRICE_T0" in source:
+        prices = global_cuda.price_defines(1, 1, 1, GlobalBudget(), 1)
+        extra = [*extra, *((key, prices[key], 0) for key in ("PRICE_T0", "PRICE_T1"))]
 
     def defines(n: int, e: int, *args: Any, **kwargs: Any) -> dict[str, str]:
         # Given to the planner, so a constant that changes the memory (THREADS) is counted; they
@@ -66,7 +69,6 @@ def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
     def kernel_source(name: str = "global_auction.cu") -> str:
         return source if name == "global_auction.cu" else SHIPPED_SOURCE(name)
 
-    own_prices = "start_prices" not in source
     global_cuda.kernel_source = kernel_source
     global_cuda.kernel_defines = defines
     global_cuda.start_prices = (lambda *_: None) if own_prices else SHIPPED_START_PRICES
@@ -127,8 +129,6 @@ def main() -> None:
         extra.append(("GRAPH_IN_WORK", "0", 0))  # buffers, so the host must not count on one
     if "WARP_BID_TOKENS" not in baseline:  # an older kernel: its bid mode was one switch for
         extra.append(("WARP_BIDS", "1", 33))  # every round, warp bids above 32 experts
-    if "start_prices" not in baseline and "PRICE_T0" in baseline:
-        extra += IN_KERNEL_PRICES
     kernels = {
         "shipped": (global_cuda.kernel_source(), []),
         "baseline": (baseline, extra),

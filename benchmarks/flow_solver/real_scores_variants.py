@@ -20,7 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,56 +32,38 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
 from common import load_script  # noqa: E402
 
-# (name, replacements in the solver kernel file, its host constants, budget, blocks per group of
-# the starting prices' kernel at most): the stall rule is the kernel file's own "#define STALL 8"
-# / "#define STALL_FILL 2"; the constants are prepended by the host.
-Variant = tuple[str, list[tuple[str, str]], list[tuple[str, str, int]], GlobalBudget, int]
-VARIANTS: list[Variant] = [
-    ("shipped", [], [], GlobalBudget(), global_cuda.MAX_CLUSTER),
+
+class Variant(NamedTuple):
+    """A kernel variant: ``replacements`` in the solver kernel file (the stall rule is the file's
+    own "#define STALL 8" / "#define STALL_FILL 2"), host constants (key, value, min_e) prepended
+    to it, the budget, and the starting prices' kernel's blocks per group at most."""
+
+    name: str
+    replacements: tuple[tuple[str, str], ...] = ()
+    defines: tuple[tuple[str, str, int], ...] = ()
+    budget: GlobalBudget = GlobalBudget()
+    max_cluster: int = global_cuda.MAX_CLUSTER
+
+
+VARIANTS = [
+    Variant("shipped"),
     # the start before the dual prices: the mean affinities and three auctions (400x, 30x, eps)
-    (
-        "mean-affinity prices, three auctions",
-        [],
-        [],
-        GlobalBudget(price_iterations=0),
-        global_cuda.MAX_CLUSTER,
-    ),
-    ("20 dual iterations", [], [], GlobalBudget(price_iterations=20), global_cuda.MAX_CLUSTER),
-    (
+    Variant("mean-affinity prices, three auctions", budget=GlobalBudget(price_iterations=0)),
+    Variant("20 dual iterations", budget=GlobalBudget(price_iterations=20)),
+    Variant(
         "40 dual iterations, last temperature 1e-5",
-        [],
-        [],
-        GlobalBudget(price_iterations=40, price_temperatures=(0.3, 1e-5)),
-        global_cuda.MAX_CLUSTER,
+        budget=GlobalBudget(price_iterations=40, price_temperatures=(0.3, 1e-5)),
     ),
-    ("dual prices: one block per group", [], [], GlobalBudget(), 1),
-    (
-        "STALL_FILL=4",
-        [("#define STALL_FILL 2", "#define STALL_FILL 4")],
-        [],
-        GlobalBudget(),
-        global_cuda.MAX_CLUSTER,
-    ),
-    (
-        "STALL=4",
-        [("#define STALL 8 ", "#define STALL 4 ")],
-        [],
-        GlobalBudget(),
-        global_cuda.MAX_CLUSTER,
-    ),
-    ("THREADS=512", [], [("THREADS", "512", 0)], GlobalBudget(), global_cuda.MAX_CLUSTER),
-    (
-        "thread bids in every round",
-        [],
-        [("WARP_BID_TOKENS", "0", 0)],
-        GlobalBudget(),
-        global_cuda.MAX_CLUSTER,
-    ),
-    ("shipped again", [], [], GlobalBudget(), global_cuda.MAX_CLUSTER),
+    Variant("dual prices: one block per group", max_cluster=1),
+    Variant("STALL_FILL=4", replacements=(("#define STALL_FILL 2", "#define STALL_FILL 4"),)),
+    Variant("STALL=4", replacements=(("#define STALL 8 ", "#define STALL 4 "),)),
+    Variant("THREADS=512", defines=(("THREADS", "512", 0),)),
+    Variant("thread bids in every round", defines=(("WARP_BID_TOKENS", "0", 0),)),
+    Variant("shipped again"),
 ]
 
 
-def variant_source(source: str, replacements: list[tuple[str, str]]) -> str:
+def variant_source(source: str, replacements: tuple[tuple[str, str], ...]) -> str:
     """The kernel file with ``replacements`` made; each must occur exactly once."""
     for old, new in replacements:
         if source.count(old) != 1:
@@ -118,16 +100,14 @@ def time_variants(
     rows = []
     try:
         variants = [
-            (name, variant_source(shipped, replacements), defines, budget, max_cluster)
-            for name, replacements, defines, budget, max_cluster in VARIANTS
-            if only is None or name in only
+            (variant, variant_source(shipped, variant.replacements))
+            for variant in VARIANTS
+            if only is None or variant.name in only
         ]
-        if baseline is not None:
-            extra = compare.IN_KERNEL_PRICES if "start_prices" not in baseline else []
-            entry = ("baseline kernel file", baseline, extra, GlobalBudget(), 1)
-            variants.insert(1, entry)
-        for name, source, defines, budget, max_cluster in variants:
-            compare.use_kernel(source, defines)
+        if baseline is not None:  # its prices (if it computes them itself) in its own block
+            variants.insert(1, (Variant("baseline kernel file", max_cluster=1), baseline))
+        for (name, _, defines, budget, max_cluster), source in variants:
+            compare.use_kernel(source, list(defines))
             global_cuda.MAX_CLUSTER = max_cluster
             global_cuda._price_launch.cache_clear()
             stats = torch.zeros(groups, 20, dtype=torch.int32, device=a.device)
@@ -157,7 +137,7 @@ def time_variants(
             rows.append(found)
     finally:
         compare.use_kernel(shipped, [])
-        global_cuda.MAX_CLUSTER = VARIANTS[0][4]
+        global_cuda.MAX_CLUSTER = VARIANTS[0].max_cluster
         global_cuda._price_launch.cache_clear()
     return rows
 

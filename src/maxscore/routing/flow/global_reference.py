@@ -17,10 +17,10 @@ solver has three phases:
    ``eps`` at a time (a router early in training gives every token nearly the same row), and
    from the experts' mean affinities 13-169 rounds over three eps-scaled auctions, where from
    these prices 1-9 remain (the CUDA kernel, the slowest of 8-64 groups of 512 or 4,096 tokens
-   of random, near-tied and trained routers' scores). The auction stops after ``auction_rounds`` rounds, once at most
-   ``stop_open`` of the slots are open, or once its last ``STALL_ROUNDS`` rounds filled fewer
-   than ``STALL_FILL`` slots: its tail fills slowly, and phase 2 fills those slots in far fewer
-   steps. A token evicted from one expert may then prefer it to a slot it still holds by more
+   of random, near-tied and trained routers' scores). The auction stops after
+   ``auction_rounds`` rounds, once at most ``stop_open`` of the slots are open, or once its last
+   ``STALL_ROUNDS`` rounds filled fewer than ``STALL_FILL`` slots: its tail fills slowly, and
+   phase 2 fills those slots in far fewer steps. A token evicted from one expert may then prefer it to a slot it still holds by more
    than ``eps`` (that slot was won against other prices); such slots are given up, so
    eps-complementary slackness holds for every held slot when phase 2 starts. With eps-scaling
    (``epsilon_scales``, Bertsekas; in groups of at most ``epsilon_scale_max_tokens``; only

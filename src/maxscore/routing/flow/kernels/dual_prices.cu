@@ -130,6 +130,11 @@ __device__ __forceinline__ float slot_sum(float v) {
 #define SH_SCALAR (SH_BLOCK + 6 * E)        // [WARPS][4], then [4]: the setup's scalars
 #define SH_FLOATS (SH_SCALAR + 4 * WARPS + 4)
 
+// Expert j's capacity in group g, clamped to [0, N] as the solver kernel clamps it.
+__device__ __forceinline__ int clamped_capacity(const int* capacity, int g, int j) {
+  return min(max(capacity[g * E + j], 0), N);
+}
+
 __device__ __forceinline__ int row_of(int warp, int nb, int r, int slot) {
   return ((warp * NB + nb) * BATCH + r) * SLOTS + slot;
 }
@@ -220,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
   for (int c = 0; c < (E + 31) / 32; ++c) {
     const int j = lane + 32 * c;
-    const int cap = j < E ? min(max(capacity[g * E + j], 0), N) : 0;
+    const int cap = j < E ? clamped_capacity(capacity, g, j) : 0;
     cap_total += __reduce_add_sync(FULL_MASK, cap);
     live += __popc(__ballot_sync(FULL_MASK, cap > 0));
   }
@@ -334,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float sum = 0.0f;
 #pragma unroll
     for (unsigned r = 0; r < CLUSTER; ++r) sum += cluster_peer(block_sums, r)[j];
-    const int cap = min(max(capacity[g * E + j], 0), N);
+    const int cap = clamped_capacity(capacity, g, j);
     price[j] = sum / real_rows;
     target[j] = cap > 0 ? (float)min(cap, real_rows) : -1.0f;
   }
