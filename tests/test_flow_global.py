@@ -548,6 +548,30 @@ def test_kernel_emulated_phases_and_scratch() -> None:
     assert fh.optimality_gaps(affinities, index, 2, capacity).max() <= fh.WORST_GAP
 
 
+@pytest.mark.parametrize(
+    ("n", "e", "k", "budget"),
+    [
+        (128, 32, 2, GlobalBudget(price_iterations=3, auction_rounds=1)),
+        (96, 24, 3, GlobalBudget(price_iterations=0, auction_rounds=2, epsilon_scales=())),
+    ],
+)
+def test_kernel_emulated_phase2_paths_from_many_open_tokens(
+    n: int, e: int, k: int, budget: GlobalBudget
+) -> None:
+    """Phase 2 gives each open token a potential of its own, so that one round's node-disjoint
+    paths start from many open tokens: a short auction leaves 10-26 open slots and phase 2 fills
+    them in at most half as many rounds (one shared potential for the open slots gave the
+    tree to the best open token: 8 rounds for 10 slots here), keeping Eq. 7 and the gaps."""
+    emu = _emulated()
+    affinities = fh.instances(7, 2, n, e, 0.0)
+    capacity = torch.full((e,), -(-k * n // e))
+    index, stats = emu.solve_emulated(affinities, k, capacity, budget)
+    fh.check_constraints(index, k, capacity, e)
+    assert fh.optimality_gaps(affinities, index, k, capacity).max() <= fh.WORST_GAP
+    open_slots, rounds = stats[:, 1], stats[:, 2]
+    assert bool((open_slots >= 10).all()) and bool((2 * rounds <= open_slots).all()), stats[:, :4]
+
+
 @pytest.mark.parametrize("scales", [(30,), (400, 30)])
 def test_kernel_emulated_eps_scaling(scales: tuple[int, ...]) -> None:
     """The kernel's eps-scaling auctions (one or two before the last) against its one auction

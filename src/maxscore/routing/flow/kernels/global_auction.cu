@@ -14,8 +14,9 @@
 //   2. augmenting paths on the expert graph (E experts + S + D) from D, the open slots, to experts
 //      with spare capacity: shortest paths (Dijkstra in one warp, until every expert with spare
 //      capacity is settled; from 128 experts a frontier search with every warp) on reduced
-//      costs whose potentials start at the auction's prices (successive shortest paths),
-//      the node-disjoint paths of their tree (one per subtree of D) applied together, until no
+//      costs whose potentials start at the auction's prices (successive shortest paths; each
+//      open token at a potential of its own, so that the paths start from many of them), the
+//      node-disjoint paths of their tree (one per subtree of D) applied together, until no
 //      slot is open or no path exists (a maximum flow); then, where the capacities exceed the
 //      demand, at most SINK_ROUNDS rounds of the same search from S (D's row standing for S's)
 //      applying its paths of positive gain to experts with a free slot (positive cycles
@@ -514,21 +515,31 @@ __device__ void shortest_paths_frontier(Block& b, const float* gain, float charg
     }
     if (!__syncthreads_or(changed | left)) break;
   }
-  // Path gains for the selection, then the new potentials: P - distance for the reached
-  // experts, P - (the largest distance) for the others (reduced costs stay >= 0 either way).
+  // Path gains for the selection, then the new potentials: P - distance for the experts as far
+  // as the farthest one with spare capacity (all reached: where Dijkstra stops), P - that
+  // distance for the others (reduced costs stay >= 0 either way). The same cut as Dijkstra's
+  // keeps both searches' potentials equal, and so the next round's open tokens' potentials.
   if (warp == 0) {
-    float reached_max = 0.0f;
+    float reached_max = 0.0f, target_max = 0.0f;
+    bool missed = false;  // an expert with spare capacity not reached
     for (int v = lane; v < E; v += 32) {
       const unsigned long long l = label[v];
-      if (l != UNREACHED) reached_max = fmaxf(reached_max, __uint_as_float((u32)(l >> 32)));
+      const float d = __uint_as_float((u32)(l >> 32));
+      const bool target = b.held[v] < b.cap[v];
+      if (l != UNREACHED) reached_max = fmaxf(reached_max, d);
+      if (target && l != UNREACHED) target_max = fmaxf(target_max, d);
+      missed |= target && l == UNREACHED;
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
+    for (int o = 16; o > 0; o >>= 1) {
       reached_max = fmaxf(reached_max, __shfl_xor_sync(FULL_MASK, reached_max, o));
+      target_max = fmaxf(target_max, __shfl_xor_sync(FULL_MASK, target_max, o));
+    }
+    const float cut = __ballot_sync(FULL_MASK, missed) ? reached_max : target_max;
     for (int v = lane; v < V; v += 32) {
       const unsigned long long l = v < E ? label[v] : UNREACHED;
-      store_search_result(b, v, l != UNREACHED, __uint_as_float((u32)(l >> 32)),
-                          (int)(l & 0xffffu), pd, reached_max);
+      const float d = __uint_as_float((u32)(l >> 32));
+      store_search_result(b, v, l != UNREACHED && d <= cut, d, (int)(l & 0xffffu), pd, cut);
     }
     __syncwarp();
   }
@@ -774,6 +785,47 @@ __device__ __forceinline__ void list_open_tokens(Block& b, const int* tok_e, int
     const int slot = warp_atomic_add(&b.open_tokens, 1, open > 0);
     warp_atomic_add(&b.open_count, open > 0 ? open : 0, open > 0);
     if (open > 0) open_list[slot] = t;
+  }
+}
+
+// Phase 2's row of D, each open token at its own potential. Successive shortest paths may start a
+// path at any node with an open slot, not only at the best one: a potential of its own, P_t = -(the
+// largest A_tw - P(w) over the experts w it may join), keeps every edge out of it at reduced cost
+// >= 0 (edge t -> v: -A_tv + P(v) - P_t), and the search from all open tokens at once is then a
+// search from D with edge D -> v = max over open t of A_tv + P_t (P(D) = 0, which drop_potential
+// finds again): each open token's nearest experts hang from it, so the round's node-disjoint paths
+// start from many open tokens where one shared potential gave the whole tree to the token with the
+// best entry and filled about one slot a round (H100, 32 groups of 512 tokens, phase-2 rounds of
+// the slowest: e = 64, k = 2 random 7 -> 3; e = 256, k = 8 random 14 -> 4; e = 64, k = 6 near-tied
+// 22 -> 7; the same optimum). An open token's first edge of its path stays tight and the new edges
+// of its holdings keep reduced costs >= 0, as with one source. A warp per open token; each entry is
+// an atomic max of (value, lower token) keys in b.tree_best (free until the search). Every thread
+// calls it; its writes are visible after the next barrier.
+__device__ void token_potential_drop_row(Block& b, float* gain, const float* a, const u32* mask,
+                                         const int* open_list, int open_tokens) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (int v = tid; v < E; v += THREADS) b.tree_best[v] = 0ull;
+  __syncthreads();
+  for (int q = warp; q < open_tokens; q += WARPS) {
+    const int t = open_list[q];
+    const u32* mt = mask + t * MW;
+    float best = NEG;  // -P_t
+    for (int v = lane; v < E; v += 32)
+      if (b.cap[v] > 0 && !has_bit(mt, v)) best = fmaxf(best, a[t * E + v] - b.pot[v]);
+    best = unord_float(__reduce_max_sync(FULL_MASK, ord_float(best)));
+    if (!(best > NEG)) continue;  // no expert left to join
+    for (int v = lane; v < E; v += 32) {
+      if (b.cap[v] <= 0 || has_bit(mt, v)) continue;
+      const float x = a[t * E + v] - best;
+      atomicMax(&b.tree_best[v],
+                ((unsigned long long)((u32)ord_float(x) ^ 0x80000000u) << 32) | (u32)(N - t));
+    }
+  }
+  __syncthreads();
+  for (int v = tid; v < V; v += THREADS) {
+    const unsigned long long key = v < E ? b.tree_best[v] : 0ull;
+    gain[GAIN(DROP, v)] = key ? unord_float((int)((u32)(key >> 32) ^ 0x80000000u)) : NEG;
+    b.drop_token[v] = key ? N - (int)(u32)key : -1;
   }
 }
 
@@ -1410,29 +1462,35 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         __syncthreads();
         if (tid == 0) b.prof[10 + cycles] += clock64() - t_part;
       }
-      // Rows of S (an expert may lose a token) and D (an open slot takes an expert: the best open
-      // token for it, highest affinity, ties to the lower token; a warp per expert).
+      // Rows of S (an expert may lose a token) and D (an open slot takes an expert). Phase 2's D
+      // row comes from every open token at its own potential (token_potential_drop_row); phase
+      // 3's is the best open token for each expert (highest affinity, ties to the lower token; a
+      // warp per expert), as its cycles through D need the gains themselves.
       for (int v = tid; v < V; v += THREADS) gain[GAIN(SINK, v)] = (cycles && v < E) ? 0.0f : NEG;
-      for (int v = warp; v < V; v += WARPS) {
-        float best = NEG;
-        int bt = 0x7fffffff;
-        if (to_sink) {
-          best = v < E && b.held[v] > 0 ? 0.0f : NEG;
-        } else if (v < E && b.cap[v] > 0) {
-          for (int q = lane; q < open_tokens; q += 32) {
-            const int t = open_list[q];
-            if (has_bit(mask + t * MW, v)) continue;
-            const float x = a[t * E + v];
-            if (x > best || (x == best && t < bt)) {
-              best = x;
-              bt = t;
+      if (!cycles && !to_sink) {
+        token_potential_drop_row(b, gain, a, mask, open_list, open_tokens);
+      } else {
+        for (int v = warp; v < V; v += WARPS) {
+          float best = NEG;
+          int bt = 0x7fffffff;
+          if (to_sink) {
+            best = v < E && b.held[v] > 0 ? 0.0f : NEG;
+          } else if (v < E && b.cap[v] > 0) {
+            for (int q = lane; q < open_tokens; q += 32) {
+              const int t = open_list[q];
+              if (has_bit(mask + t * MW, v)) continue;
+              const float x = a[t * E + v];
+              if (x > best || (x == best && t < bt)) {
+                best = x;
+                bt = t;
+              }
             }
           }
-        }
-        warp_argmax(best, bt);
-        if (lane == 0) {
-          gain[GAIN(DROP, v)] = best;
-          b.drop_token[v] = best > NEG && !to_sink ? bt : -1;
+          warp_argmax(best, bt);
+          if (lane == 0) {
+            gain[GAIN(DROP, v)] = best;
+            b.drop_token[v] = best > NEG && !to_sink ? bt : -1;
+          }
         }
       }
       __syncthreads();
