@@ -59,10 +59,7 @@ def main() -> None:
                 global_cuda.price_cluster = lambda *_, c=cluster: c
                 global_cuda._price_launch.cache_clear()
                 defines, kernel = global_cuda._price_launch(0, n, e, k, budget, groups)
-                shared = global_cuda.price_shared_bytes(defines)
-                resident = global_cuda._resident_clusters(
-                    kernel, groups * cluster, int(defines["THREADS"]), shared
-                )
+                resident = global_cuda.price_resident_clusters(defines, kernel, groups)
                 call = partial(global_cuda.start_prices, a, k, cap, budget, None, 0)
                 row = {
                     "n": n,

@@ -299,6 +299,13 @@ def _resident_clusters(kernel, blocks: int, threads: int, shared_bytes: int) -> 
     return count.value
 
 
+def price_resident_clusters(defines: dict[str, str], kernel, groups: int) -> int | None:
+    """:func:`_resident_clusters` for the prices' kernel compiled with ``defines``, launched
+    for ``groups`` groups (a cluster of ``CLUSTER`` blocks each)."""
+    blocks = groups * int(defines["CLUSTER"])
+    return _resident_clusters(kernel, blocks, int(defines["THREADS"]), price_shared_bytes(defines))
+
+
 def _segment(e: int, rows_per_warp: int) -> int:
     """Lanes a token's row spreads over in the prices' kernel (its SEG, a power of two): the
     fewest shuffles an iteration, each lane's rows' sums taking log2(SEG) steps each and its
@@ -505,9 +512,7 @@ def _price_launch(
         return defines, kernel
 
     def resident(cluster: int) -> int | None:
-        defines, kernel = load(cluster)
-        threads = int(defines["THREADS"])
-        return _resident_clusters(kernel, groups * cluster, threads, price_shared_bytes(defines))
+        return price_resident_clusters(*load(cluster), groups)
 
     capability = (props.major, props.minor)
     return load(price_cluster(n, e, groups, props.multi_processor_count, capability, resident))

@@ -20,9 +20,10 @@ solver has three phases:
    of random, near-tied and trained routers' scores). The auction stops after
    ``auction_rounds`` rounds, once at most ``stop_open`` of the slots are open, or once its last
    ``STALL_ROUNDS`` rounds filled fewer than ``STALL_FILL`` slots: its tail fills slowly, and
-   phase 2 fills those slots in far fewer steps. A token evicted from one expert may then prefer it to a slot it still holds by more
-   than ``eps`` (that slot was won against other prices); such slots are given up, so
-   eps-complementary slackness holds for every held slot when phase 2 starts. With eps-scaling
+   phase 2 fills those slots in far fewer steps. A token evicted from one expert may then
+   prefer it to a slot it still holds by more than ``eps`` (that slot was won against other
+   prices); such slots are given up, so eps-complementary slackness holds for every held slot
+   when phase 2 starts. With eps-scaling
    (``epsilon_scales``, Bertsekas; in groups of at most ``epsilon_scale_max_tokens``; only
    where the prices do not start at the duals: with spare capacity, or without
    ``price_iterations``) earlier auctions bid those many times the eps and settle the contested

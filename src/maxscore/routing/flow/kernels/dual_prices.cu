@@ -156,6 +156,19 @@ __device__ __forceinline__ void load_batch(const float* a, int first, const unsi
   }
 }
 
+// Batch nb's entries and real rows as `val` and `row` inside the kernel's loops over the batches:
+// the registers' copy (av, real_row) where IN_REGS, else loaded afresh.
+#if IN_REGS
+#define BATCH_VALUES(nb, val, row)           \
+  const float(&val)[BATCH][LANE_E] = av[nb]; \
+  const bool(&row)[BATCH] = real_row[nb]
+#else
+#define BATCH_VALUES(nb, val, row) \
+  float val[BATCH][LANE_E];        \
+  bool row[BATCH];                 \
+  load_batch(a, first, real, warp, nb, slot, sub, val, row)
+#endif
+
 // One batch's part of an iteration: each row's Newton step on u_t (x: row sum K), then its
 // entries at the new u_t added to the lane's column sums.
 __device__ __forceinline__ void batch_step(const float (&val)[BATCH][LANE_E], float (&x)[BATCH],
@@ -248,14 +261,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
 #endif
     for (int nb = 0; nb < NB; ++nb) {
-#if IN_REGS
-      const float (&val)[BATCH][LANE_E] = av[nb];
-      const bool (&row)[BATCH] = real_row[nb];
-#else
-      float val[BATCH][LANE_E];
-      bool row[BATCH];
-      load_batch(a, first, real, warp, nb, slot, sub, val, row);
-#endif
+      BATCH_VALUES(nb, val, row);
 #pragma unroll
       for (int r = 0; r < BATCH; ++r) {
         float m = -3.0e38f;
@@ -363,14 +369,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
 #endif
     for (int nb = 0; nb < NB; ++nb) {
+      BATCH_VALUES(nb, val, row);
 #if IN_REGS
-      const float (&val)[BATCH][LANE_E] = av[nb];
-      const bool (&row)[BATCH] = real_row[nb];
       float (&x)[BATCH] = xv[nb];
 #else
-      float val[BATCH][LANE_E], x[BATCH];
-      bool row[BATCH];
-      load_batch(a, first, real, warp, nb, slot, sub, val, row);
+      float x[BATCH];
 #endif
 #pragma unroll
       for (int r = 0; r < BATCH; ++r) {
@@ -405,9 +408,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       for (int nb = 0; nb < NB; ++nb) batch_step(av[nb], xv[nb], p, col_f, col_d, inv, step);
 #else
       for (int nb = 0; nb < NB; ++nb) {
-        float val[BATCH][LANE_E], x[BATCH];
-        bool row[BATCH];
-        load_batch(a, first, real, warp, nb, slot, sub, val, row);
+        BATCH_VALUES(nb, val, row);
+        float x[BATCH];
 #pragma unroll
         for (int r = 0; r < BATCH; ++r) x[r] = row[r] ? u[row_of(warp, nb, r, slot)] : 0.0f;
         batch_step(val, x, p, col_f, col_d, inv, step);

@@ -155,6 +155,14 @@ __device__ __forceinline__ int ord_float(float f) {
 __device__ __forceinline__ float unord_float(int i) {
   return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff);
 }
+// A 64-bit key ordered by `value`, then by `low` (never 0 where low > 0): an atomicMax of keys
+// keeps the largest value, among equal ones the largest low; key_value reads the value back.
+__device__ __forceinline__ unsigned long long value_key(float value, u32 low) {
+  return ((unsigned long long)((u32)ord_float(value) ^ 0x80000000u) << 32) | low;
+}
+__device__ __forceinline__ float key_value(unsigned long long key) {
+  return unord_float((int)((u32)(key >> 32) ^ 0x80000000u));
+}
 
 // max(*p, v) for floats, atomically: non-negative floats order as signed ints, negative ones in
 // reverse as unsigned ints (v + 0 turns -0 into +0, which the signed branch would lose).
@@ -584,9 +592,7 @@ __device__ void select_disjoint_paths(Block& b, int* move, const int* tok_e,
   for (int v = lane; v < E; v += 32) {
     const int r = src[v];
     if (r < 0 || b.pred[r] != DROP || b.held[v] >= b.cap[v] || !(b.dist[v] > NEG)) continue;
-    const unsigned long long key =
-        ((unsigned long long)((u32)ord_float(b.dist[v]) ^ 0x80000000u) << 32) | (u32)(E - v);
-    atomicMax(&b.tree_best[r], key);
+    atomicMax(&b.tree_best[r], value_key(b.dist[v], (u32)(E - v)));
   }
   __syncwarp();
   // The trees with a target, listed in order of their root (b.on_cycle is phase 3's).
@@ -816,15 +822,13 @@ __device__ void token_potential_drop_row(Block& b, float* gain, const float* a, 
     if (!(best > NEG)) continue;  // no expert left to join
     for (int v = lane; v < E; v += 32) {
       if (b.cap[v] <= 0 || has_bit(mt, v)) continue;
-      const float x = a[t * E + v] - best;
-      atomicMax(&b.tree_best[v],
-                ((unsigned long long)((u32)ord_float(x) ^ 0x80000000u) << 32) | (u32)(N - t));
+      atomicMax(&b.tree_best[v], value_key(a[t * E + v] - best, (u32)(N - t)));
     }
   }
   __syncthreads();
   for (int v = tid; v < V; v += THREADS) {
     const unsigned long long key = v < E ? b.tree_best[v] : 0ull;
-    gain[GAIN(DROP, v)] = key ? unord_float((int)((u32)(key >> 32) ^ 0x80000000u)) : NEG;
+    gain[GAIN(DROP, v)] = key ? key_value(key) : NEG;
     b.drop_token[v] = key ? N - (int)(u32)key : -1;
   }
 }
