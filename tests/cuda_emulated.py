@@ -42,9 +42,10 @@ _RUNNER = """
 #include "{kernel}"
 extern "C" void run_solver(const float* a, const int* cap, long long* out, int* stats,
                            unsigned char* scratch, int use_scratch, const unsigned char* mask,
-                           int has_mask, const float* prices, int groups) {{
+                           int has_mask, const float* prices, const float* duals, int groups) {{
   launch_blocks(groups, THREADS, [&] {{
-    global_auction_kernel(a, cap, out, stats, scratch, use_scratch, 1, mask, has_mask, prices);
+    global_auction_kernel(a, cap, out, stats, scratch, use_scratch, 1, mask, has_mask, prices,
+                          duals);
   }});
 }}
 extern "C" int block_struct_bytes() {{ return (int)sizeof(Block); }}
@@ -223,7 +224,7 @@ def phase3_relaxations(
 EMULATED_PRICE_THREADS = 128
 
 
-def dual_prices_emulated(
+def start_prices_emulated(
     affinities: torch.Tensor,
     k: int,
     capacity: torch.Tensor,
@@ -232,9 +233,10 @@ def dual_prices_emulated(
     token_mask: torch.Tensor | None = None,
     cluster: int | None = None,
     defines: dict[str, str] | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[G, e]`` starting prices from ``dual_prices.cu`` on the CPU, its clusters' blocks run
-    together; ``cluster``: blocks per group (default 1); ``defines``: compile-time constants to
+    together, and ``[G, n]`` each token's dual ``u_t`` at them (``global_cuda.start_prices``'
+    pair); ``cluster``: blocks per group (default 1); ``defines``: compile-time constants to
     override (e.g. ``IN_REGS``; ``THREADS`` is at most ``EMULATED_PRICE_THREADS`` unless
     given)."""
     budget = budget or GlobalBudget()
@@ -257,7 +259,7 @@ def dual_prices_emulated(
         ctypes.c_int(0 if token_mask is None else 1), ptr(prices.ctypes.data),
         ptr(duals.ctypes.data), ctypes.c_int(groups),
     )  # fmt: skip
-    return torch.from_numpy(prices)
+    return torch.from_numpy(prices), torch.from_numpy(duals)
 
 
 def solve_emulated(
@@ -271,12 +273,14 @@ def solve_emulated(
     defines: dict[str, str] | None = None,
     kernel: Path | None = None,
     cluster: int | None = None,
+    token_duals: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics: the
-    starting prices' kernel (:func:`dual_prices_emulated`, ``cluster`` blocks per group), then
+    starting prices' kernel (:func:`start_prices_emulated`, ``cluster`` blocks per group), then
     the solver kernel. ``defines`` overrides the solver's compile-time constants (e.g.
     ``GRAPH_IN_WORK``); ``kernel``: another solver kernel file than the shipped one (an earlier
-    version, to compare assignments with)."""
+    version, to compare assignments with); ``token_duals`` (``[G, n]``): the tokens' duals to
+    pass instead of the prices' kernel's."""
     groups, n, e = affinities.shape
     cap = capacity.to(torch.int32).expand(groups, e)
     items = _defines(affinities, k, cap, budget, use_scratch, defines)
@@ -292,12 +296,14 @@ def solve_emulated(
     if token_mask is not None:
         mask = np.ascontiguousarray(token_mask.expand(groups, n).numpy().astype(np.uint8))
     prices = np.zeros((groups, e), dtype=np.float32)
+    duals = np.zeros((groups, n), dtype=np.float32)
     if (budget or GlobalBudget()).price_iterations > 0:
-        prices = np.ascontiguousarray(
-            dual_prices_emulated(
-                affinities, k, cap, budget, token_mask=token_mask, cluster=cluster
-            ).numpy()
+        start = start_prices_emulated(
+            affinities, k, cap, budget, token_mask=token_mask, cluster=cluster
         )
+        prices, duals = (np.ascontiguousarray(x.numpy()) for x in start)
+    if token_duals is not None:
+        duals = np.ascontiguousarray(token_duals.float().expand(groups, n).numpy())
     ptr = ctypes.c_void_p
     lib.run_solver(
         ptr(a.ctypes.data),
@@ -309,6 +315,7 @@ def solve_emulated(
         ptr(mask.ctypes.data),
         ctypes.c_int(0 if token_mask is None else 1),
         ptr(prices.ctypes.data),
+        ptr(duals.ctypes.data),
         ctypes.c_int(groups),
     )
     return torch.from_numpy(out), torch.from_numpy(stats)

@@ -36,6 +36,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -182,6 +183,32 @@ def graph_time_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def kernel_stats(
+    a: torch.Tensor, k: int, capacity: torch.Tensor, holders: int, budget: GlobalBudget
+) -> dict[str, Any]:
+    """One solve's statistics (the kernel's ``stats``), the slowest group's: rounds of each
+    phase, and thousands of SM cycles of each phase and of their parts."""
+    stats = torch.zeros(a.shape[0], 20, dtype=torch.int32, device=a.device)
+    global_cuda.solve_cuda(a, k, capacity, holders, budget, stats=stats)
+    s = stats.cpu()
+
+    def worst(first: int, last: int) -> list[int]:
+        return [int(x) for x in s[:, first:last].max(0).values]
+
+    return {
+        "auction_rounds_max": int(s[:, 0].max()),
+        "open_after_auction_max": int(s[:, 1].max()),
+        "augment_rounds_max": int(s[:, 2].max()),
+        "cancel_rounds_max": int(s[:, 3].max()),
+        "kcycles_setup_auction_augment_cancel_max": worst(4, 8),
+        "kcycles_auction_list_bid_merge": worst(8, 11),
+        "kcycles_augment_graph_bf_moves": worst(11, 14),
+        "kcycles_cancel_graph_bf_moves": worst(14, 17),
+        "kcycles_augment_select": int(s[:, 17].max()),
+        "kcycles_graph_rows_augment_cancel": worst(18, 20),
+    }
+
+
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     """``"512x64x2,4096x16x2"`` -> ``[(512, 64, 2), (4096, 16, 2)]`` (``""``: none)."""
     return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]  # type: ignore[misc]
@@ -244,9 +271,6 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
             capacities = cap.to(torch.int32).expand(groups, e).contiguous()
             prices = partial(global_cuda.start_prices, a, k, capacities, args.budget, None, 0)
             prices_ms = graph_time_ms(prices, args.reps) if prices() is not None else None
-            stats = torch.zeros(groups, 20, dtype=torch.int32, device="cuda")
-            global_cuda.solve_cuda(a, k, cap.expand(groups, e), c, args.budget, stats=stats)
-            s = stats.cpu()
             row = {
                 "n": n,
                 "e": e,
@@ -256,18 +280,7 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
                 "family": family,
                 "ms": ms,
                 "prices_ms": prices_ms,
-                "auction_rounds_max": int(s[:, 0].max()),
-                "open_after_auction_max": int(s[:, 1].max()),
-                "augment_rounds_max": int(s[:, 2].max()),
-                "cancel_rounds_max": int(s[:, 3].max()),
-                "kcycles_setup_auction_augment_cancel_max": [
-                    int(x) for x in s[:, 4:8].max(0).values
-                ],
-                "kcycles_auction_list_bid_merge": [int(x) for x in s[:, 8:11].max(0).values],
-                "kcycles_augment_graph_bf_moves": [int(x) for x in s[:, 11:14].max(0).values],
-                "kcycles_cancel_graph_bf_moves": [int(x) for x in s[:, 14:17].max(0).values],
-                "kcycles_augment_select": int(s[:, 17].max()),
-                "kcycles_graph_rows_augment_cancel": [int(x) for x in s[:, 18:20].max(0).values],
+                **kernel_stats(a, k, cap.expand(groups, e), c, args.budget),
             }
             rows.append(row)
             print(

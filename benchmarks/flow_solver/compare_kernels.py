@@ -7,8 +7,10 @@ revision whose kernel file is taken; a device machine's copy of the tree may hav
 history, so save it to a file first) with the compile-time constants ``--baseline-define
 KEY=VALUE[@MIN_E]`` added (``@MIN_E``: only from that many experts): switches an earlier
 kernel has, or the shipped kernel's own constants changed. After timing, each variant's objective is checked against the
-reference backend's on small shapes. The first variant runs again at the end, so the spread
-between its two runs bounds the noise.
+reference backend's on small shapes. ``--scores FILE`` (repeatable) times each variant on a
+router's saved scores too (``real_scores_variants.py --save-scores``: every group of one solver
+call). The first variant runs again at the end, so the spread between its two runs bounds the
+noise.
 
     git show 9719619:src/maxscore/routing/flow/kernels/global_auction.cu > /tmp/baseline.cu
     PYTHONPATH=src python benchmarks/flow_solver/compare_kernels.py --baseline /tmp/baseline.cu \\
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from maxscore.routing.flow import flow_objective, global_cuda
@@ -92,6 +95,22 @@ def objective_matches_reference(bench: Any) -> bool:
     return ok
 
 
+def time_saved_scores(bench: Any, path: Path, reps: int) -> dict[str, Any]:
+    """The kernel on a router's saved scores (every group of one solver call, as
+    ``real_scores_variants.py --save-scores`` writes them): ms a call and its statistics."""
+    saved = np.load(path)
+    a = torch.from_numpy(saved["scores"].astype(np.float32)).cuda()
+    k = int(saved["k"])
+    capacity = torch.from_numpy(saved["capacity"]).to(torch.int32).cuda()
+    holders = min(int(capacity.max()), a.shape[1])
+    budget = GlobalBudget()
+    ms = bench.graph_time_ms(lambda: global_cuda.solve_cuda(a, k, capacity, holders, budget), reps)
+    row = {"scores": path.name, "groups": a.shape[0], "n": a.shape[1], "e": a.shape[2], "k": k}
+    row |= {"ms": ms, **bench.kernel_stats(a, k, capacity, holders, budget)}
+    print(f"time {path.name}: {ms:.3f} ms {json.dumps(row)}", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="kernel file, or a git revision")
@@ -101,6 +120,13 @@ def main() -> None:
         "--shapes", default="512x16x2,512x32x2,512x64x2,512x64x6,512x128x8,512x256x8"
     )
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument(
+        "--scores",
+        type=Path,
+        action="append",
+        default=[],
+        help="a router's scores saved by real_scores_variants.py --save-scores, timed too",
+    )
     parser.add_argument(
         "--capacity-factor",
         type=float,
@@ -156,6 +182,7 @@ def main() -> None:
         )
         rows: dict[str, Any] = {}
         bench.run_timing(timing_args, rows)
+        rows["saved_scores"] = [time_saved_scores(bench, path, args.reps) for path in args.scores]
         run = {"variant": name, "objective_ok": objective_matches_reference(bench), **rows}
         out["runs"].append(run)
         print(f"== {name}: objective ok {run['objective_ok']}", flush=True)

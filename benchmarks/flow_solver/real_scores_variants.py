@@ -88,7 +88,6 @@ def time_variants(
     compare = load_script(HERE / "compare_kernels.py", "compare_kernels")
     timing = load_script(HERE / "bench.py", "flow_bench")
     a, k, cap, holders, row = real_scores.train_and_record(preset, steps, warmup=steps - 40)
-    groups = a.shape[0]
     if save:
         np.savez_compressed(
             out / f"scores_{preset}.npz",
@@ -110,28 +109,15 @@ def time_variants(
             compare.use_kernel(source, list(defines))
             global_cuda.MAX_CLUSTER = max_cluster
             global_cuda._price_launch.cache_clear()
-            stats = torch.zeros(groups, 20, dtype=torch.int32, device=a.device)
-            global_cuda.solve_cuda(a, k, cap, holders, budget, stats=stats)
-            s = stats.cpu()
             ms = timing.graph_time_ms(
                 lambda budget=budget: global_cuda.solve_cuda(a, k, cap, holders, budget), reps
             )
-
-            def median_max(column: int, s: torch.Tensor = s) -> list[int]:
-                return [int(s[:, column].median()), int(s[:, column].max())]
-
             found = {
                 "preset": preset,
                 "variant": name,
                 "ms": ms,
                 "shipped_step_ms": row["step_ms"],
-                "auction_rounds_median_max": median_max(0),
-                "open_after_auction_median_max": median_max(1),
-                "augment_rounds_median_max": median_max(2),
-                "cancel_rounds_max": int(s[:, 3].max()),
-                "kcycles_setup_auction_augment_cancel_max": [
-                    int(x) for x in s[:, 4:8].max(0).values
-                ],
+                **timing.kernel_stats(a, k, cap, holders, budget),
             }
             print(json.dumps(found), flush=True)
             rows.append(found)

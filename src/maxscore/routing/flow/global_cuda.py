@@ -238,7 +238,7 @@ def work_bytes(defines: dict[str, str]) -> int:
     cb, buf = int(defines["CB"]), int(defines["BUF"])
     warps = int(defines["THREADS"]) // 32
     v, mw = e + 2, (e + 31) // 32
-    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + e * mw
+    words = n * k + n * mw + 2 * e * cb + 2 * e * buf + n + 3 * v + e * mw + (n + 31) // 32
     words += _bid_record_words(defines)
     return 4 * (words + warps * e)
 
@@ -561,7 +561,8 @@ def solve_cuda(
     mask = None
     if token_mask is not None:
         mask = token_mask.to(device=a.device, dtype=torch.uint8).expand(groups, n).contiguous()
-    prices = start_prices(a, k, cap, budget, mask, device_index)
+    start = start_prices(a, k, cap, budget, mask, device_index)
+    prices, duals = start if start is not None else (scratch, scratch)
     with torch.cuda.device(device_index):
         kernel(
             grid=(groups, 1, 1),
@@ -576,7 +577,8 @@ def solve_cuda(
                 1 if stats is not None else 0,
                 mask if mask is not None else scratch,
                 0 if mask is None else 1,
-                prices if prices is not None else scratch,
+                prices,
+                duals,
             ],
             shared_mem=dynamic,
         )
@@ -590,12 +592,14 @@ def start_prices(
     budget: GlobalBudget,
     mask: Tensor | None,
     device_index: int,
-) -> Tensor | None:
+) -> tuple[Tensor, Tensor] | None:
     """``[G, e]`` starting prices (:func:`.global_reference.dual_prices`) from ``dual_prices.cu``
     on ``a`` (``[G, n, e]`` float32, contiguous, on GPU ``device_index``) with ``cap`` (``[G,
     e]`` int32, contiguous) and ``mask`` (``[G, n]`` uint8, or ``None``: every token real),
-    launched on the current stream; the solver kernel reads them where the capacities do not
-    exceed the demand. ``None`` without dual iterations."""
+    launched on the current stream, and ``[G, n]`` each token's dual ``u_t`` at those prices
+    (its top ``k`` are about the experts above it: the auction's first round tries that before
+    selecting them one by one); the solver kernel reads both where the capacities do not exceed
+    the demand. ``None`` without dual iterations."""
     if budget.price_iterations <= 0:
         return None
     groups, n, e = a.shape
@@ -617,4 +621,4 @@ def start_prices(
             ],
             shared_mem=dynamic,
         )
-    return prices
+    return prices, duals

@@ -287,6 +287,10 @@ def auction_epsilon(a: np.ndarray, budget: GlobalBudget) -> float:
 # bidders raise prices by eps at a time (a round of phase 2 costs as much as several).
 STALL_ROUNDS = 8
 STALL_FILL = 2
+# A held slot is given up after the auction only when its token prefers another expert by more
+# than eps and this many times the magnitudes of the values compared (four float32 units in the
+# last place; the kernel's `release_slack`).
+RELEASE_SLACK = 4 * float(np.finfo(np.float32).eps)
 
 
 def stop_open_slots(n: int, k: int, budget: GlobalBudget) -> int:
@@ -402,10 +406,13 @@ def _auction(
         start = np.where(closed, 0.0, price - price[~closed].min()) if (~closed).any() else start
     # A token evicted from one expert can now prefer it to one it still holds by more than eps
     # (it was won against other prices): give such slots up, so that eps-complementary
-    # slackness holds for every held slot and phase 2 starts without positive cycles.
+    # slackness holds for every held slot and phase 2 starts without positive cycles. Beyond
+    # float32 rounding of the values compared (the GPU kernel's arithmetic): a slot won by the
+    # lowest bid is worth exactly the bid level minus eps, up to that rounding.
     reduced = a - price
     best_alt = np.where(held | closed, -np.inf, reduced).max(axis=1, keepdims=True)
-    held &= ~(reduced < best_alt - eps)
+    slack = RELEASE_SLACK * (np.abs(a) + np.abs(price) + np.abs(best_alt))
+    held &= ~(reduced < best_alt - eps - slack)
     return held, price, rounds
 
 

@@ -455,6 +455,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       __syncthreads();
     }
+    // Each token's u_t in the frame of the prices written below (the lowest at 0), into
+    // `duals`: at those prices its top K are about the experts whose reduced affinity is above
+    // it, which the auction's first round tries before it selects them one by one.
+    if (tid == 0) {
+      float lowest = 3.0e38f;
+      for (int j = 0; j < E; ++j)
+        if (target[j] >= 0.0f) lowest = fminf(lowest, price[j]);
+      scal[0] = lowest;
+    }
+    __syncthreads();
+    const float lowest = scal[0];
+    for (int nb = 0; nb < NB; ++nb) {
+#if IN_REGS
+      const bool(&row)[BATCH] = real_row[nb];
+#else
+      bool row[BATCH];
+      for (int r = 0; r < BATCH; ++r) {
+        const int q = row_of(warp, nb, r, slot), t = first + q;
+        row[r] = q < ROWS && t < N && (real == nullptr || real[t]);
+      }
+#endif
+#pragma unroll
+      for (int r = 0; r < BATCH; ++r) {
+        if (!row[r] || sub != 0) continue;
+        const int q = row_of(warp, nb, r, slot);
+#if IN_REGS
+        duals[(long long)g * N + first + q] = xv[nb][r] + lowest;
+#else
+        u[q] += lowest;
+#endif
+      }
+    }
   }
   if (rank == 0 && tid == 0) {
     float lowest = 3.0e38f;

@@ -4,13 +4,16 @@
 //   0. starting prices near the optimal duals where the capacities do not exceed the demand
 //      (computed before this kernel by dual_prices.cu's kernel, a cluster of blocks per group,
 //      and passed in start_prices: [groups, E]), else equal prices;
-//   1. a Jacobi forward auction from those prices, until at most STOP_OPEN slots are open, or
-//      its last STALL rounds filled fewer than STALL_FILL slots (the tail, where bidders raise
-//      prices by eps at a time), or AUCTION rounds have run; with eps-scaling where the prices
-//      do not start at the duals: first at EPS_SCALE times the eps, then at EPS_SCALE2 times
-//      (where above 1), then at the eps, each auction starting again, every slot open, from the
-//      previous one's prices; then every held slot more than eps below its token's best
-//      alternative is given up, so that eps-complementary slackness holds for every held slot;
+//   1. a Jacobi forward auction from those prices (its first round bids, for each token whose
+//      dual u_t from that kernel has exactly K experts above it, for those), until at most
+//      STOP_OPEN slots are open, or its last STALL rounds filled fewer than STALL_FILL slots
+//      (the tail, where bidders raise prices by eps at a time), or AUCTION rounds have run;
+//      with eps-scaling where the prices do not start at the duals: first at EPS_SCALE times
+//      the eps, then at EPS_SCALE2 times (where above 1), then at the eps, each auction starting
+//      again, every slot open, from the previous one's prices; then every held slot more than
+//      eps below its token's best alternative is given up (beyond float rounding; only an
+//      evicted token can have one), so that eps-complementary slackness holds for every held
+//      slot;
 //   2. augmenting paths on the expert graph (E experts + S + D) from D, the open slots, to experts
 //      with spare capacity: shortest paths (Dijkstra in one warp, until every expert with spare
 //      capacity is settled; from 128 experts a frontier search with every warp) on reduced
@@ -23,9 +26,10 @@
 //      through S, which phase 3 would find one a round);
 //   3. at most CANCELS rounds of cycle cancelling on the expert graph (all cycles of the
 //      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left (on
-//      capacities with no spare slot phase 2 leaves none: measured, 0-1 rounds).
+//      capacities with no spare slot phase 2 leaves few: measured, 0-4 rounds).
 // Then each token's experts are written by decreasing affinity (ties: lower index), -1 last.
-// The expert graph is kept from round to round: a moved token's departure computes the row of
+// The expert graph is built token by token in phase 2's first round (where it is in shared
+// memory), then kept from round to round: a moved token's departure computes the row of
 // the expert it left again, its arrival raises the entries of the row of the expert it joined,
 // and in the rows of its other experts only the entries of those two experts change.
 //
@@ -58,6 +62,7 @@
 #define SINK E
 #define DROP (E + 1)
 #define MW ((E + 31) / 32)      // mask words per token
+#define TOKEN_WORDS ((N + 31) / 32)  // a bit per token
 #define LANE_E ((E + 31) / 32)  // experts per lane in warp-wide scans
 #define NEG (-3.0e38f)
 #define FULL_MASK 0xffffffffu
@@ -84,7 +89,8 @@ typedef unsigned int u32;
 #define OFF_MOVE (OFF_OPEN + 4 * N)          // int [3 * V]
 #define OFF_COLS (OFF_MOVE + 12 * V)         // u32 [E * MW]: each row's entries to recompute
 #define OFF_TMP (OFF_COLS + 4 * E * MW)      // float [WARPS * E]: column sums, partial rows
-#define OFF_BID_T (OFF_TMP + 4 * WARPS * E)  // int [E * BUF] (token << 4 | entry)
+#define OFF_EVICTED (OFF_TMP + 4 * WARPS * E)  // u32 [TOKEN_WORDS]: tokens evicted in phase 1
+#define OFF_BID_T (OFF_EVICTED + 4 * TOKEN_WORDS)  // int [E * BUF] (token << 4 | entry)
 #define OFF_BID_P (OFF_BID_T + 4 * E * BUF)  // float [E * BUF]
 #define OFF_REC_E (OFF_BID_P + 4 * E * BUF)  // int [N * K]: expert of each posted bid
 #define OFF_REC_P (OFF_REC_E + 4 * N * K)    // float [N * K]: its value
@@ -170,6 +176,13 @@ __device__ __forceinline__ void atomic_max_float(float* p, float v) {
   v += 0.0f;
   if (v >= 0.0f) atomicMax((int*)p, __float_as_int(v));
   else atomicMin((u32*)p, __float_as_uint(v));
+}
+
+// The float rounding of the auction's values at these magnitudes (an affinity, a price, the
+// value compared with them): a few units in the last place (FLT_EPSILON = 2^-23). A held slot
+// is given up only when its token prefers an alternative by more than eps and this.
+__device__ __forceinline__ float release_slack(float affinity, float price, float alternative) {
+  return 4.0f * 1.1920929e-7f * (fabsf(affinity) + fabsf(price) + fabsf(alternative));
 }
 
 __device__ __forceinline__ bool has_bit(const u32* mask, int j) {
@@ -781,6 +794,75 @@ __device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, co
   }
 }
 
+// Every row of the expert graph at once (phase 2's first round, when every row is to compute),
+// token by token where expert_rows goes expert by expert: each token's affinities are loaded
+// once, by a warp (coalesced, the next token's loads issued before this token's updates), and
+// raise every entry gain(u, v) of its K experts u (A_tv - A_tu for each v it does not hold) and
+// b.worst[u] by shared-memory atomic max on the values' order-preserving integer images, turned
+// back into floats after a barrier. expert_rows reads each token's row once per expert it holds,
+// one holder after another (K times the loads, each a wait: 5 to 6 rows a warp at 128 experts).
+// The same values (max is exact). Only where the graph lives in shared memory. Every thread
+// calls it; its writes are visible after the next barrier.
+__device__ void all_expert_rows(Block& b, float* gain, const float* a, const int* tok_e,
+                                const u32* mask, const unsigned char* real) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int* gain_key = (int*)gain;
+  int* worst_key = (int*)b.worst;
+  const int neg_key = ord_float(NEG);
+  for (int i = tid; i < E * E; i += THREADS) gain_key[GAIN(i / E, i % E)] = neg_key;
+  for (int u = tid; u < E; u += THREADS) {
+    worst_key[u] = neg_key;
+    b.dirty[u] = 0;
+  }
+  __syncthreads();
+  float next[LANE_E];
+  auto load = [&](int t, float (&row)[LANE_E]) {
+#pragma unroll
+    for (int c = 0; c < LANE_E; ++c) {
+      const int v = lane + 32 * c;
+      row[c] = t < N && v < E ? a[t * E + v] : 0.0f;
+    }
+  };
+  load(warp, next);
+  for (int t = warp; t < N; t += WARPS) {
+    float row[LANE_E];
+#pragma unroll
+    for (int c = 0; c < LANE_E; ++c) row[c] = next[c];
+    load(t + WARPS, next);
+    if (DEMAND(real, t) == 0) continue;
+    const u32* mt = mask + t * MW;
+    bool open[LANE_E];  // v may take this token: a real expert it does not hold
+#pragma unroll
+    for (int c = 0; c < LANE_E; ++c) {
+      const int v = lane + 32 * c;
+      open[c] = v < E && b.cap[v] > 0 && !((mt[c] >> lane) & 1u);
+    }
+    // Lane s < K: the token's s-th expert and its affinity there (from the lane that holds it).
+    const int mine = lane < K ? tok_e[t * K + lane] : -1;
+    float from = 0.0f;
+#pragma unroll
+    for (int c = 0; c < LANE_E; ++c) {
+      const float x = __shfl_sync(FULL_MASK, row[c], mine & 31);
+      if (mine >= 0 && (mine >> 5) == c) from = x;
+    }
+    if (mine >= 0) atomicMax(&worst_key[mine], ord_float(-from));
+    for (int s = 0; s < K; ++s) {
+      const int u = __shfl_sync(FULL_MASK, mine, s);
+      const float au = __shfl_sync(FULL_MASK, from, s);
+      if (u < 0) continue;  // (the same in every lane)
+#pragma unroll
+      for (int c = 0; c < LANE_E; ++c)
+        if (open[c]) atomicMax(&gain_key[GAIN(u, lane + 32 * c)], ord_float(row[c] - au));
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < E * E; i += THREADS) {
+    const int at = GAIN(i / E, i % E);
+    gain[at] = unord_float(gain_key[at]);
+  }
+  for (int u = tid; u < E; u += THREADS) b.worst[u] = unord_float(worst_key[u]);
+}
+
 // Every token with an open slot into `open_list`; their number into b.open_tokens and the open
 // slots into b.open_count (both reset by the caller). Every thread calls it.
 __device__ __forceinline__ void list_open_tokens(Block& b, const int* tok_e, int* open_list,
@@ -838,7 +920,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                           long long* __restrict__ out, int* __restrict__ stats,
                           unsigned char* __restrict__ scratch, int use_scratch, int want_stats,
                           const unsigned char* __restrict__ token_mask, int has_mask,
-                          const float* __restrict__ start_prices) {
+                          const float* __restrict__ start_prices,
+                          const float* __restrict__ token_duals) {
   __shared__ Block b;
   DYNAMIC_SHARED(dyn);
   const int g = blockIdx.x;
@@ -881,6 +964,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #endif
   float* tmp = (float*)(work + OFF_TMP);
   u32* cols = (u32*)(work + OFF_COLS);
+  u32* evicted = (u32*)(work + OFF_EVICTED);
 
   // ---- setup: capacities, starting prices, scales (deterministic: no float atomics) ----
   for (int j = tid; j < E; j += THREADS) {
@@ -900,6 +984,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   }
   for (int i = tid; i < N * MW; i += THREADS) mask[i] = 0u;
   for (int i = tid; i < E * MW; i += THREADS) cols[i] = 0u;
+  for (int i = tid; i < TOKEN_WORDS; i += THREADS) evicted[i] = 0u;
   __syncthreads();
   {
     // A warp per row: column sums in registers, row maxima, the group's min / max.
@@ -1021,6 +1106,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       open_history[r % STALL] = open_now;
       // A warp per token while few tokens bid (its bids in a few dependent warp steps), a thread
       // per token when many do (the warps would take their tokens one after another).
+      const bool first_round = dual_start && r == 0;  // every token bids for all its slots
       if (open_tokens <= WARP_BID_TOKENS) {
         for (int q = warp; q < open_tokens; q += WARPS) {
           const int t = open_list[q];
@@ -1038,6 +1124,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           for (int c = 0; c < LANE_E; ++c) {
             const int j = lane + 32 * c;
             val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? val[c] - b.price[j] : NEG;
+          }
+          // The first round from the dual prices: the experts above the token's dual u_t
+          // (dual_prices.cu) are its top m where exactly m are, and the best of the rest is w
+          // (a strict threshold cannot split equal values, so these are the picks below, as a
+          // set): one count and one reduction instead of m + 1 selections.
+          if (first_round) {
+            const float dual = token_duals[(long long)g * N + t];
+            u32 above[LANE_E];
+            int count = 0;
+            float rest = NEG;
+#pragma unroll
+            for (int c = 0; c < LANE_E; ++c) {
+              above[c] = __ballot_sync(FULL_MASK, val[c] > dual);
+              count += __popc(above[c]);
+              if (!(val[c] > dual)) rest = fmaxf(rest, val[c]);
+            }
+            if (count == m) {  // (the same in every lane)
+              rest = unord_float(__reduce_max_sync(FULL_MASK, ord_float(rest)));
+              const float w = rest > NEG ? rest : floor_w;
+              int before = 0;  // the picks of earlier columns: each pick's open entry
+#pragma unroll
+              for (int c = 0; c < LANE_E; ++c) {
+                if ((above[c] >> lane) & 1u) {
+                  const int j = lane + 32 * c;
+                  const int q = before + __popc(above[c] & ((1u << lane) - 1u));
+                  post_bid(b, t, open_entry(tok_e, t, q), j, a[t * E + j] - w + b.eps, rec_e,
+                           rec_p, bid_t, bid_p);
+                }
+                before += __popc(above[c]);
+              }
+              continue;
+            }
           }
           int my_pick = -1;  // lane r < m keeps the r-th pick
           float w = NEG;
@@ -1285,6 +1403,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           for (int s = 0; s < K; ++s)
             if (tok_e[t * K + s] == j) tok_e[t * K + s] = -1;
           atomicAnd(&mask[t * MW + (j >> 5)], ~(1u << (j & 31)));
+          atomicOr(&evicted[t >> 5], 1u << (t & 31));
         }
         __syncwarp();
         // Merge the kept holders (hp[evict..h), ascending) with the winners (ascending): every
@@ -1372,6 +1491,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       for (int i = tid; i < N * K; i += THREADS) tok_e[i] = -1;
       for (int i = tid; i < N * MW; i += THREADS) mask[i] = 0u;
+      for (int i = tid; i < TOKEN_WORDS; i += THREADS) evicted[i] = 0u;
       for (int j = tid; j < E; j += THREADS) b.held[j] = 0;
       __syncthreads();
       for (int j = tid; j < E; j += THREADS) b.price[j] = b.reserve[j];
@@ -1380,40 +1500,62 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   }
   // A token evicted from one expert can now prefer it to one it still holds by more than eps
   // (that slot was won against other prices): give such slots up, so that eps-complementary
-  // slackness holds for every held slot and phase 2 starts without positive cycles.
-  for (int t = tid; t < N; t += THREADS) {
-    if (DEMAND(real, t) == 0) continue;
+  // slackness holds for every held slot and phase 2 starts without positive cycles. Only an
+  // evicted token can: a slot won at the token's bid level w is worth at least w - eps at any
+  // later price (the price is at most that bid), and an expert it did not hold then was worth
+  // at most w and only got dearer; an eviction makes an expert held then an alternative. The
+  // test allows float rounding (`release_slack`): a slot won by the lowest bid is worth exactly
+  // w - eps up to a rounding of the bid, and giving it up for that reopened up to 20 slots a group on
+  // a router's scores (e = 128, k = 8) that phase 2 then filled again, a round each few slots.
+  // The evicted tokens are listed, then a warp per token (coalesced rows).
+  if (tid == 0) b.open_tokens = 0;
+  __syncthreads();
+  for (int base = 0; base < N; base += THREADS) {
+    const int t = base + tid;
+    const bool check = t < N && DEMAND(real, t) > 0 && ((evicted[t >> 5] >> (t & 31)) & 1u);
+    const int slot = warp_atomic_add(&b.open_tokens, 1, check);
+    if (check) open_list[slot] = t;
+  }
+  __syncthreads();
+  bool released = false;
+  for (int q = warp; q < b.open_tokens; q += WARPS) {
+    const int t = open_list[q];
     const u32* mt = mask + t * MW;
     float best_alt = NEG;
-    for (int j = 0; j < E; ++j)
+    for (int j = lane; j < E; j += 32)
       if (b.cap[j] > 0 && !has_bit(mt, j)) best_alt = fmaxf(best_alt, a[t * E + j] - b.price[j]);
-    for (int s = 0; s < K; ++s) {
-      const int j = tok_e[t * K + s];
-      if (j < 0 || !(a[t * E + j] - b.price[j] < best_alt - b.eps)) continue;
-      tok_e[t * K + s] = -1;
+    best_alt = unord_float(__reduce_max_sync(FULL_MASK, ord_float(best_alt)));
+    const int j = lane < K ? tok_e[t * K + lane] : -1;  // a lane per entry
+    const float held = j >= 0 ? a[t * E + j] - b.price[j] : 0.0f;
+    __syncwarp();  // every lane has read the token's mask and entries before any changes them
+    if (j >= 0 && held < best_alt - b.eps - release_slack(a[t * E + j], b.price[j], best_alt)) {
+      released = true;
+      tok_e[t * K + lane] = -1;
       atomicAnd(&mask[t * MW + (j >> 5)], ~(1u << (j & 31)));
       int* ht = hold_t + j * CB;
       for (int p = 0; p < b.held[j]; ++p)
         if (ht[p] == t) ht[p] = -1;
     }
+    __syncwarp();
   }
-  __syncthreads();
-  for (int j = warp; j < E; j += WARPS) {  // drop the released holders, keeping the order
-    int* ht = hold_t + j * CB;
-    const int h = b.held[j];
-    int kept = 0;
-    for (int base = 0; base < h; base += 32) {
-      const int q = base + lane;
-      const int t = q < h ? ht[q] : -1;
-      const u32 keep = __ballot_sync(FULL_MASK, t >= 0);
-      __syncwarp();
-      if (t >= 0) ht[kept + __popc(keep & ((1u << lane) - 1))] = t;
-      kept += __popc(keep);
-      __syncwarp();
+  if (__syncthreads_or(released)) {
+    for (int j = warp; j < E; j += WARPS) {  // drop the released holders, keeping the order
+      int* ht = hold_t + j * CB;
+      const int h = b.held[j];
+      int kept = 0;
+      for (int base = 0; base < h; base += 32) {
+        const int q = base + lane;
+        const int t = q < h ? ht[q] : -1;
+        const u32 keep = __ballot_sync(FULL_MASK, t >= 0);
+        __syncwarp();
+        if (t >= 0) ht[kept + __popc(keep & ((1u << lane) - 1))] = t;
+        kept += __popc(keep);
+        __syncwarp();
+      }
+      if (lane == 0) b.held[j] = kept;
     }
-    if (lane == 0) b.held[j] = kept;
+    __syncthreads();
   }
-  __syncthreads();
   const long long t_auction = clock64();
 
   // ---- phases 2 and 3: the expert graph ----
@@ -1455,7 +1597,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       // the rows a holder left in the last round are computed again (all of them the first
       // time), and of the other rows the entries the moves marked (the rest were kept exact
       // when the moves were applied).
+#if GRAPH_SMEM || (GRAPH_IN_WORK && STATE_SMEM)
+      if (!cycles && round == 0) all_expert_rows(b, gain, a, tok_e, mask, real);
+      else expert_rows(b, gain, tmp, cols, a, hold_t, mask);
+#else
       expert_rows(b, gain, tmp, cols, a, hold_t, mask);
+#endif
       if (cycles) __syncthreads();  // b.worst of every row
       for (int u = tid; u < E; u += THREADS) {
         // u -> S (u may take one more), u -> D (its worst holder gives up its slot)
