@@ -1075,9 +1075,9 @@ def test_kernel_emulated_bid_modes_agree(n: int, e: int, k: int) -> None:
 )
 def test_kernel_emulated_first_bids_from_token_duals(n: int, e: int, k: int, family: str) -> None:
     """The auction's first round bids, for each token whose dual u_t (from the prices' kernel)
-    has exactly its open slots' count of experts above it, for those experts at the (m + 1)-th
-    value: the same bids as selecting them one by one, so the same assignment and statistics as
-    with duals that never apply (+inf: no expert above them), on most tokens."""
+    has exactly its open slots' count of experts above it (most tokens), for those experts at
+    the (m + 1)-th value: the same bids as selecting them one by one, so the same assignment and
+    the same rounds and open slots as with duals that never apply (+inf: no expert above)."""
     emu = _emulated()
     if family == "near-tied":
         affinities = fh.near_tied(8, 2, n, e, 0.03)
@@ -1233,7 +1233,7 @@ def test_cuda_dual_prices_balance_the_experts() -> None:
             dual, warm = _overfill(a, p, k, c), _overfill(a, warm_prices(a), k, c)
             assert dual <= n * k // 20 and dual * 10 < warm, (n, e, k, dual, warm)
             # each token's u_t separates its top k at these prices for most tokens (the
-            # auction's first round takes those directly; measured at least 0.79 a group)
+            # auction's first round takes those directly; one near-tied 512 x 256 group: 0.79)
             above = ((a - p) > u[:, None]).sum(axis=1)
             assert (above == k).mean() >= 0.6, (n, e, k, (above == k).mean())
 
