@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .global_reference import GlobalBudget, stop_open_slots
+from .global_reference import RELEASE_SLACK, GlobalBudget, stop_open_slots
 
 __all__ = [
     "MAX_EXPERTS",
@@ -165,6 +165,7 @@ def kernel_defines(
         "EPS_SCALE2": str(scales[1]),
         "PRICE_ITERS": str(budget.price_iterations),
         "TOL_REL": f"{float(budget.tolerance)!r}f",
+        "RELEASE_SLACK": f"{RELEASE_SLACK!r}f",
         "WARP_BID_TOKENS": str(n if e > SMALL_E else SMALL_E_WARP_BID_TOKENS),
         # the overflowing experts' bid records listed by expert (4 bytes a record of state);
         # plan_launch turns it off where that space would move the state out of shared memory

@@ -139,6 +139,20 @@ __device__ __forceinline__ int row_of(int warp, int nb, int r, int slot) {
   return ((warp * NB + nb) * BATCH + r) * SLOTS + slot;
 }
 
+// Whether the block's row q is a real token of the group (not past it, not padded).
+__device__ __forceinline__ bool real_row_at(int first, const unsigned char* real, int q) {
+  const int t = first + q;
+  return q < ROWS && t < N && (real == nullptr || real[t]);
+}
+
+// The experts' lowest price among those with capacity (the prices are written with it at 0).
+__device__ __forceinline__ float lowest_price(const float* price, const float* target) {
+  float lowest = 3.0e38f;
+  for (int j = 0; j < E; ++j)
+    if (target[j] >= 0.0f) lowest = fminf(lowest, price[j]);
+  return lowest;
+}
+
 // The BATCH rows of batch nb of this lane's rows, their entries for its experts: -CLOSED for a
 // row past the group or padded and an expert past E (such entries add 0 to every sum below).
 __device__ __forceinline__ void load_batch(const float* a, int first, const unsigned char* real,
@@ -147,7 +161,7 @@ __device__ __forceinline__ void load_batch(const float* a, int first, const unsi
 #pragma unroll
   for (int r = 0; r < BATCH; ++r) {
     const int q = row_of(warp, nb, r, slot), t = first + q;
-    row[r] = q < ROWS && t < N && (real == nullptr || real[t]);
+    row[r] = real_row_at(first, real, q);
 #pragma unroll
     for (int c = 0; c < LANE_E; ++c) {
       const int j = sub + SEG * c;
@@ -458,40 +472,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // Each token's u_t in the frame of the prices written below (the lowest at 0), into
     // `duals`: at those prices its top K are about the experts whose reduced affinity is above
     // it, which the auction's first round tries before it selects them one by one.
-    if (tid == 0) {
-      float lowest = 3.0e38f;
-      for (int j = 0; j < E; ++j)
-        if (target[j] >= 0.0f) lowest = fminf(lowest, price[j]);
-      scal[0] = lowest;
-    }
+    if (tid == 0) scal[0] = lowest_price(price, target);
     __syncthreads();
     const float lowest = scal[0];
     for (int nb = 0; nb < NB; ++nb) {
-#if IN_REGS
-      const bool(&row)[BATCH] = real_row[nb];
-#else
-      bool row[BATCH];
-      for (int r = 0; r < BATCH; ++r) {
-        const int q = row_of(warp, nb, r, slot), t = first + q;
-        row[r] = q < ROWS && t < N && (real == nullptr || real[t]);
-      }
-#endif
 #pragma unroll
       for (int r = 0; r < BATCH; ++r) {
-        if (!row[r] || sub != 0) continue;
         const int q = row_of(warp, nb, r, slot);
 #if IN_REGS
+        if (!real_row[nb][r] || sub != 0) continue;
         duals[(long long)g * N + first + q] = xv[nb][r] + lowest;
 #else
+        if (!real_row_at(first, real, q) || sub != 0) continue;
         u[q] += lowest;
 #endif
       }
     }
   }
   if (rank == 0 && tid == 0) {
-    float lowest = 3.0e38f;
-    for (int j = 0; j < E; ++j)
-      if (target[j] >= 0.0f) lowest = fminf(lowest, price[j]);
+    const float lowest = lowest_price(price, target);
     for (int j = 0; j < E; ++j)
       prices[(long long)g * E + j] = target[j] >= 0.0f ? price[j] - lowest : 0.0f;
   }

@@ -48,12 +48,13 @@
 // round; more wait a round), AUCTION, STOP_OPEN, SINK_ROUNDS, CANCELS, RELAX_CANCEL (Bellman-Ford
 // relaxations per cancelling round: positive cycles are short, so their predecessor cycles
 // show up within a few), EPS_REL, EPS_SCALE and EPS_SCALE2 (the earlier auctions' eps in units
-// of EPS_REL's; 1: no such auction), PRICE_ITERS (0: the auction starts from the experts' mean
-// affinities, else from start_prices where the capacities do not exceed the demand), TOL_REL,
-// WARP_BID_TOKENS (a round with at most this many open tokens bids with a warp per token, a
-// larger one with a thread per token), COMPACT (1:
-// the bid records of the experts with more bids than BUF are listed by expert before their
-// selection, which then passes over each expert's own; 0: over every record of the round),
+// of EPS_REL's; 1: no such auction), RELEASE_SLACK (global_reference.RELEASE_SLACK: the
+// rounding allowed when held slots are checked after the auction), PRICE_ITERS (0: the auction
+// starts from the experts' mean affinities, else from start_prices where the capacities do not
+// exceed the demand), TOL_REL, WARP_BID_TOKENS (a round with at most this many open tokens bids
+// with a warp per token, a larger one with a thread per token), COMPACT (1: the bid records of
+// the experts with more bids than BUF are listed by expert before their selection, which then
+// passes over each expert's own; 0: over every record of the round),
 // SEARCH_FRONTIER (phase 2's search: 1: shortest_paths_frontier, every warp; 0: Dijkstra in one
 // warp), STATE_SMEM, GRAPH_SMEM, GRAPH_IN_WORK, A_SMEM.
 
@@ -179,14 +180,20 @@ __device__ __forceinline__ void atomic_max_float(float* p, float v) {
 }
 
 // The float rounding of the auction's values at these magnitudes (an affinity, a price, the
-// value compared with them): a few units in the last place (FLT_EPSILON = 2^-23). A held slot
-// is given up only when its token prefers an alternative by more than eps and this.
+// value compared with them): RELEASE_SLACK (a few units in the last place) times their sum. A
+// held slot is given up only when its token prefers an alternative by more than eps and this.
 __device__ __forceinline__ float release_slack(float affinity, float price, float alternative) {
-  return 4.0f * 1.1920929e-7f * (fabsf(affinity) + fabsf(price) + fabsf(alternative));
+  return RELEASE_SLACK * (fabsf(affinity) + fabsf(price) + fabsf(alternative));
 }
 
 __device__ __forceinline__ bool has_bit(const u32* mask, int j) {
   return (mask[j >> 5] >> (j & 31)) & 1u;
+}
+
+// The largest of the warp's floats, in every lane: one warp reduction (sm_80's redux) on their
+// order-preserving integer images.
+__device__ __forceinline__ float warp_max(float v) {
+  return unord_float(__reduce_max_sync(FULL_MASK, ord_float(v)));
 }
 
 // Warp argmax over (value, index) pairs; ties go to the lower index. Every lane gets the result.
@@ -722,7 +729,7 @@ __device__ void expert_rows(Block& b, float* gain, float* partial, u32* cols, co
             if (!has_bit(mask + t * MW, v)) best = fmaxf(best, a[t * E + v] - a[t * E + u]);
           }
         }
-        best = unord_float(__reduce_max_sync(FULL_MASK, ord_float(best)));
+        best = warp_max(best);
         if (lane == 0) gain[GAIN(u, v)] = best;
       }
       __syncwarp();
@@ -900,7 +907,7 @@ __device__ void token_potential_drop_row(Block& b, float* gain, const float* a, 
     float best = NEG;  // -P_t
     for (int v = lane; v < E; v += 32)
       if (b.cap[v] > 0 && !has_bit(mt, v)) best = fmaxf(best, a[t * E + v] - b.pot[v]);
-    best = unord_float(__reduce_max_sync(FULL_MASK, ord_float(best)));
+    best = warp_max(best);
     if (!(best > NEG)) continue;  // no expert left to join
     for (int v = lane; v < E; v += 32) {
       if (b.cap[v] <= 0 || has_bit(mt, v)) continue;
@@ -1141,7 +1148,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
               if (!(val[c] > dual)) rest = fmaxf(rest, val[c]);
             }
             if (count == m) {  // (the same in every lane)
-              rest = unord_float(__reduce_max_sync(FULL_MASK, ord_float(rest)));
+              rest = warp_max(rest);
               const float w = rest > NEG ? rest : floor_w;
               int before = 0;  // the picks of earlier columns: each pick's open entry
 #pragma unroll
@@ -1505,9 +1512,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   // later price (the price is at most that bid), and an expert it did not hold then was worth
   // at most w and only got dearer; an eviction makes an expert held then an alternative. The
   // test allows float rounding (`release_slack`): a slot won by the lowest bid is worth exactly
-  // w - eps up to a rounding of the bid, and giving it up for that reopened up to 20 slots a group on
-  // a router's scores (e = 128, k = 8) that phase 2 then filled again, a round each few slots.
-  // The evicted tokens are listed, then a warp per token (coalesced rows).
+  // w - eps up to a rounding of the bid, and giving it up for that reopened up to 20 slots a
+  // group on a router's scores (e = 128, k = 8) that phase 2 then filled again, a round each few
+  // slots. The evicted tokens are listed (in open_list, counted in b.open_tokens: the auction is
+  // done with both), then a warp per token (coalesced rows).
   if (tid == 0) b.open_tokens = 0;
   __syncthreads();
   for (int base = 0; base < N; base += THREADS) {
@@ -1524,7 +1532,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float best_alt = NEG;
     for (int j = lane; j < E; j += 32)
       if (b.cap[j] > 0 && !has_bit(mt, j)) best_alt = fmaxf(best_alt, a[t * E + j] - b.price[j]);
-    best_alt = unord_float(__reduce_max_sync(FULL_MASK, ord_float(best_alt)));
+    best_alt = warp_max(best_alt);
     const int j = lane < K ? tok_e[t * K + lane] : -1;  // a lane per entry
     const float held = j >= 0 ? a[t * E + j] - b.price[j] : 0.0f;
     __syncwarp();  // every lane has read the token's mask and entries before any changes them
