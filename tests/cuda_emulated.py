@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -92,6 +93,41 @@ def _kernel_path(name: str = "global_auction.cu") -> Path:
 # changes, or another kernel file (an earlier version, compared against), gets its own build.
 # (The same text at another path builds the same library.)
 _LOADED: dict[str, ctypes.CDLL] = {}
+_FLAGS = ("-std=c++20", "-O1", "-pthread", "-fPIC")
+
+
+def _build_dir() -> Path:
+    build = Path(tempfile.gettempdir()) / "maxscore_cuda_emulated"
+    build.mkdir(exist_ok=True)
+    return build
+
+
+def _compile(command: list[str], target: Path) -> subprocess.CompletedProcess[str]:
+    """Run g++ writing to a file of this process, then move it to ``target``: two test processes
+    (pytest-xdist workers, or two pytest runs) may build the same library at once."""
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    done = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True)
+    if done.returncode == 0:
+        tmp.replace(target)
+    return done
+
+
+@functools.cache
+def _precompiled_header_dir() -> Path | None:
+    """A folder with the emulator's header precompiled, or ``None`` where g++ cannot make one.
+
+    Parsing the header's standard library (``<barrier>``, ``<thread>``...) is about a third of a
+    build; g++ takes ``X.h.gch`` from an include folder searched before the one with ``X.h``,
+    and falls back to the header itself where the precompiled one does not fit the build."""
+    header = HERE / "cuda_block_emulator.h"
+    key = hashlib.sha256((header.read_text() + repr(_FLAGS)).encode()).hexdigest()[:16]
+    folder = _build_dir() / f"header_{key}"
+    target = folder / f"{header.name}.gch"
+    if not target.exists():
+        folder.mkdir(exist_ok=True)
+        if _compile(["g++", *_FLAGS, "-x", "c++-header", str(header)], target).returncode:
+            return None
+    return folder
 
 
 def _library(
@@ -103,36 +139,21 @@ def _library(
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if key in _LOADED:
         return _LOADED[key]
-    build = Path(tempfile.gettempdir()) / "maxscore_cuda_emulated"
-    build.mkdir(exist_ok=True)
+    build = _build_dir()
     lib = build / f"auction_{key}.so"
     if not lib.exists():
-        src = build / f"runner_{key}.cpp"
+        src = build / f"runner_{key}.{os.getpid()}.cpp"
         if runner == _RUNNER and "warp_radix_select" in kernel.read_text():
             runner += _RADIX_RUNNER
         src.write_text(runner.format(kernel=kernel))
         flags = [f"-D{name}={value}" for name, value in defines]
-        tmp = build / f"auction_{key}.tmp.so"
-        done = subprocess.run(
-            [
-                "g++",
-                "-std=c++20",
-                "-O1",
-                "-pthread",
-                "-shared",
-                "-fPIC",
-                f"-I{HERE}",
-                *flags,
-                str(src),
-                "-o",
-                str(tmp),
-            ],
-            capture_output=True,
-            text=True,
-        )
+        header = _precompiled_header_dir()
+        includes = [f"-I{header}"] if header is not None else []
+        command = ["g++", *_FLAGS, "-shared", *includes, f"-I{HERE}", *flags, str(src)]
+        done = _compile(command, lib)
+        src.unlink()
         if done.returncode != 0:
             raise RuntimeError(f"g++ could not build the emulated kernel:\n{done.stderr[-3000:]}")
-        tmp.replace(lib)
     _LOADED[key] = ctypes.CDLL(str(lib))
     return _LOADED[key]
 

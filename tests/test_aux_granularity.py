@@ -4,7 +4,6 @@ micro-batch, or the global batch (data-parallel ranks and gradient accumulation)
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
+from distributed_helpers import free_port
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.losses import load_balancing_loss
 from maxscore.routing.router import Router
@@ -96,12 +96,6 @@ def test_global_granularity_under_activation_checkpointing_counts_each_micro_bat
     torch.testing.assert_close(ckpt.aux_load, plain.aux_load)  # added once, not twice
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_main(rank: int, port: int, results: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -117,7 +111,7 @@ def _rank_main(rank: int, port: int, results: dict) -> None:
 def test_global_granularity_sums_loads_over_data_parallel_ranks() -> None:
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_rank_main, args=(_free_port(), results), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(free_port(), results), nprocs=2, join=True)
     router = _router("global")
     xs = [results[r][1].reshape(-1, D) for r in range(2)]
     logits = torch.cat(xs) @ router.gate.weight.T

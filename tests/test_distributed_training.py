@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from distributed_helpers import free_port
 from maxscore.training.checkpoint import list_checkpoints
 
 #: The smallest useful model: one MoE layer, 4 experts, 32 wide (as in test_training.py).
@@ -40,12 +40,6 @@ MEAN_KEYS = (
     "tokens_per_expert",
     "load_over_capacity",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _train_on_rank(rank: int, port: int, run_dir: str, out_dir: str, resume: bool) -> None:
@@ -116,7 +110,7 @@ def _spawn_training(run_dir: Path, out_dir: Path, resume: bool = False) -> None:
     import torch.multiprocessing as mp
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    args = (_free_port(), str(run_dir), str(out_dir), resume)
+    args = (free_port(), str(run_dir), str(out_dir), resume)
     mp.spawn(_train_on_rank, args=args, nprocs=2, join=True)
 
 
@@ -212,7 +206,7 @@ def _torchrun_train(run_dir: Path, *extra: str) -> subprocess.CompletedProcess[s
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(_free_port()),
+        "--master_port", str(free_port()),
         "-m", "maxscore.cli", "train", *_TRAIN_ARGS, "--output-dir", str(run_dir), *extra,
     ]  # fmt: skip
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
