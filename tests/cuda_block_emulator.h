@@ -1,21 +1,25 @@
 // A CPU emulator of CUDA thread blocks, enough to run the flow-solver kernels under g++ in the
-// tests:
-// one std::thread per CUDA thread, __syncthreads as a block barrier, warp intrinsics (ballot,
-// shuffles) through a per-warp exchange buffer and a warp barrier, atomics through
-// std::atomic_ref. Blocks run one after another (launch_blocks), or a thread-block cluster's
-// blocks together (launch_clusters: a cluster barrier, each block its own dynamic shared memory,
-// which its peers read through cluster_peer; such kernels keep no static __shared__ state).
-// Every warp intrinsic in the kernel is called by all 32 lanes of a warp (uniform control flow),
-// which is what this emulation requires.
+// tests: every CUDA thread is a fiber (ucontext) on the calling OS thread, and a barrier
+// (__syncthreads, a warp's exchange, a cluster's) hands the CPU to the next fiber until every
+// participant has arrived. Warp intrinsics (ballot, shuffles) go through a per-warp exchange
+// buffer and a warp barrier; atomics through std::atomic_ref. Blocks run one after another
+// (launch_blocks), or a thread-block cluster's blocks together (launch_clusters: a cluster
+// barrier, each block its own dynamic shared memory, which its peers read through cluster_peer;
+// such kernels keep no static __shared__ state). Every warp intrinsic in the kernel is called by
+// all 32 lanes of a warp (uniform control flow), which is what this emulation requires. Fibers
+// switch only at barriers, so one OS thread runs a block of 512 threads without the context
+// switches of 512 OS threads (the tests' cost on a CPU of two cores), and a run is
+// deterministic; a kernel that waited for another thread without a barrier would hang here.
 #pragma once
 #include <array>
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <thread>
+#include <ucontext.h>
 #include <vector>
 
 using std::max;
@@ -35,40 +39,57 @@ using std::min;
 struct Dim3 {
   int x = 0;
 };
-inline thread_local Dim3 threadIdx;
-inline thread_local Dim3 blockIdx;
+inline Dim3 threadIdx;  // the running fiber's (saved and restored at every switch)
+inline Dim3 blockIdx;
 inline Dim3 gridDim;
 
+// A barrier of `expected` fibers: the last to arrive opens it; the others yield until then.
+struct Barrier {
+  int expected = 0;
+  int arrived = 0;
+  unsigned generation = 0;
+};
+inline void wait_for(const Barrier& b, unsigned generation);
+inline void arrive_and_wait(Barrier& b) {
+  const unsigned generation = b.generation;
+  if (++b.arrived == b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+    return;
+  }
+  wait_for(b, generation);
+}
+
 struct BlockState {
-  std::unique_ptr<std::barrier<>> block;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  Barrier block;
+  std::vector<Barrier> warps;
   std::vector<uint64_t> exchange;  // [2][warps * 32]
   std::atomic<int> or_acc[2];
 };
-inline thread_local BlockState* g_block = nullptr;  // this thread's block
-inline thread_local int t_or_parity = 0;
+inline BlockState* g_block = nullptr;  // the running fiber's block
+inline int t_or_parity = 0;
 #define SHARED_BYTES (256 * 1024)
 alignas(16) inline unsigned char g_dynamic_shared[SHARED_BYTES];
-inline thread_local unsigned char* t_dynamic_shared = nullptr;  // this thread's block's
+inline unsigned char* t_dynamic_shared = nullptr;  // the running fiber's block's
 #define DYNAMIC_SHARED(name) unsigned char* name = t_dynamic_shared
 
 // A thread-block cluster: its blocks' shared memory and a barrier of all their threads.
 struct ClusterState {
   std::vector<std::vector<unsigned char>> shared;
-  std::unique_ptr<std::barrier<>> all;
+  Barrier all;
 };
-inline thread_local ClusterState* t_cluster = nullptr;
-inline thread_local unsigned t_rank = 0;
+inline ClusterState* t_cluster = nullptr;
+inline unsigned t_rank = 0;
 #define CLUSTER_OPS
 inline unsigned cluster_rank() { return t_rank; }
-inline void cluster_sync() { t_cluster->all->arrive_and_wait(); }
+inline void cluster_sync() { arrive_and_wait(t_cluster->all); }
 inline const float* cluster_peer(const float* p, unsigned rank) {
   const auto offset = (const unsigned char*)p - t_dynamic_shared;
   return (const float*)(t_cluster->shared[rank].data() + offset);
 }
 
-inline void __syncthreads() { g_block->block->arrive_and_wait(); }
-inline void __syncwarp() { g_block->warps[threadIdx.x >> 5]->arrive_and_wait(); }
+inline void __syncthreads() { arrive_and_wait(g_block->block); }
+inline void __syncwarp() { arrive_and_wait(g_block->warps[threadIdx.x >> 5]); }
 inline int __syncthreads_or(int p) {
   const int par = t_or_parity;
   t_or_parity ^= 1;
@@ -95,7 +116,7 @@ inline T from_bits(uint64_t b) {
 // Every lane of the warp publishes a value; every lane gets all 32 (one warp-wide exchange). Two
 // buffers in turn, so one barrier a call: a lane writes a buffer again two calls later, after
 // the barrier of the call between, which every lane reaches only once it has read this one.
-inline thread_local int t_exchange_parity = 0;
+inline int t_exchange_parity = 0;
 template <typename T>
 inline std::array<T, 32> warp_values(T v) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -103,7 +124,7 @@ inline std::array<T, 32> warp_values(T v) {
   buffer += warp * 32;
   t_exchange_parity ^= 1;
   buffer[lane] = to_bits(v);
-  g_block->warps[warp]->arrive_and_wait();
+  arrive_and_wait(g_block->warps[warp]);
   std::array<T, 32> all;
   for (int l = 0; l < 32; ++l) all[l] = from_bits<T>(buffer[l]);
   return all;
@@ -204,11 +225,78 @@ inline T atomicMin(T* p, T v) {
 }
 
 inline void init_block(BlockState& st, int threads) {
-  st.block = std::make_unique<std::barrier<>>(threads);
-  for (int w = 0; w < threads / 32; ++w) st.warps.push_back(std::make_unique<std::barrier<>>(32));
+  st.block.expected = threads;
+  st.warps.assign(threads / 32, Barrier{32});
   st.exchange.assign(2 * threads, 0);
   st.or_acc[0] = 0;
   st.or_acc[1] = 0;
+}
+
+// One CUDA thread: its context, its stack and its copy of the per-thread globals above.
+struct Fiber {
+  ucontext_t context;
+  std::unique_ptr<char[]> stack;
+  bool done = false;
+  Dim3 thread, block;
+  BlockState* block_state = nullptr;
+  ClusterState* cluster = nullptr;
+  unsigned rank = 0;
+  unsigned char* dynamic_shared = nullptr;
+  int or_parity = 0, exchange_parity = 0;
+  const Barrier* waiting = nullptr;  // the barrier it waits at, until it leaves `generation`
+  unsigned generation = 0;
+};
+inline ucontext_t g_scheduler;
+inline Fiber* g_running = nullptr;
+// Hand the CPU back to the scheduler, which resumes this fiber once `b` has opened.
+inline void wait_for(const Barrier& b, unsigned generation) {
+  g_running->waiting = &b;
+  g_running->generation = generation;
+  swapcontext(&g_running->context, &g_scheduler);
+}
+
+// Run every fiber until all have returned: each in turn up to its next barrier (or its end).
+template <typename F>
+inline void run_fibers(std::vector<Fiber>& fibers, F& kernel) {
+  constexpr size_t kStack = 256 * 1024;
+  static F* s_kernel;  // makecontext passes no pointer portably: the kernel of this run
+  s_kernel = &kernel;
+  for (Fiber& f : fibers) {
+    f.stack.reset(new char[kStack]);
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.get();
+    f.context.uc_stack.ss_size = kStack;
+    f.context.uc_link = &g_scheduler;
+    makecontext(&f.context, (void (*)()) + [] {
+      (*s_kernel)();
+      g_running->done = true;
+    }, 0);
+  }
+  for (size_t left = fibers.size(); left > 0;) {
+    bool moved = false;
+    for (Fiber& f : fibers) {
+      if (f.done || (f.waiting != nullptr && f.waiting->generation == f.generation)) continue;
+      f.waiting = nullptr;
+      moved = true;
+      threadIdx = f.thread;
+      blockIdx = f.block;
+      g_block = f.block_state;
+      t_cluster = f.cluster;
+      t_rank = f.rank;
+      t_dynamic_shared = f.dynamic_shared;
+      t_or_parity = f.or_parity;
+      t_exchange_parity = f.exchange_parity;
+      g_running = &f;
+      swapcontext(&g_scheduler, &f.context);
+      f.or_parity = t_or_parity;
+      f.exchange_parity = t_exchange_parity;
+      if (f.done) --left;
+    }
+    if (!moved) {  // every fiber left waits at a barrier that the others will never reach
+      std::fprintf(stderr, "emulated kernel deadlock: %zu threads wait at barriers\n", left);
+      std::abort();
+    }
+  }
 }
 
 // Run `kernel` over `grid` blocks of `threads` threads, one block after another.
@@ -218,20 +306,14 @@ inline void launch_blocks(int grid, int threads, F kernel) {
   for (int b = 0; b < grid; ++b) {
     BlockState st;
     init_block(st, threads);
-    std::vector<std::thread> pool;
-    pool.reserve(threads);
+    std::vector<Fiber> fibers(threads);
     for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([t, b, &st, &kernel] {
-        threadIdx.x = t;
-        blockIdx.x = b;
-        g_block = &st;
-        t_dynamic_shared = g_dynamic_shared;
-        t_or_parity = 0;
-        t_exchange_parity = 0;
-        kernel();
-      });
+      fibers[t].thread.x = t;
+      fibers[t].block.x = b;
+      fibers[t].block_state = &st;
+      fibers[t].dynamic_shared = g_dynamic_shared;
     }
-    for (auto& th : pool) th.join();
+    run_fibers(fibers, kernel);
   }
 }
 
@@ -244,28 +326,23 @@ inline void launch_clusters(int grid, int cluster, int threads, F kernel) {
   for (int c = 0; c < grid / cluster; ++c) {
     std::vector<BlockState> blocks(cluster);
     ClusterState cs;
-    cs.all = std::make_unique<std::barrier<>>(cluster * threads);
+    cs.all.expected = cluster * threads;
     for (int r = 0; r < cluster; ++r) {
       init_block(blocks[r], threads);
       cs.shared.emplace_back(SHARED_BYTES, (unsigned char)0);
     }
-    std::vector<std::thread> pool;
-    pool.reserve(cluster * threads);
+    std::vector<Fiber> fibers(cluster * threads);
     for (int r = 0; r < cluster; ++r) {
       for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([=, &blocks, &cs, &kernel] {
-          threadIdx.x = t;
-          blockIdx.x = c * cluster + r;
-          g_block = &blocks[r];
-          t_cluster = &cs;
-          t_rank = (unsigned)r;
-          t_dynamic_shared = cs.shared[r].data();
-          t_or_parity = 0;
-          t_exchange_parity = 0;
-          kernel();
-        });
+        Fiber& f = fibers[r * threads + t];
+        f.thread.x = t;
+        f.block.x = c * cluster + r;
+        f.block_state = &blocks[r];
+        f.cluster = &cs;
+        f.rank = (unsigned)r;
+        f.dynamic_shared = cs.shared[r].data();
       }
     }
-    for (auto& th : pool) th.join();
+    run_fibers(fibers, kernel);
   }
 }

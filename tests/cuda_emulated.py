@@ -1,5 +1,5 @@
 """Run the flow solver's CUDA kernel on the CPU: g++ with ``cuda_block_emulator.h`` (one
-std::thread per CUDA thread). Lets the tests check the kernel's logic without a GPU (slow:
+fiber per CUDA thread). Lets the tests check the kernel's logic without a GPU (slow:
 small shapes only)."""
 
 from __future__ import annotations
@@ -72,10 +72,15 @@ extern "C" void run_prices(const float* a, const int* cap, const unsigned char* 
 
 @functools.cache
 def compiler_available() -> bool:
-    """g++ with C++20 ``<barrier>`` (GCC 11+), which the emulator needs."""
+    """g++ with C++20 ``std::atomic_ref`` (GCC 10+) and ``<ucontext.h>`` (the fibers), which
+    the emulator needs."""
     if shutil.which("g++") is None:
         return False
-    probe = "#include <barrier>\nint main() { std::barrier<> b(1); b.arrive_and_wait(); }\n"
+    probe = (
+        "#include <atomic>\n#include <ucontext.h>\n"
+        "int main() { int x = 0; ucontext_t c; getcontext(&c); "
+        "return std::atomic_ref<int>(x).fetch_add(1); }\n"
+    )
     done = subprocess.run(
         ["g++", "-std=c++20", "-pthread", "-x", "c++", "-", "-o", "/dev/null"],
         input=probe,
@@ -240,8 +245,8 @@ def phase3_relaxations(
 
 
 # The emulated prices' kernel runs one block per group of at most 128 threads unless a test
-# asks for a cluster: every emulated thread is an OS thread on the test machine's few cores,
-# and the kernel's logic does not depend on either (the tests that do pass `cluster`).
+# asks for a cluster: every emulated thread costs a fiber's switches at each barrier, and the
+# kernel's logic does not depend on either (the tests that do pass `cluster`).
 EMULATED_PRICE_THREADS = 128
 
 
