@@ -232,10 +232,9 @@ inline void init_block(BlockState& st, int threads) {
   st.or_acc[1] = 0;
 }
 
-// One CUDA thread: its context, its stack and its copy of the per-thread globals above.
+// One CUDA thread: its context and its copy of the per-thread globals above.
 struct Fiber {
   ucontext_t context;
-  std::unique_ptr<char[]> stack;
   bool done = false;
   Dim3 thread, block;
   BlockState* block_state = nullptr;
@@ -248,6 +247,9 @@ struct Fiber {
 };
 inline ucontext_t g_scheduler;
 inline Fiber* g_running = nullptr;
+// The fibers' stacks: allocated by a launch's first block, reused by its other blocks, freed
+// at its end.
+inline std::vector<std::unique_ptr<char[]>> g_stacks;
 // Hand the CPU back to the scheduler, which resumes this fiber once `b` has opened.
 inline void wait_for(const Barrier& b, unsigned generation) {
   g_running->waiting = &b;
@@ -261,10 +263,11 @@ inline void run_fibers(std::vector<Fiber>& fibers, F& kernel) {
   constexpr size_t kStack = 256 * 1024;
   static F* s_kernel;  // makecontext passes no pointer portably: the kernel of this run
   s_kernel = &kernel;
-  for (Fiber& f : fibers) {
-    f.stack.reset(new char[kStack]);
+  while (g_stacks.size() < fibers.size()) g_stacks.emplace_back(new char[kStack]);
+  for (size_t i = 0; i < fibers.size(); ++i) {
+    Fiber& f = fibers[i];
     getcontext(&f.context);
-    f.context.uc_stack.ss_sp = f.stack.get();
+    f.context.uc_stack.ss_sp = g_stacks[i].get();
     f.context.uc_stack.ss_size = kStack;
     f.context.uc_link = &g_scheduler;
     makecontext(&f.context, (void (*)()) + [] {
@@ -315,6 +318,7 @@ inline void launch_blocks(int grid, int threads, F kernel) {
     }
     run_fibers(fibers, kernel);
   }
+  g_stacks.clear();
 }
 
 // Run `kernel` over `grid` blocks of `threads` threads in clusters of `cluster` blocks (`grid` a
@@ -345,4 +349,5 @@ inline void launch_clusters(int grid, int cluster, int threads, F kernel) {
     }
     run_fibers(fibers, kernel);
   }
+  g_stacks.clear();
 }

@@ -82,7 +82,7 @@ def compiler_available() -> bool:
         "return std::atomic_ref<int>(x).fetch_add(1); }\n"
     )
     done = subprocess.run(
-        ["g++", "-std=c++20", "-pthread", "-x", "c++", "-", "-o", "/dev/null"],
+        ["g++", "-std=c++20", "-x", "c++", "-", "-o", "/dev/null"],
         input=probe,
         capture_output=True,
         text=True,
@@ -98,7 +98,7 @@ def _kernel_path(name: str = "global_auction.cu") -> Path:
 # changes, or another kernel file (an earlier version, compared against), gets its own build.
 # (The same text at another path builds the same library.)
 _LOADED: dict[str, ctypes.CDLL] = {}
-_FLAGS = ("-std=c++20", "-O1", "-pthread", "-fPIC")
+_FLAGS = ("-std=c++20", "-O1", "-fPIC")
 
 
 def _build_dir() -> Path:
@@ -121,8 +121,8 @@ def _compile(command: list[str], target: Path) -> subprocess.CompletedProcess[st
 def _precompiled_header_dir() -> Path | None:
     """A folder with the emulator's header precompiled, or ``None`` where g++ cannot make one.
 
-    Parsing the header's standard library (``<barrier>``, ``<thread>``...) is about a third of a
-    build; g++ takes ``X.h.gch`` from an include folder searched before the one with ``X.h``,
+    Parsing the header's standard library (``<atomic>``, ``<memory>``, ``<vector>``...) is about a
+    third of a build; g++ takes ``X.h.gch`` from an include folder searched before the one with ``X.h``,
     and falls back to the header itself where the precompiled one does not fit the build."""
     header = HERE / "cuda_block_emulator.h"
     key = hashlib.sha256((header.read_text() + repr(_FLAGS)).encode()).hexdigest()[:16]

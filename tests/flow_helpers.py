@@ -39,6 +39,14 @@ def near_tied(seed: int, count: int, n: int, e: int, noise: float) -> torch.Tens
     return torch.softmax(logits, -1)
 
 
+def family_instances(family: str, seed: int, count: int, n: int, e: int) -> torch.Tensor:
+    """The tests' input families: "near-tied" (noise 0.03), "skewed" (per-expert bias of std 1)
+    or "random" (no bias)."""
+    if family == "near-tied":
+        return near_tied(seed, count, n, e, 0.03)
+    return instances(seed, count, n, e, 1.0 if family == "skewed" else 0.0)
+
+
 def one_hot(seed: int, count: int, n: int, e: int) -> torch.Tensor:
     """Every token preferring expert 0 by far (its logit raised by 8; the benchmarks' "one-hot"
     family)."""

@@ -353,10 +353,7 @@ def test_eps_scaling_hands_phase_2_fewer_slots_on_near_tied_rows() -> None:
 @pytest.mark.parametrize("family", ["random", "skewed", "near-tied"])
 def test_acceptance_100_instances(family: str) -> None:
     """n=512, e=16, k=2, capacity k*n/e, 100 instances: median and worst gap targets."""
-    if family == "near-tied":
-        affinities = fh.near_tied(2024, 100, 512, 16, 0.03)
-    else:
-        affinities = fh.instances(2024, 100, 512, 16, 1.0 if family == "skewed" else 0.0)
+    affinities = fh.family_instances(family, 2024, 100, 512, 16)
     capacity = torch.full((16,), 64)
     index = _reference(affinities, 2, capacity)
     fh.check_constraints(index, 2, capacity, 16)
@@ -418,10 +415,7 @@ def test_kernel_emulated_near_optimal(n: int, e: int, k: int, family: str) -> No
     tokens and warp bids in the others, warp bids throughout above 32 experts) keep Eq. 7
     exactly and reach the exact optimum up to the gap bound."""
     emu = _emulated()
-    if family == "near-tied":
-        affinities = fh.near_tied(3, 2, n, e, 0.03)
-    else:
-        affinities = fh.instances(5 + e, 2, n, e, 1.0 if family == "skewed" else 0.0)
+    affinities = fh.family_instances(family, 3 if family == "near-tied" else 5 + e, 2, n, e)
     capacity = torch.full((e,), -(-k * n // e))
     index, stats = emu.solve_emulated(affinities, k, capacity)
     fh.check_constraints(index, k, capacity, e)
@@ -436,10 +430,7 @@ def test_kernel_emulated_wide_blocks(n: int, e: int, k: int, family: str) -> Non
     """The larger blocks the host picks from 64 experts (``WIDE_THREADS``: more warps than
     tokens here) keep Eq. 7 exactly and the gap targets."""
     emu = _emulated()
-    if family == "near-tied":
-        affinities = fh.near_tied(4, 2, n, e, 0.03)
-    else:
-        affinities = fh.instances(9, 2, n, e, 0.0)
+    affinities = fh.family_instances(family, 4 if family == "near-tied" else 9, 2, n, e)
     capacity = torch.full((e,), -(-k * n // e))
     wide = {"THREADS": str(global_cuda.WIDE_THREADS)}
     index, stats = emu.solve_emulated(affinities, k, capacity, defines=wide)
@@ -463,10 +454,7 @@ def test_kernel_emulated_graph_kept_exact(n: int, e: int, k: int, family: str) -
     their holders changed, single entries where a holder's expert set did) equals the graph
     computed from scratch, entry by entry, in every round of phases 2 and 3."""
     emu = _emulated()
-    if family == "near-tied":
-        affinities = fh.near_tied(21, 2, n, e, 0.03)
-    else:
-        affinities = fh.instances(21, 2, n, e, 1.0 if family == "skewed" else 0.0)
+    affinities = fh.family_instances(family, 21, 2, n, e)
     capacity = torch.full((e,), -(-k * n // e))
     index, mismatches = emu.graph_mismatches(affinities, k, capacity)
     fh.check_constraints(index, k, capacity, e)
@@ -485,10 +473,7 @@ def test_kernel_emulated_cycle_check_starts_from_phase_2_potentials(family: str)
     certified, and the answer is optimal."""
     emu = _emulated()
     n, e, k = 256, 64, 6
-    if family == "near-tied":
-        affinities = fh.near_tied(5, 4, n, e, 0.03)
-    else:
-        affinities = fh.instances(5, 4, n, e, 0.0)
+    affinities = fh.family_instances(family, 5, 4, n, e)
     capacity = torch.full((e,), -(-k * n // e))
     index, (relaxations, rounds, stopped_at_cap) = emu.phase3_relaxations(affinities, k, capacity)
     fh.check_constraints(index, k, capacity, e)
@@ -1079,10 +1064,7 @@ def test_kernel_emulated_first_bids_from_token_duals(n: int, e: int, k: int, fam
     the (m + 1)-th value: the same bids as selecting them one by one, so the same assignment and
     the same rounds and open slots as with duals that never apply (+inf: no expert above)."""
     emu = _emulated()
-    if family == "near-tied":
-        affinities = fh.near_tied(8, 2, n, e, 0.03)
-    else:
-        affinities = fh.instances(8, 2, n, e, 0.0)
+    affinities = fh.family_instances(family, 8, 2, n, e)
     capacity = torch.full((e,), -(-k * n // e))
     prices, duals = emu.start_prices_emulated(affinities, k, capacity)
     reduced = affinities - prices[:, None, :]

@@ -38,6 +38,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from maxscore.routing.flow import compiled_call, flow_objective, global_cuda
@@ -207,6 +208,28 @@ def kernel_stats(
         "kcycles_augment_select": int(s[:, 17].max()),
         "kcycles_graph_rows_augment_cancel": worst(18, 20),
     }
+
+
+def time_and_stats(a: torch.Tensor, k: int, capacity: torch.Tensor, reps: int) -> dict[str, Any]:
+    """The shipped budget's solve of ``a`` (``[G, n, e]``, CUDA) with ``capacity`` (``[G, e]``
+    int32): ms a call replayed in a CUDA graph, and :func:`kernel_stats`."""
+    holders = min(int(capacity.max()), a.shape[1])
+    budget = GlobalBudget()
+    ms = graph_time_ms(lambda: global_cuda.solve_cuda(a, k, capacity, holders, budget), reps)
+    return {"ms": ms, **kernel_stats(a, k, capacity, holders, budget)}
+
+
+def save_scores(path: Path, a: torch.Tensor, k: int, capacity: torch.Tensor) -> None:
+    """One solver call's scores (every group) as float16, with its ``k`` and capacities: the
+    file ``compare_kernels.py --scores`` times (:func:`load_scores`)."""
+    np.savez_compressed(path, scores=a.half().cpu().numpy(), k=k, capacity=capacity.cpu().numpy())
+
+
+def load_scores(path: Path) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """:func:`save_scores`' file on the GPU: scores (float32), ``k``, capacities (int32)."""
+    saved = np.load(path)
+    a = torch.from_numpy(saved["scores"].astype(np.float32)).cuda()
+    return a, int(saved["k"]), torch.from_numpy(saved["capacity"]).to(torch.int32).cuda()
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:

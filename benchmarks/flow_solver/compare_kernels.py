@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from maxscore.routing.flow import flow_objective, global_cuda
@@ -98,16 +97,10 @@ def objective_matches_reference(bench: Any) -> bool:
 def time_saved_scores(bench: Any, path: Path, reps: int) -> dict[str, Any]:
     """The kernel on a router's saved scores (every group of one solver call, as
     ``real_scores_variants.py --save-scores`` writes them): ms a call and its statistics."""
-    saved = np.load(path)
-    a = torch.from_numpy(saved["scores"].astype(np.float32)).cuda()
-    k = int(saved["k"])
-    capacity = torch.from_numpy(saved["capacity"]).to(torch.int32).cuda()
-    holders = min(int(capacity.max()), a.shape[1])
-    budget = GlobalBudget()
-    ms = bench.graph_time_ms(lambda: global_cuda.solve_cuda(a, k, capacity, holders, budget), reps)
+    a, k, capacity = bench.load_scores(path)
     row = {"scores": path.name, "groups": a.shape[0], "n": a.shape[1], "e": a.shape[2], "k": k}
-    row |= {"ms": ms, **bench.kernel_stats(a, k, capacity, holders, budget)}
-    print(f"time {path.name}: {ms:.3f} ms {json.dumps(row)}", flush=True)
+    row |= bench.time_and_stats(a, k, capacity, reps)
+    print(f"time {path.name}: {row['ms']:.3f} ms {json.dumps(row)}", flush=True)
     return row
 
 

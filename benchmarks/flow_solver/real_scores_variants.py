@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from maxscore.routing.flow import global_cuda
@@ -89,12 +88,7 @@ def time_variants(
     timing = load_script(HERE / "bench.py", "flow_bench")
     a, k, cap, holders, row = real_scores.train_and_record(preset, steps, warmup=steps - 40)
     if save:
-        np.savez_compressed(
-            out / f"scores_{preset}.npz",
-            scores=a.half().cpu().numpy(),
-            k=k,
-            capacity=cap.cpu().numpy(),
-        )
+        timing.save_scores(out / f"scores_{preset}.npz", a, k, cap)
     shipped = global_cuda.kernel_source()
     rows = []
     try:

@@ -32,8 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from maxscore.routing.flow import compiled_call, global_cuda
-from maxscore.routing.flow.global_reference import GlobalBudget
+from maxscore.routing.flow import compiled_call
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
@@ -71,23 +70,15 @@ def call_summary(
 ) -> dict[str, Any]:
     """One kept call: its kernel statistics and its time replayed alone; its scores saved."""
     _, _, scores, k, capacity = record
-    a = scores.float()
-    cap = capacity.to(torch.int32)
-    holders = min(int(cap.max()), a.shape[1])
-    budget = GlobalBudget()
-    stats = flow_bench.kernel_stats(a, k, cap, holders, budget)
-    replay = flow_bench.graph_time_ms(
-        lambda: global_cuda.solve_cuda(a, k, cap, holders, budget), 10
-    )
-    np.savez_compressed(
-        path, scores=a.cpu().numpy().astype(np.float16), k=k, capacity=cap.cpu().numpy()
-    )
+    a, cap = scores.float(), capacity.to(torch.int32)
+    flow_bench.save_scores(path, a, k, cap)
+    replayed = flow_bench.time_and_stats(a, k, cap, 10)
     return {
         "call": index,
         "ms_in_training": ms_in_training,
-        "ms_replayed": replay,
+        "ms_replayed": replayed.pop("ms"),
         "shape": list(a.shape),
-        **stats,
+        **replayed,
     }
 
 
