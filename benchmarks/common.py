@@ -6,6 +6,7 @@ The scripts live one folder per study (``benchmarks/<study>/``) and import this 
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import statistics
 import time
@@ -56,7 +57,13 @@ def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:
     """A ``transformers.TrainerCallback`` timing optimizer steps ``warmup + 1 .. max_steps``.
 
     After training: ``t0`` / ``t1`` (host clock, CUDA-synchronised at both ends), ``steps``
-    (the timed steps), ``first_step_s`` (step 1's arrival: model build and compilation, also
+    (the timed steps), ``step_ends`` (the host clock at the end of every timed step, not
+    synchronised: in the steady state the host waits for the GPU inside the step, so their
+    differences show a run's slow steps without adding a synchronisation), ``device_mallocs``
+    (the caching allocator's cudaMalloc calls and retries during the timed steps: a steady
+    state makes none), ``gc_pauses`` (Python's garbage collections during the timed steps:
+    generation and milliseconds), ``compilations`` (torch.compile frames compiled during them),
+    ``first_step_s`` (step 1's arrival: model build and compilation, also
     passed to ``say``) and ``model`` (the trained model, for :func:`flops_per_token`).
     """
     from transformers import TrainerCallback
@@ -65,13 +72,38 @@ def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
+    def allocator_counts() -> dict[str, int]:
+        stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_alloc_retries")}
+
+    def compiled_frames() -> int:
+        from torch._dynamo.utils import counters
+
+        return sum(counters["frames"].values())
+
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.t0 = self.t1 = 0.0
+            self.timing = False
+            self.gc_pauses: list[tuple[int, float]] = []
+            self.gc_started = 0.0
+            self.compilations = 0
             self.steps = 0
+            self.step_ends: list[float] = []
+            self.device_mallocs: dict[str, int] = {}
             self.started = time.perf_counter()
             self.first_step_s: float | None = None
             self.model: Any = None
+            gc.callbacks.append(self.on_gc)
+
+        def on_gc(self, phase: str, info: dict[str, int]) -> None:
+            if not self.timing:
+                return
+            if phase == "start":
+                self.gc_started = time.perf_counter()
+            else:
+                ms = 1000 * (time.perf_counter() - self.gc_started)
+                self.gc_pauses.append((info["generation"], round(ms, 3)))
 
         def on_step_end(
             self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
@@ -83,9 +115,18 @@ def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:
             if state.global_step == warmup:
                 sync()
                 self.t0 = time.perf_counter()
+                self.device_mallocs = allocator_counts()
+                self.compilations = -compiled_frames()
+                self.timing = True
+            elif state.global_step > warmup:
+                self.step_ends.append(time.perf_counter())
             if state.global_step == state.max_steps:
                 sync()
                 self.t1 = time.perf_counter()
+                self.timing = False
+                self.compilations += compiled_frames()
+                counts = allocator_counts()
+                self.device_mallocs = {k: counts[k] - self.device_mallocs[k] for k in counts}
                 self.steps = state.global_step - warmup
                 self.model = model
             return control

@@ -6,6 +6,7 @@ whole file runs in well under a minute on two CPU cores.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -14,10 +15,12 @@ import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 from maxscore.training import ConfigError, DataError, TrainConfig, apply_recipe, prepare, train
 from maxscore.training.checkpoint import CheckpointSaveError, list_checkpoints
@@ -68,6 +71,8 @@ def test_config_rejects_bad_values() -> None:
         TrainConfig.from_dict({"no_such_field": 1})
     with pytest.raises(ConfigError, match="compile_mode"):
         TrainConfig(compile=True, compile_mode="reduce-overhead")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="gc_interval must be >= 0"):
+        TrainConfig(gc_interval=-1)
 
 
 def test_compile_with_zero3_is_refused_before_training(tmp_path: Path) -> None:
@@ -341,6 +346,61 @@ def test_deepseek_v3_bias_moves_once_per_optimizer_step(tmp_path: Path) -> None:
     rate = 1e-3  # the preset's rate: two steps move each expert by at most two rate steps
     assert all(b.abs().sum() > 0 and b.abs().max() <= 2 * rate + 1e-9 for b in bias)
     assert all((v == 0).all() for v in load)
+
+
+class _GarbageCollectionLog(TrainerCallback):
+    """Records, step by step, whether Python's collector is on and which collections ran."""
+
+    def __init__(self, fail_at: int = 0) -> None:
+        self.step = 0
+        self.fail_at = fail_at
+        self.enabled: list[bool] = []
+        self.collections: list[tuple[int, int]] = []  # (step, generation)
+
+    def record(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.collections.append((self.step, info["generation"]))
+
+    def on_train_begin(self, args: object, state: object, control: object, **kw: object) -> None:
+        gc.callbacks.append(self.record)
+
+    def on_step_begin(self, args: object, state: Any, control: object, **kw: object) -> None:
+        self.step = state.global_step + 1
+        self.enabled.append(gc.isenabled())
+        if self.step == self.fail_at:
+            raise RuntimeError("a failing step")
+
+
+@pytest.mark.parametrize("interval", [0, 2])
+def test_garbage_collection_on_a_schedule(tmp_path: Path, interval: int) -> None:
+    """gc_interval N: no automatic collection during training, the young generations collected
+    at every N-th step's end, the collector restored after training; 0: automatic as before."""
+    log = _GarbageCollectionLog()
+    try:
+        train(small_config(tmp_path, max_steps=6, save_steps=0, gc_interval=interval), [log])
+    finally:
+        gc.callbacks.remove(log.record)
+    assert gc.isenabled()
+    if interval == 0:
+        assert all(log.enabled)
+        return
+    assert log.enabled == [False] * 6
+    scheduled = [(step, gen) for step, gen in log.collections if step <= 6 and gen == 1]
+    assert [step for step, _ in scheduled] == [2, 4, 6]
+    # Python's automatic collections are of generation 0 first; the full ones left are explicit
+    # gc.collect() calls of the libraries (the final checkpoint's save makes one).
+    assert not [step for step, gen in log.collections if gen == 0]
+
+
+def test_garbage_collection_restored_when_training_fails(tmp_path: Path) -> None:
+    log = _GarbageCollectionLog(fail_at=3)
+    try:
+        with pytest.raises(RuntimeError, match="a failing step"):
+            train(small_config(tmp_path, max_steps=6, gc_interval=2), [log])
+    finally:
+        gc.callbacks.remove(log.record)
+    assert log.enabled == [False] * 3
+    assert gc.isenabled()
 
 
 # ------------------------------------------------------------------------------------------------

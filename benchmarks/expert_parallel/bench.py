@@ -80,6 +80,7 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
         logging_steps=args.steps,
         max_eval_blocks=1,
         output_dir=str(Path(args.runs_dir) / f"{preset}-{router}-ep{args.expert_parallel}"),
+        **({} if args.gc_interval is None else {"gc_interval": args.gc_interval}),
     )
     prepared = prepare(config)
     # Timing only: no validation set, so no final evaluation (and no eval-mode compilation).
@@ -92,6 +93,7 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
     gpus = world_size()
     fpt, n_active, total = _full_model_flops(prepared.model_config, args.seq_len)
     seconds = timer.t1 - timer.t0
+    step_ms = [1000 * (b - a) for a, b in zip([timer.t0, *timer.step_ends], timer.step_ends)]
     tokens = timer.steps * batch * args.seq_len * gpus
     tps = tokens / seconds
     rc = dict(getattr(prepared.model_config, "router_config", None) or {})
@@ -102,6 +104,7 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
             k: rc.get(k)
             for k in ("operator", "strategy", "capacity_factor", "group", "flow_method")
         },
+        "gc_interval": config.gc_interval,
         "gpus": gpus,
         "expert_parallel": args.expert_parallel,
         "micro_batch_per_gpu": batch,
@@ -114,7 +117,11 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
         "tokens_per_s": tps,
         "tokens_per_s_per_gpu": tps / gpus,
         "mfu": tps * fpt / (gpus * H100_BF16_PEAK),
+        "step_ms_each": [round(ms, 2) for ms in step_ms],
         "first_step_s": timer.first_step_s,
+        "device_mallocs_timed": timer.device_mallocs,
+        "gc_pauses_timed": timer.gc_pauses,
+        "compilations_timed": timer.compilations,
         "wall_s": time.perf_counter() - started,
         "peak_memory_gib_rank0": result.peak_memory_gb,
         "final_train_loss": result.train_loss,
@@ -235,6 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--output", default=os.environ.get("OUT", "."))
     r.add_argument("--tag", default="bench", help="the result file's name")
     r.add_argument("--runs-dir", default="/tmp/maxscore-ep-bench-runs")
+    r.add_argument(
+        "--gc-interval",
+        type=int,
+        help="TrainConfig.gc_interval (default: its default; 0: Python's automatic collection)",
+    )
     s = sub.add_parser("summarize", help="join the rows of several run calls")
     s.add_argument("folder")
     s.add_argument("--output", required=True)

@@ -114,6 +114,7 @@ def main() -> None:
             output=str(args.out / f"run{index}"),
             tag="train",
             runs_dir=f"/tmp/solver-in-training-{index}",
+            gc_interval=None,
         )
         train_bench.run(run_args)
         torch.cuda.synchronize()
@@ -122,6 +123,7 @@ def main() -> None:
         row: dict[str, Any] = {
             "run": item,
             "step_ms": trained.get("step_ms"),
+            "first_step_s": trained.get("first_step_s"),
             "final_train_loss": trained.get("final_train_loss"),
             "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries"),
             "solver_calls_timed": len(ms),

@@ -184,6 +184,13 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     )
     g.add_argument("--num-workers", type=int, help="DataLoader workers (default 0)")
     g.add_argument(
+        "--gc-interval",
+        type=int,
+        metavar="N",
+        help="collect Python's garbage every N steps instead of automatically (no stalls from "
+        f"full collections; 0: automatic; default {d.gc_interval})",
+    )
+    g.add_argument(
         "--report-to",
         help="auto (TensorBoard if installed), none, or comma-separated trackers: tensorboard, "
         "wandb, mlflow, trackio (passed to the HF Trainer)",

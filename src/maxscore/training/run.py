@@ -41,6 +41,7 @@ from maxscore.training import checkpoint as ckpt
 from maxscore.training.callbacks import (
     CompactProgressCallback,
     FinalCheckpointCallback,
+    GarbageCollectionCallback,
     RouterStepCallback,
     RunDirectoryCallback,
     tensorboard_callback,
@@ -390,6 +391,7 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
 
     trainer_class, parallel_kwargs = trainer_for(model, cfg, args, run.resume_from)
     final_cb = FinalCheckpointCallback(save_final=cfg.save_final)
+    gc_cb = GarbageCollectionCallback(cfg.gc_interval)
     trainer = trainer_class(
         model=model,
         args=args,
@@ -399,7 +401,7 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
         data_collator=collate_blocks,
         tokens_per_step=cfg.tokens_per_step(run.world_size),
         save_total_limit=cfg.save_total_limit,
-        callbacks=[RouterStepCallback(), final_cb, *callbacks],
+        callbacks=[RouterStepCallback(), final_cb, gc_cb, *callbacks],
         **parallel_kwargs,
     )
     trainer.remove_callback(PrinterCallback)
@@ -417,6 +419,7 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
             print(f"maxscore: resuming from {run.resume_from}", file=sys.stderr)
 
     final_cb.install()
+    gc_cb.install()
     start = time.perf_counter()
     try:
         trainer.start_timer()
@@ -424,6 +427,7 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
             resume_from_checkpoint=str(run.resume_from) if run.resume_from else None
         )
     finally:
+        gc_cb.uninstall()
         final_cb.uninstall()
     runtime = time.perf_counter() - start
 
