@@ -124,6 +124,7 @@ def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:
                 sync()
                 self.t1 = time.perf_counter()
                 self.timing = False
+                gc.callbacks.remove(self.on_gc)
                 self.compilations += compiled_frames()
                 counts = allocator_counts()
                 self.device_mallocs = {k: counts[k] - self.device_mallocs[k] for k in counts}
