@@ -457,9 +457,13 @@ def _native_grouped_mm_ok(a: Tensor, b: Tensor) -> bool:
     return major >= 9  # the CUTLASS grouped GEMM is built for sm90 / sm100
 
 
+@torch.compiler.disable
 def _grouped_mm_loop(a: Tensor, b: Tensor, group_end: Tensor) -> Tensor:
     # Correct everywhere; reads the offsets on the host (free on the CPU; a sync on a GPU whose
-    # dtype or architecture the native kernel does not cover).
+    # dtype or architecture the native kernel does not cover). Not traced by torch.compile: the
+    # host read would split the graph, and the part after it would be compiled again for every
+    # shape of its slices (the recompile limit, 8, is reached in one training step of the tiny
+    # model on the CPU).
     ends = [0, *group_end.tolist()]
     parts = [a[ends[j] : ends[j + 1]] @ b[j] for j in range(b.shape[0])]
     tail = a.shape[0] - ends[-1]
