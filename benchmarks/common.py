@@ -84,7 +84,6 @@ def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
             self.t0 = self.t1 = 0.0
-            self.timing = False
             self.gc_pauses: list[tuple[int, float]] = []
             self.gc_started = 0.0
             self.compilations = 0
@@ -94,11 +93,8 @@ def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:
             self.started = time.perf_counter()
             self.first_step_s: float | None = None
             self.model: Any = None
-            gc.callbacks.append(self.on_gc)
 
         def on_gc(self, phase: str, info: dict[str, int]) -> None:
-            if not self.timing:
-                return
             if phase == "start":
                 self.gc_started = time.perf_counter()
             else:
@@ -117,13 +113,12 @@ def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:
                 self.t0 = time.perf_counter()
                 self.device_mallocs = allocator_counts()
                 self.compilations = -compiled_frames()
-                self.timing = True
+                gc.callbacks.append(self.on_gc)  # the timed steps' collections only
             elif state.global_step > warmup:
                 self.step_ends.append(time.perf_counter())
             if state.global_step == state.max_steps:
                 sync()
                 self.t1 = time.perf_counter()
-                self.timing = False
                 gc.callbacks.remove(self.on_gc)
                 self.compilations += compiled_frames()
                 counts = allocator_counts()

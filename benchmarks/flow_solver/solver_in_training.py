@@ -7,9 +7,10 @@ wraps the solver call that the compiled model makes (``compiled_call.solve_with`
 steps ``--warmup + 1 .. --steps`` (``--calls-per-step`` calls a step: one per MoE layer). The
 events are read after training, so the timing adds no host synchronisation. Per run: the step
 time, the solver's milliseconds a call (mean, median, 90th percentile, largest) and a step, the
-caching allocator's retries, and for the slowest and the median call the kernel's statistics
-and its time replayed alone in a CUDA graph (the scores are kept for that, and written to
-``OUT/run<i>_<slowest|median>.npz`` as float16, the form ``compare_kernels.py --scores`` reads).
+caching allocator's cudaMallocs and retries during the timed steps, and for the slowest and
+the median call the kernel's statistics and its time replayed alone in a CUDA graph (the
+scores are kept for that, and written to ``OUT/run<i>_<slowest|median>.npz`` as float16, the
+form ``compare_kernels.py --scores`` reads).
 
 An event pair spans the prices' kernel and the solver's kernel, so a call whose second launch
 the host issues late (the GPU having caught up with the host) reads longer than its replay: the
@@ -102,21 +103,11 @@ def main() -> None:
     rows = []
     for index, item in enumerate(args.runs.split(",")):
         timer.start_run(args.warmup * args.calls_per_step, args.steps * args.calls_per_step)
-        torch.cuda.reset_peak_memory_stats()
-        run_args = argparse.Namespace(
-            runs=item,
-            expert_parallel=1,
-            batch_size=64,
-            seq_len=512,
-            steps=args.steps,
-            warmup=args.warmup,
-            compile=True,
-            output=str(args.out / f"run{index}"),
-            tag="train",
-            runs_dir=f"/tmp/solver-in-training-{index}",
-            gc_interval=None,
-        )
-        train_bench.run(run_args)
+        train_bench.main([
+            "run", "--runs", item, "--compile", "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--output", str(args.out / f"run{index}"),
+            "--tag", "train", "--runs-dir", f"/tmp/solver-in-training-{index}",
+        ])  # fmt: skip
         torch.cuda.synchronize()
         trained = json.loads((args.out / f"run{index}" / "train.json").read_text())["results"][0]
         ms = np.array([start.elapsed_time(end) for start, end, *_ in timer.records])
@@ -125,7 +116,7 @@ def main() -> None:
             "step_ms": trained.get("step_ms"),
             "first_step_s": trained.get("first_step_s"),
             "final_train_loss": trained.get("final_train_loss"),
-            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries"),
+            "device_mallocs_timed": trained.get("device_mallocs_timed"),
             "solver_calls_timed": len(ms),
             "solver_calls_total": timer.calls,
         }
