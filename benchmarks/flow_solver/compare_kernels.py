@@ -6,15 +6,19 @@ the kernel in the working tree, ``baseline`` the kernel file ``--baseline`` (a p
 revision whose kernel file is taken; a device machine's copy of the tree may have no git
 history, so save it to a file first) with the compile-time constants ``--baseline-define
 KEY=VALUE[@MIN_E]`` added (``@MIN_E``: only from that many experts): switches an earlier
-kernel has, or the shipped kernel's own constants changed. After timing, each variant's objective is checked against the
-reference backend's on small shapes. ``--scores FILE`` (repeatable) times each variant on a
-router's saved scores too (``real_scores_variants.py --save-scores``: every group of one solver
-call). The first variant runs again at the end, so the spread between its two runs bounds the
-noise.
+kernel has, or the shipped kernel's own constants changed; ``--baseline-prices`` (a path or a
+git revision) gives the baseline its own starting prices' kernel file. After timing, each
+variant's objective is checked against the reference backend's on small shapes. ``--scores
+FILE`` (repeatable) times each variant on a router's saved scores too
+(``real_scores_variants.py --save-scores``: every group of one solver call). The first variant
+runs again at the end, so the spread between its two runs bounds the noise.
 
     git show 9719619:src/maxscore/routing/flow/kernels/global_auction.cu > /tmp/baseline.cu
     PYTHONPATH=src python benchmarks/flow_solver/compare_kernels.py --baseline /tmp/baseline.cu \\
         --out OUT
+    # both kernel files of an earlier commit as the baseline, on a router's saved scores too
+    PYTHONPATH=src python benchmarks/flow_solver/compare_kernels.py --baseline 52f940d \\
+        --baseline-prices 52f940d --scores scores_base-8x128.npz --out OUT
     # the shipped file with Dijkstra at every size as the baseline
     PYTHONPATH=src python benchmarks/flow_solver/compare_kernels.py \\
         --baseline src/maxscore/routing/flow/kernels/global_auction.cu \\
@@ -42,6 +46,7 @@ sys.path.insert(0, str(HERE.parent))  # benchmarks/common.py
 from common import load_script  # noqa: E402
 
 KERNEL = "src/maxscore/routing/flow/kernels/global_auction.cu"
+PRICES_KERNEL = "src/maxscore/routing/flow/kernels/dual_prices.cu"
 # The host's own planner, taken once: each variant wraps this one, not the previous variant's
 # wrapper (nested wrappers gave a variant timed again the constants of the one before it).
 SHIPPED_DEFINES = global_cuda.kernel_defines
@@ -51,11 +56,14 @@ SHIPPED_SOURCE = global_cuda.kernel_source
 SHIPPED_START_PRICES = global_cuda.start_prices
 
 
-def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
+def use_kernel(
+    source: str, extra: list[tuple[str, str, int]], prices_source: str | None = None
+) -> None:
     """Make ``global_cuda`` compile ``source`` as the solver kernel with the ``extra`` (key,
     value, min_e) defines. An earlier solver kernel that computes its starting prices itself
     (before they had a kernel of their own) gets their temperatures as constants (the prices'
-    kernel's, from the default budget), and the host launches no prices' kernel for it."""
+    kernel's, from the default budget), and the host launches no prices' kernel for it.
+    ``prices_source``: the prices' kernel file to use with it (``None``: the working tree's)."""
     own_prices = "start_prices" not in source
     if own_prices and "PRICE_T0" in source:
         prices = global_cuda.price_defines(1, 1, 1, GlobalBudget(), 1)
@@ -69,7 +77,11 @@ def use_kernel(source: str, extra: list[tuple[str, str, int]]) -> None:
         return SHIPPED_DEFINES(n, e, *args, overrides=overrides, **kwargs)
 
     def kernel_source(name: str = "global_auction.cu") -> str:
-        return source if name == "global_auction.cu" else SHIPPED_SOURCE(name)
+        if name == "global_auction.cu":
+            return source
+        if name == "dual_prices.cu" and prices_source is not None:
+            return prices_source
+        return SHIPPED_SOURCE(name)
 
     global_cuda.kernel_source = kernel_source
     global_cuda.kernel_defines = defines
@@ -104,10 +116,27 @@ def time_saved_scores(bench: Any, path: Path, reps: int) -> dict[str, Any]:
     return row
 
 
+def read_kernel(where: str, path: str) -> str:
+    """A kernel file's text: ``where`` is a file, or a git revision whose ``path`` is read."""
+    if Path(where).is_file():
+        return Path(where).read_text()
+    return subprocess.run(
+        ["git", "show", f"{where}:{path}"],
+        cwd=HERE.parents[1],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", required=True, help="kernel file, or a git revision")
     parser.add_argument("--baseline-define", action="append", default=[])
+    parser.add_argument(
+        "--baseline-prices",
+        help="the baseline's prices' kernel file, or a git revision (default: the working tree's)",
+    )
     parser.add_argument("--variants", default="shipped,baseline")
     parser.add_argument(
         "--shapes", default="512x16x2,512x32x2,512x64x2,512x64x6,512x128x8,512x256x8"
@@ -128,17 +157,10 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
-    root = HERE.parents[1]
-    if Path(args.baseline).is_file():
-        baseline = Path(args.baseline).read_text()
-    else:
-        baseline = subprocess.run(
-            ["git", "show", f"{args.baseline}:{KERNEL}"],
-            cwd=root,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
+    baseline = read_kernel(args.baseline, KERNEL)
+    baseline_prices = (
+        read_kernel(args.baseline_prices, PRICES_KERNEL) if args.baseline_prices else None
+    )
     extra = []
     for item in args.baseline_define:
         pair, _, min_e = item.partition("@")
@@ -150,7 +172,7 @@ def main() -> None:
         extra.append(("WARP_BIDS", "1", 33))  # every round, warp bids above 32 experts
     kernels = {
         "shipped": (global_cuda.kernel_source(), []),
-        "baseline": (baseline, extra),
+        "baseline": (baseline, extra, baseline_prices),
     }
     bench = load_script(HERE / "bench.py", "flow_bench")
     names = args.variants.split(",")
@@ -161,6 +183,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "baseline": args.baseline,
         "baseline_defines": args.baseline_define,
+        "baseline_prices": args.baseline_prices,
         "capacity_factor": args.capacity_factor,
         "runs": [],
     }

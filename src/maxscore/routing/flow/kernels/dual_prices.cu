@@ -18,11 +18,15 @@
 // experts lane + SEG c, c < LANE_E), a warp takes 32 / SEG tokens side by side and BATCH such
 // rows at once. A row's sums take log2(SEG) shuffle steps, the columns' log2(32 / SEG) per
 // iteration: the host picks the SEG with the fewest shuffles (at e = 64, 32 lanes a row took 3x
-// the shuffles of 8). Each entry costs two logistic values an iteration: one at the old u_t for
-// the row's Newton step, one at the new u_t for the column sums. An iteration is latency-bound
-// (a few hundred entries per warp between barriers; H100, e = 64: about 3 us, of which the tanh
-// unit's share is a fifth), so the affinities stay in registers where they fit (IN_REGS) and
-// each iteration has two block barriers and one cluster barrier.
+// the shuffles of 8). Each entry costs two tanh values an iteration (batch_step: the plan's
+// entries and slopes from tanh alone): one at the old u_t for the row's Newton step, one at the
+// new u_t for the column sums. An iteration is latency-bound at few entries per warp (H100, e =
+// 64: about 3 us) and nears the issue and tanh units' throughput from e = 128 (2,048 entries per
+// warp in base-8x128's 64 groups: about 5 us; counting sigmoid and its slope from tanh in two
+// instructions where the logistic values took five, 0.162 -> 0.150 ms a call there, 0.251 ->
+// 0.227 at 256 experts; computing the tanh pairs in half precision, tanh.approx.f16x2, was not
+// faster), so the affinities stay in registers where they fit (IN_REGS) and each iteration has
+// two block barriers and one cluster barrier.
 //
 // Compile-time constants (prepended by maxscore.routing.flow.global_cuda): N, E, K, THREADS,
 // CLUSTER, SEG, PRICE_ITERS, PRICE_T0, PRICE_T1.
@@ -44,7 +48,7 @@
 #ifndef IN_REGS
 #define IN_REGS (NB * BATCH * (LANE_E + 1) <= 72)
 #endif
-#define CLOSED 1.0e30f  // an expert without capacity: its entries' logistic values are 0
+#define CLOSED 1.0e30f  // an expert without capacity: its entries' plan values are 0
 #define FULL_MASK 0xffffffffu
 
 #ifndef DYNAMIC_SHARED  // the CPU emulator of the tests defines its own
@@ -95,9 +99,6 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return tanhf(x);
 #endif
 }
-
-// The logistic function, sigmoid(x) = (1 + tanh(x / 2)) / 2.
-__device__ __forceinline__ float logistic(float x) { return 0.5f + 0.5f * tanh_fast(0.5f * x); }
 
 // A Newton step towards a zero of `excess` with derivative `slope`, clipped to `step` (2 T: the
 // sums are steep where few entries are fractional). The fast division (a reciprocal and a
@@ -183,36 +184,48 @@ __device__ __forceinline__ void load_batch(const float* a, int first, const unsi
   load_batch(a, first, real, warp, nb, slot, sub, val, row)
 #endif
 
-// One batch's part of an iteration: each row's Newton step on u_t (x: row sum K), then its
-// entries at the new u_t added to the lane's column sums.
+// One batch's part of an iteration: each row's Newton step on u_t (row sum K), then its entries
+// at the new u_t added to the lane's column sums. With t = tanh(z / 2), z = (a_tj - u_t - p_j) / T,
+// an entry is sigmoid(z) = (1 + t) / 2 and its slope factor sigmoid(z) (1 - sigmoid(z)) =
+// (1 - t^2) / 4, so the sums need only sum t and sum t^2 (two instructions an entry, where the
+// logistic values took five), the constant parts added once for the LANE_E entries a lane takes
+// of a row (its entries past E, and those of closed experts and padded rows, have t = -1: they
+// add 0). The argument z / 2 = a_tj / 2T + (-p_j / 2T - u_t / 2T): one addition and one fused
+// multiply-add (`half_inv` = 1 / 2T, `q` = -p_j / 2T).
 __device__ __forceinline__ void batch_step(const float (&val)[BATCH][LANE_E], float (&x)[BATCH],
-                                           const float (&p)[LANE_E], float (&col_f)[LANE_E],
-                                           float (&col_d)[LANE_E], float inv, float step) {
-  float f[BATCH], d[BATCH];
+                                           const float (&q)[LANE_E], float (&col_t)[LANE_E],
+                                           float (&col_tt)[LANE_E], float inv, float half_inv,
+                                           float step) {
+  constexpr float row_entries = (float)(SEG * LANE_E);
+  float sum_t[BATCH], sum_tt[BATCH];
 #pragma unroll
   for (int r = 0; r < BATCH; ++r) {
-    f[r] = 0.0f;
-    d[r] = 0.0f;
+    const float xr = -x[r] * half_inv;
+    sum_t[r] = 0.0f;
+    sum_tt[r] = 0.0f;
 #pragma unroll
     for (int c = 0; c < LANE_E; ++c) {
-      const float v = logistic((val[r][c] - x[r] - p[c]) * inv);
-      f[r] += v;
-      d[r] = fmaf(-v, v, d[r] + v);
+      const float t = tanh_fast(fmaf(val[r][c], half_inv, q[c] + xr));
+      sum_t[r] += t;
+      sum_tt[r] = fmaf(t, t, sum_tt[r]);
     }
   }
 #pragma unroll
   for (int r = 0; r < BATCH; ++r) {
-    f[r] = segment_sum(f[r]);
-    d[r] = segment_sum(d[r]);
+    sum_t[r] = segment_sum(sum_t[r]);
+    sum_tt[r] = segment_sum(sum_tt[r]);
   }
 #pragma unroll
   for (int r = 0; r < BATCH; ++r) {
-    x[r] += clipped_newton_step(f[r] - (float)K, d[r] * inv, step);
+    const float f = 0.5f * (row_entries + sum_t[r]);
+    const float d = 0.25f * (row_entries - sum_tt[r]);
+    x[r] += clipped_newton_step(f - (float)K, d * inv, step);
+    const float xr = -x[r] * half_inv;
 #pragma unroll
     for (int c = 0; c < LANE_E; ++c) {
-      const float v = logistic((val[r][c] - x[r] - p[c]) * inv);
-      col_f[c] += v;
-      col_d[c] = fmaf(-v, v, col_d[c] + v);
+      const float t = tanh_fast(fmaf(val[r][c], half_inv, q[c] + xr));
+      col_t[c] += t;
+      col_tt[c] = fmaf(t, t, col_tt[c]);
     }
   }
 }
@@ -408,33 +421,38 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         PRICE_ITERS > 1 ? powf(PRICE_T1 / PRICE_T0, 1.0f / (PRICE_ITERS - 1)) : 1.0f;
     float temp = scale * PRICE_T0;
     for (int it = 0; it < PRICE_ITERS; ++it, temp *= ratio) {
-      const float inv = 1.0f / temp, step = 2.0f * temp;
-      float col_f[LANE_E], col_d[LANE_E];
+      const float inv = 1.0f / temp, half_inv = 0.5f * inv, step = 2.0f * temp;
+      float q[LANE_E], col_t[LANE_E], col_tt[LANE_E];
 #pragma unroll
       for (int c = 0; c < LANE_E; ++c) {
         const int j = sub + SEG * c;
-        p[c] = j < E ? price[j] : CLOSED;
-        col_f[c] = 0.0f;
-        col_d[c] = 0.0f;
+        q[c] = -(j < E ? price[j] : CLOSED) * half_inv;
+        col_t[c] = 0.0f;
+        col_tt[c] = 0.0f;
       }
 #if IN_REGS
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) batch_step(av[nb], xv[nb], p, col_f, col_d, inv, step);
+      for (int nb = 0; nb < NB; ++nb)
+        batch_step(av[nb], xv[nb], q, col_t, col_tt, inv, half_inv, step);
 #else
       for (int nb = 0; nb < NB; ++nb) {
         BATCH_VALUES(nb, val, row);
         float x[BATCH];
 #pragma unroll
         for (int r = 0; r < BATCH; ++r) x[r] = row[r] ? u[row_of(warp, nb, r, slot)] : 0.0f;
-        batch_step(val, x, p, col_f, col_d, inv, step);
+        batch_step(val, x, q, col_t, col_tt, inv, half_inv, step);
 #pragma unroll
         for (int r = 0; r < BATCH; ++r)
           if (row[r] && sub == 0) u[row_of(warp, nb, r, slot)] = x[r];
       }
 #endif
+      // Column sums from sum t and sum t^2 (batch_step): the lane's NB BATCH rows, padded ones
+      // included (t = -1 there), then every slot's; the first slot stores.
+      constexpr float lane_rows = (float)(NB * BATCH);
 #pragma unroll
-      for (int c = 0; c < LANE_E; ++c) {  // every lane joins the shuffles; the first slot stores
-        const float sf = slot_sum(col_f[c]), sd = slot_sum(col_d[c]);
+      for (int c = 0; c < LANE_E; ++c) {
+        const float sf = slot_sum(0.5f * (lane_rows + col_t[c]));
+        const float sd = slot_sum(0.25f * (lane_rows - col_tt[c]));
         const int j = sub + SEG * c;
         if (slot == 0 && j < E) {
           warp_f[warp * E + j] = sf;

@@ -196,6 +196,10 @@ __device__ __forceinline__ float warp_max(float v) {
   return unord_float(__reduce_max_sync(FULL_MASK, ord_float(v)));
 }
 
+__device__ __forceinline__ float warp_min(float v) {
+  return unord_float(__reduce_min_sync(FULL_MASK, ord_float(v)));
+}
+
 // Warp argmax over (value, index) pairs; ties go to the lower index. Every lane gets the result.
 // Two warp reductions (sm_80's redux instructions) on the values' order-preserving integer images
 // instead of five rounds of two dependent shuffles: the argmax sits on the critical path of every
@@ -993,36 +997,56 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   for (int i = tid; i < E * MW; i += THREADS) cols[i] = 0u;
   for (int i = tid; i < TOKEN_WORDS; i += THREADS) evicted[i] = 0u;
   __syncthreads();
+  constexpr bool mean_prices = PRICE_ITERS == 0;  // else no column sums are needed
   {
-    // A warp per row: column sums in registers, row maxima, the group's min / max.
+    // A warp per row: row maxima, the group's min / max, and (for the mean-affinity start
+    // prices only) column sums in registers. ROWS_AT_ONCE rows' loads are issued before any is
+    // used: one row at a time, each waited its own latency. (With the scalars below computed by
+    // one warp instead of thread 0's loops over the experts, which also spilled registers: the
+    // setup of base-8x128's scores 25K -> 15K cycles, H100.)
+    constexpr int ROWS_AT_ONCE = LANE_E <= 4 ? 4 : 2;
     float col[LANE_E];
 #pragma unroll
     for (int c = 0; c < LANE_E; ++c) col[c] = 0.0f;
     float rmax_sum = 0.0f, lo = 3.0e38f, hi = -3.0e38f;
     int rows = 0;
-    for (int t = warp; t < N; t += WARPS) {
-      if (DEMAND(real, t) == 0) continue;
-      ++rows;
-      float m = NEG;
+    for (int t0 = warp; t0 < N; t0 += ROWS_AT_ONCE * WARPS) {
+      float x[ROWS_AT_ONCE][LANE_E];
 #pragma unroll
-      for (int c = 0; c < LANE_E; ++c) {
-        const int j = lane + 32 * c;
-        if (j < E) {
-          const float x = a[t * E + j];
-          col[c] += x;
-          m = fmaxf(m, x);
-          lo = fminf(lo, x);
-          hi = fmaxf(hi, x);
+      for (int i = 0; i < ROWS_AT_ONCE; ++i) {
+        const int t = t0 + i * WARPS;
+#pragma unroll
+        for (int c = 0; c < LANE_E; ++c) {
+          const int j = lane + 32 * c;
+          x[i][c] = t < N && j < E ? a[t * E + j] : 0.0f;
         }
       }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-      rmax_sum += m;
-    }
+      for (int i = 0; i < ROWS_AT_ONCE; ++i) {  // in row order (the same sums as row by row)
+        const int t = t0 + i * WARPS;
+        if (t >= N || DEMAND(real, t) == 0) continue;
+        ++rows;
+        float m = NEG;
 #pragma unroll
-    for (int c = 0; c < LANE_E; ++c) {
-      const int j = lane + 32 * c;
-      if (j < E) tmp[warp * E + j] = col[c];
+        for (int c = 0; c < LANE_E; ++c) {
+          if (lane + 32 * c < E) {
+            if (mean_prices) col[c] += x[i][c];
+            m = fmaxf(m, x[i][c]);
+            lo = fminf(lo, x[i][c]);
+            hi = fmaxf(hi, x[i][c]);
+          }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        rmax_sum += m;
+      }
+    }
+    if (mean_prices) {
+#pragma unroll
+      for (int c = 0; c < LANE_E; ++c) {
+        const int j = lane + 32 * c;
+        if (j < E) tmp[warp * E + j] = col[c];
+      }
     }
     if (lane == 0) {
       b.warp_max[warp] = rmax_sum;
@@ -1032,45 +1056,53 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     atomicMax(&b.hi_ord, ord_float(hi));
   }
   __syncthreads();
-  if (tid == 0) {
-    int rows = 0;
-    for (int w = 0; w < WARPS; ++w) rows += b.warp_rows[w];
-    b.real_rows = rows > 0 ? rows : 1;
-  }
-  __syncthreads();
-  for (int j = tid; j < E; j += THREADS) {
-    float sum = 0.0f;
-    for (int w = 0; w < WARPS; ++w) sum += tmp[w * E + j];
-    b.reserve[j] = sum / b.real_rows;
-  }
-  __syncthreads();
-  if (tid == 0) {
+  if (warp == 0) {
+    // The group's scalars, by the lanes of one warp (the warps' row maxima added in order).
     // With more capacity than demand the experts left with a free slot must end at the lowest
     // price (warm prices above it keep tokens away from them; cycle cancelling then has too much
     // to undo): every auction starts from equal prices then (global_reference.starting_prices).
-    long long total = 0;
-    for (int j = 0; j < E; ++j) total += b.cap[j];
-    const bool spare = total > (long long)b.real_rows * K;
-    b.spare = spare;
-    float lowest = 3.0e38f, rsum = 0.0f;
-    for (int j = 0; j < E; ++j) lowest = fminf(lowest, b.reserve[j]);
-    for (int j = 0; j < E; ++j) b.reserve[j] = spare ? 0.0f : b.reserve[j] - lowest;
-    for (int w = 0; w < WARPS; ++w) rsum += b.warp_max[w];
-    b.lo = unord_float(b.lo_ord);
-    b.hi = unord_float(b.hi_ord);
-    float spread = b.hi - b.lo;
-    if (!(spread > 0.0f)) spread = 1.0f;
-    b.tol = TOL_REL * spread;
-    b.eps = EPS_REL * (rsum / b.real_rows);
-    if (!(b.eps > 1e-12f * spread)) b.eps = 1e-12f * spread;
+    int rows = 0, total = 0;  // (total: E capacities of at most N each)
+    for (int w = lane; w < WARPS; w += 32) rows += b.warp_rows[w];
+    for (int j = lane; j < E; j += 32) total += b.cap[j];
+    rows = __reduce_add_sync(FULL_MASK, rows);
+    total = __reduce_add_sync(FULL_MASK, total);
+    if (lane == 0) {
+      const int real_rows = rows > 0 ? rows : 1;
+      b.real_rows = real_rows;
+      b.spare = (long long)total > (long long)real_rows * K;
+      float rsum = 0.0f;
+      for (int w = 0; w < WARPS; ++w) rsum += b.warp_max[w];
+      b.lo = unord_float(b.lo_ord);
+      b.hi = unord_float(b.hi_ord);
+      float spread = b.hi - b.lo;
+      if (!(spread > 0.0f)) spread = 1.0f;
+      b.tol = TOL_REL * spread;
+      b.eps = EPS_REL * (rsum / real_rows);
+      if (!(b.eps > 1e-12f * spread)) b.eps = 1e-12f * spread;
+    }
   }
   __syncthreads();
-  // The prices start near the optimal duals where the capacities do not exceed the demand
+  // The starting prices: near the optimal duals where the capacities do not exceed the demand
   // (dual_prices.cu's kernel, run before this one, leaves them in start_prices), and one auction
-  // follows (global_reference.uses_dual_prices); the same in every thread.
+  // follows (global_reference.uses_dual_prices); equal with spare capacity; without dual
+  // iterations the experts' mean affinities, the lowest at 0. The same in every thread.
   const bool dual_start = PRICE_ITERS > 0 && !b.spare;
+  if (mean_prices && !b.spare) {
+    for (int j = tid; j < E; j += THREADS) {
+      float sum = 0.0f;
+      for (int w = 0; w < WARPS; ++w) sum += tmp[w * E + j];
+      b.reserve[j] = sum / b.real_rows;
+    }
+    __syncthreads();
+    float lowest = 3.0e38f;  // in every warp alike
+    for (int j = lane; j < E; j += 32) lowest = fminf(lowest, b.reserve[j]);
+    lowest = warp_min(lowest);
+    __syncthreads();  // every warp has read the means
+    for (int j = tid; j < E; j += THREADS) b.reserve[j] -= lowest;
+  }
   for (int j = tid; j < E; j += THREADS) {
     if (dual_start) b.reserve[j] = start_prices[g * E + j];
+    else if (b.spare) b.reserve[j] = 0.0f;
     b.price[j] = b.reserve[j];
   }
   __syncthreads();
