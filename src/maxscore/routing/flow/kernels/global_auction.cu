@@ -1003,7 +1003,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // prices only) column sums in registers. ROWS_AT_ONCE rows' loads are issued before any is
     // used: one row at a time, each waited its own latency. (With the scalars below computed by
     // one warp instead of thread 0's loops over the experts, which also spilled registers: the
-    // setup of base-8x128's scores 25K -> 15K cycles, H100.)
+    // setup of base-8x128's scores 26K -> 15K cycles, H100.)
     constexpr int ROWS_AT_ONCE = LANE_E <= 4 ? 4 : 2;
     float col[LANE_E];
 #pragma unroll
