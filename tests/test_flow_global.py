@@ -845,12 +845,9 @@ def test_kernel_emulated_dual_prices_match_the_reference(e: int) -> None:
     emu = _emulated()
     n, k = 120, 2
     capacity = torch.full((e,), k * n // e)  # no spare capacity (else the prices stay equal)
+    families = [("random", 13, 2), ("skewed", 5, 1), ("near-tied", 13, 1)]
     affinities = torch.cat(
-        [
-            fh.instances(13, 2, n, e, 0.0),
-            fh.instances(5, 1, n, e, 1.0),
-            fh.near_tied(13, 1, n, e, 0.03),
-        ]
+        [fh.family_instances(f, seed, count, n, e) for f, seed, count in families]
     )
     for cluster in (1, 2):
         prices = emu.start_prices_emulated(affinities, k, capacity, cluster=cluster)[0].double()

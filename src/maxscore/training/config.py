@@ -203,13 +203,13 @@ class TrainConfig:
         }
         if self.max_eval_blocks is not None:
             positive["max_eval_blocks"] = self.max_eval_blocks
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.gc_interval < 0:
             raise ConfigError(
                 f"gc_interval must be >= 0 (0: Python's automatic collection), got {self.gc_interval}"
             )
-        for name, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
         if self.max_tokens is None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.max_tokens is not None and self.max_tokens < 1:
