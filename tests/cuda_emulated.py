@@ -43,10 +43,11 @@ _RUNNER = """
 #include "{kernel}"
 extern "C" void run_solver(const float* a, const int* cap, long long* out, int* stats,
                            unsigned char* scratch, int use_scratch, const unsigned char* mask,
-                           int has_mask, const float* prices, const float* duals, int groups) {{
+                           int has_mask, const float* prices, const int* first_experts,
+                           const float* first_values, int groups) {{
   launch_blocks(groups, THREADS, [&] {{
     global_auction_kernel(a, cap, out, stats, scratch, use_scratch, 1, mask, has_mask, prices,
-                          duals);
+                          first_experts, first_values);
   }});
 }}
 extern "C" int block_struct_bytes() {{ return (int)sizeof(Block); }}
@@ -62,9 +63,10 @@ _PRICES_RUNNER = """
 #include "cuda_block_emulator.h"
 #include "{kernel}"
 extern "C" void run_prices(const float* a, const int* cap, const unsigned char* mask, int has_mask,
-                           float* prices, float* duals, int groups) {{
+                           float* prices, float* duals, int* first_experts,
+                           float* first_values, int groups) {{
   launch_clusters(groups * CLUSTER, CLUSTER, THREADS, [&] {{
-    dual_prices_kernel(a, cap, mask, has_mask, prices, duals);
+    dual_prices_kernel(a, cap, mask, has_mask, prices, duals, first_experts, first_values);
   }});
 }}
 """
@@ -259,12 +261,12 @@ def start_prices_emulated(
     token_mask: torch.Tensor | None = None,
     cluster: int | None = None,
     defines: dict[str, str] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G, e]`` starting prices from ``dual_prices.cu`` on the CPU, its clusters' blocks run
-    together, and ``[G, n]`` each token's dual ``u_t`` at them (``global_cuda.start_prices``'
-    pair); ``cluster``: blocks per group (default 1); ``defines``: compile-time constants to
-    override (e.g. ``IN_REGS``; ``THREADS`` is at most ``EMULATED_PRICE_THREADS`` unless
-    given)."""
+) -> global_cuda.StartPrices:
+    """``global_cuda.start_prices``' results from ``dual_prices.cu`` on the CPU, its clusters'
+    blocks run together: the ``[G, e]`` starting prices, each token's dual ``u_t`` at them and
+    the auction's first bids; ``cluster``: blocks per group (default 1); ``defines``:
+    compile-time constants to override (e.g. ``IN_REGS``; ``THREADS`` is at most
+    ``EMULATED_PRICE_THREADS`` unless given)."""
     budget = budget or GlobalBudget()
     groups, n, e = affinities.shape
     cluster = cluster or 1
@@ -279,13 +281,18 @@ def start_prices_emulated(
         mask = np.ascontiguousarray(token_mask.expand(groups, n).numpy().astype(np.uint8))
     prices = np.zeros((groups, e), dtype=np.float32)
     duals = np.zeros((groups, n), dtype=np.float32)
+    first_experts = np.full((groups, n, k), -1, dtype=np.int32)
+    first_values = np.zeros((groups, n, k), dtype=np.float32)
     ptr = ctypes.c_void_p
     lib.run_prices(
         ptr(a.ctypes.data), ptr(cap.ctypes.data), ptr(mask.ctypes.data),
         ctypes.c_int(0 if token_mask is None else 1), ptr(prices.ctypes.data),
-        ptr(duals.ctypes.data), ctypes.c_int(groups),
+        ptr(duals.ctypes.data), ptr(first_experts.ctypes.data), ptr(first_values.ctypes.data),
+        ctypes.c_int(groups),
     )  # fmt: skip
-    return torch.from_numpy(prices), torch.from_numpy(duals)
+    return global_cuda.StartPrices(
+        *(torch.from_numpy(x) for x in (prices, duals, first_experts, first_values))
+    )
 
 
 def solve_emulated(
@@ -299,14 +306,15 @@ def solve_emulated(
     defines: dict[str, str] | None = None,
     kernel: Path | None = None,
     cluster: int | None = None,
-    token_duals: torch.Tensor | None = None,
+    first_bids: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics: the
     starting prices' kernel (:func:`start_prices_emulated`, ``cluster`` blocks per group), then
     the solver kernel. ``defines`` overrides the solver's compile-time constants (e.g.
     ``GRAPH_IN_WORK``); ``kernel``: another solver kernel file than the shipped one (an earlier
-    version, to compare assignments with); ``token_duals`` (``[G, n]``): the tokens' duals to
-    pass instead of the prices' kernel's."""
+    version, to compare assignments with); ``first_bids=False``: none of the prices' kernel's
+    first bids reaches the solver (every entry -1), so that the auction selects every token's
+    first bids itself."""
     groups, n, e = affinities.shape
     cap = capacity.to(torch.int32).expand(groups, e)
     items = _defines(affinities, k, cap, budget, use_scratch, defines)
@@ -322,14 +330,16 @@ def solve_emulated(
     if token_mask is not None:
         mask = np.ascontiguousarray(token_mask.expand(groups, n).numpy().astype(np.uint8))
     prices = np.zeros((groups, e), dtype=np.float32)
-    duals = np.zeros((groups, n), dtype=np.float32)
+    first_experts = np.full((groups, n, k), -1, dtype=np.int32)
+    first_values = np.zeros((groups, n, k), dtype=np.float32)
     if (budget or GlobalBudget()).price_iterations > 0:
         start = start_prices_emulated(
             affinities, k, cap, budget, token_mask=token_mask, cluster=cluster
         )
-        prices, duals = (np.ascontiguousarray(x.numpy()) for x in start)
-    if token_duals is not None:
-        duals = np.ascontiguousarray(token_duals.float().expand(groups, n).numpy())
+        prices = np.ascontiguousarray(start.prices.numpy())
+        if first_bids:
+            first_experts = np.ascontiguousarray(start.first_experts.numpy())
+            first_values = np.ascontiguousarray(start.first_values.numpy())
     ptr = ctypes.c_void_p
     lib.run_solver(
         ptr(a.ctypes.data),
@@ -341,7 +351,8 @@ def solve_emulated(
         ptr(mask.ctypes.data),
         ctypes.c_int(0 if token_mask is None else 1),
         ptr(prices.ctypes.data),
-        ptr(duals.ctypes.data),
+        ptr(first_experts.ctypes.data),
+        ptr(first_values.ctypes.data),
         ctypes.c_int(groups),
     )
     return torch.from_numpy(out), torch.from_numpy(stats)

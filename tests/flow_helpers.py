@@ -13,6 +13,7 @@ import torch
 
 from maxscore.routing.flow import flow_objective
 from maxscore.routing.flow.exact import solve_exact
+from maxscore.routing.flow.global_cuda import StartPrices
 
 # The global solver's targets: relative gap to the exact optimum, median and worst over a set of
 # instances (the slow tests check them over 100).
@@ -112,6 +113,36 @@ def check_constraints(index: torch.Tensor, k: int, capacity: torch.Tensor, e: in
     assert bool((loads <= capacity).all()), f"load above capacity: {loads} vs {capacity}"
     if int(torch.minimum(capacity, torch.tensor(n)).sum()) >= n * k:
         assert bool(valid.all()), "an empty slot although capacity allows a full assignment"
+
+
+def check_first_bids(
+    affinities: torch.Tensor,
+    start: StartPrices,
+    k: int,
+    capacity: torch.Tensor,
+    token_mask: torch.Tensor | None = None,
+) -> float:
+    """The prices' kernel's first bids (``start``, CPU tensors) against their
+    definition, computed here in float32 on the written prices and duals: a real token whose
+    reduced affinities ``A_tj - p_j`` over the experts with capacity have exactly ``k`` above its
+    dual lists those experts in ascending order, each with ``A_tj - w`` (``w``: the best of the
+    rest, which must exist), bit for bit; every other real token has -1 in every entry. Returns
+    the share of real tokens listed."""
+    a = affinities.float()
+    groups, n, e = a.shape
+    open_e = (capacity.expand(groups, e) > 0)[:, None, :]
+    reduced = a - start.prices[:, None, :]
+    above = open_e & (reduced > start.duals[..., None])
+    rest = torch.where(open_e & ~above, reduced, float("-inf")).amax(-1)
+    listed = (above.sum(-1) == k) & (rest > float("-inf"))
+    real = torch.ones(groups, n, dtype=torch.bool) if token_mask is None else token_mask
+    # each token's experts above its dual in ascending order (the others after them)
+    order = torch.where(above, torch.arange(e), e).sort(-1).values[..., :k].clamp(max=e - 1)
+    values = a.gather(-1, order) - rest[..., None]
+    expected = torch.where(listed[..., None], order, -1).int()
+    assert torch.equal(start.first_experts[real], expected[real])
+    assert torch.equal(start.first_values[listed & real], values[listed & real])
+    return float(listed[real].float().mean())
 
 
 def optimality_gaps(

@@ -868,15 +868,19 @@ def test_kernel_emulated_dual_prices_from_registers_or_memory() -> None:
     capacity = torch.full((e,), k * n // e)
     mask = torch.ones(2, n, dtype=torch.bool)
     mask[1, n // 2 :] = False
-    (registers, duals_r), (memory, duals_m) = (
+    registers, memory = (
         emu.start_prices_emulated(
             affinities, k, capacity, token_mask=mask, cluster=2, defines={"IN_REGS": flag}
         )
         for flag in ("1", "0")
     )
-    assert torch.equal(registers, memory) and bool(registers.abs().sum() > 0)
-    # each real token's dual, written from its registers or from memory alike
-    assert torch.equal(duals_r[mask], duals_m[mask]) and bool(duals_r[mask].isfinite().all())
+    assert torch.equal(registers.prices, memory.prices) and bool(registers.prices.abs().sum() > 0)
+    # each real token's dual and first bids, written from its registers or from memory alike
+    for field in ("duals", "first_experts", "first_values"):
+        assert torch.equal(getattr(registers, field)[mask], getattr(memory, field)[mask]), field
+    assert bool(registers.duals[mask].isfinite().all())
+    for start in (registers, memory):
+        assert fh.check_first_bids(affinities, start, k, capacity, mask) > 0.5
 
 
 def test_price_cluster_plan() -> None:
@@ -1080,21 +1084,22 @@ def test_kernel_emulated_bid_modes_agree(n: int, e: int, k: int) -> None:
 @pytest.mark.parametrize(
     ("n", "e", "k", "family"), [(256, 64, 6, "random"), (256, 128, 8, "near-tied")]
 )
-def test_kernel_emulated_first_bids_from_token_duals(n: int, e: int, k: int, family: str) -> None:
-    """The auction's first round bids, for each token whose dual u_t (from the prices' kernel)
-    has exactly its open slots' count of experts above it (most tokens), for those experts at
-    the (m + 1)-th value: the same bids as selecting them one by one, so the same assignment and
-    the same rounds and open slots as with duals that never apply (+inf: no expert above)."""
+def test_kernel_emulated_first_bids_from_the_prices_kernel(
+    n: int, e: int, k: int, family: str
+) -> None:
+    """The prices' kernel lists, for each token whose dual u_t has exactly k experts above it
+    (most tokens), those experts and their bid levels (checked against that definition), and
+    the auction's first round posts them without selecting: the same bids as selecting them one
+    by one, so the same assignment and the same rounds and open slots as when no token's first
+    bids are listed."""
     emu = _emulated()
     affinities = fh.family_instances(family, 8, 2, n, e)
     capacity = torch.full((e,), -(-k * n // e))
-    prices, duals = emu.start_prices_emulated(affinities, k, capacity)
-    reduced = affinities - prices[:, None, :]
-    separated = ((reduced > duals[..., None]).sum(-1) == k).float().mean()
-    assert separated >= 0.6, separated  # the first round takes most tokens' bids directly
+    start = emu.start_prices_emulated(affinities, k, capacity)
+    listed = fh.check_first_bids(affinities, start, k, capacity)
+    assert listed >= 0.6, listed  # the first round takes most tokens' bids directly
     index, stats = emu.solve_emulated(affinities, k, capacity)
-    never = torch.full((2, n), float("inf"))
-    index_never, stats_never = emu.solve_emulated(affinities, k, capacity, token_duals=never)
+    index_never, stats_never = emu.solve_emulated(affinities, k, capacity, first_bids=False)
     fh.check_constraints(index, k, capacity, e)
     assert torch.equal(index, index_never)
     assert torch.equal(stats[:, :4], stats_never[:, :4])
@@ -1232,14 +1237,17 @@ def test_cuda_dual_prices_balance_the_experts() -> None:
             affinities.cuda(), k, capacity.cuda(), GlobalBudget(), None, device
         )
         assert start is not None
-        prices, duals = (x.double().cpu().numpy() for x in start)
-        for a, p, u in zip(affinities.double().numpy(), prices, duals, strict=True):
+        start = global_cuda.StartPrices(*(x.cpu() for x in start))
+        prices = start.prices.double().numpy()
+        for a, p in zip(affinities.double().numpy(), prices, strict=True):
             dual, warm = _overfill(a, p, k, c), _overfill(a, warm_prices(a), k, c)
             assert dual <= n * k // 20 and dual * 10 < warm, (n, e, k, dual, warm)
-            # each token's u_t separates its top k at these prices for most tokens (the
-            # auction's first round takes those directly; one near-tied 512 x 256 group: 0.79)
-            above = ((a - p) > u[:, None]).sum(axis=1)
-            assert (above == k).mean() >= 0.6, (n, e, k, (above == k).mean())
+        # each token's u_t separates its top k at these prices for most tokens, which the kernel
+        # lists with their bid levels (the auction's first round takes those directly)
+        for g in range(groups):
+            one = global_cuda.StartPrices(*(x[g : g + 1] for x in start))
+            listed = fh.check_first_bids(affinities[g : g + 1], one, k, capacity[g : g + 1])
+            assert listed >= 0.6, (n, e, k, g, listed)
 
 
 @pytest.mark.gpu

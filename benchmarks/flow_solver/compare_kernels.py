@@ -62,9 +62,13 @@ def use_kernel(
     """Make ``global_cuda`` compile ``source`` as the solver kernel with the ``extra`` (key,
     value, min_e) defines. An earlier solver kernel that computes its starting prices itself
     (before they had a kernel of their own) gets their temperatures as constants (the prices'
-    kernel's, from the default budget), and the host launches no prices' kernel for it.
-    ``prices_source``: the prices' kernel file to use with it (``None``: the working tree's)."""
+    kernel's, from the default budget), and the host launches no prices' kernel for it; one that
+    reads the tokens' duals (before the prices' kernel listed the first bids) gets them where
+    the first bids go (an earlier prices' kernel ignores the first bids' buffers, which the
+    launch passes beyond its parameters). ``prices_source``: the prices' kernel file to use
+    with it (``None``: the working tree's)."""
     own_prices = "start_prices" not in source
+    reads_duals = "token_duals" in source
     if own_prices and "PRICE_T0" in source:
         prices = global_cuda.price_defines(1, 1, 1, GlobalBudget(), 1)
         extra = [*extra, *((key, prices[key], 0) for key in ("PRICE_T0", "PRICE_T1"))]
@@ -83,9 +87,19 @@ def use_kernel(
             return prices_source
         return SHIPPED_SOURCE(name)
 
+    def start_prices_with_duals(*args: Any) -> Any:
+        start = SHIPPED_START_PRICES(*args)
+        return None if start is None else start._replace(first_experts=start.duals)
+
     global_cuda.kernel_source = kernel_source
     global_cuda.kernel_defines = defines
-    global_cuda.start_prices = (lambda *_: None) if own_prices else SHIPPED_START_PRICES
+    global_cuda.start_prices = (
+        (lambda *_: None)
+        if own_prices
+        else start_prices_with_duals
+        if reads_duals
+        else SHIPPED_START_PRICES
+    )
     global_cuda.launch_defines.cache_clear()
     global_cuda._compiled.cache_clear()
     global_cuda._price_launch.cache_clear()

@@ -23,6 +23,7 @@ import functools
 import importlib.resources
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -563,7 +564,11 @@ def solve_cuda(
     if token_mask is not None:
         mask = token_mask.to(device=a.device, dtype=torch.uint8).expand(groups, n).contiguous()
     start = start_prices(a, k, cap, budget, mask, device_index)
-    prices, duals = start if start is not None else (scratch, scratch)
+    prices, first_experts, first_values = (
+        (start.prices, start.first_experts, start.first_values)
+        if start is not None
+        else (scratch, scratch, scratch)
+    )
     with torch.cuda.device(device_index):
         kernel(
             grid=(groups, 1, 1),
@@ -579,11 +584,23 @@ def solve_cuda(
                 mask if mask is not None else scratch,
                 0 if mask is None else 1,
                 prices,
-                duals,
+                first_experts,
+                first_values,
             ],
             shared_mem=dynamic,
         )
     return out
+
+
+class StartPrices(NamedTuple):
+    """What ``dual_prices.cu`` leaves for the solver kernel (:func:`start_prices`)."""
+
+    prices: Tensor  # [G, e] starting prices, the lowest expert with capacity at 0
+    duals: Tensor  # [G, n] each token's u_t at those prices
+    # [G, n, k] int32: the experts above u_t in ascending order where exactly k are, else -1 in
+    # every entry (and then the token selects its first bids one by one)
+    first_experts: Tensor
+    first_values: Tensor  # [G, n, k] A_tj - w for those experts (w: the best of the rest)
 
 
 def start_prices(
@@ -593,14 +610,15 @@ def start_prices(
     budget: GlobalBudget,
     mask: Tensor | None,
     device_index: int,
-) -> tuple[Tensor, Tensor] | None:
+) -> StartPrices | None:
     """``[G, e]`` starting prices (:func:`.global_reference.dual_prices`) from ``dual_prices.cu``
     on ``a`` (``[G, n, e]`` float32, contiguous, on GPU ``device_index``) with ``cap`` (``[G,
     e]`` int32, contiguous) and ``mask`` (``[G, n]`` uint8, or ``None``: every token real),
-    launched on the current stream, and ``[G, n]`` each token's dual ``u_t`` at those prices
-    (its top ``k`` are about the experts above it: the auction's first round tries that before
-    selecting them one by one); the solver kernel reads both where the capacities do not exceed
-    the demand. ``None`` without dual iterations."""
+    launched on the current stream, with each token's dual ``u_t`` at those prices and the
+    auction's first bids (:class:`StartPrices`: the experts above ``u_t`` where exactly ``k``
+    are, which the auction's first round bids for without selecting them); the solver kernel
+    reads them where the capacities do not exceed the demand. ``None`` without dual
+    iterations."""
     if budget.price_iterations <= 0:
         return None
     groups, n, e = a.shape
@@ -608,6 +626,8 @@ def start_prices(
     cluster, dynamic = int(defines["CLUSTER"]), price_shared_bytes(defines)
     prices = torch.empty(groups, e, dtype=torch.float32, device=a.device)
     duals = torch.empty(groups, n, dtype=torch.float32, device=a.device)  # the tokens' u_t
+    first_experts = torch.empty(groups, n, k, dtype=torch.int32, device=a.device)
+    first_values = torch.empty(groups, n, k, dtype=torch.float32, device=a.device)
     with torch.cuda.device(device_index):
         kernel(
             grid=(groups * cluster, 1, 1),
@@ -619,7 +639,9 @@ def start_prices(
                 0 if mask is None else 1,
                 prices,
                 duals,
+                first_experts,
+                first_values,
             ],
             shared_mem=dynamic,
         )
-    return prices, duals
+    return StartPrices(prices, duals, first_experts, first_values)

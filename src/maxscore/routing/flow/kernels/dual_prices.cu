@@ -4,7 +4,9 @@
 // sigmoid((a_tj - u_t - p_j) / T) (entries in [0, 1]); each iteration takes one Newton step,
 // clipped to 2 T, on every token's u_t (row sum K) and then on every price p_j (column sum
 // min(c_j, real tokens)), T falling geometrically from PRICE_T0 to PRICE_T1 times the mean row
-// maximum. The auction kernel (global_auction.cu) starts from the result.
+// maximum. The auction kernel (global_auction.cu) starts from the result: the prices, each
+// token's u_t (`duals`), and the first round's bids of each token that u_t separates
+// (`first_experts` / `first_values`, found after the last iteration).
 //
 // A cluster of CLUSTER thread blocks per routing group (blockIdx.x / CLUSTER; thread-block
 // clusters need compute capability 9.0, so CLUSTER is 1 below it): each block takes ROWS of
@@ -113,6 +115,12 @@ __device__ __forceinline__ float clipped_newton_step(float excess, float slope, 
 __device__ __forceinline__ float segment_sum(float v) {
 #pragma unroll
   for (int o = SEG / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;
+}
+// The largest value over the SEG lanes of a token's row.
+__device__ __forceinline__ float segment_max(float v) {
+#pragma unroll
+  for (int o = SEG / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
   return v;
 }
 // Sum over the SLOTS tokens side by side in a warp (the lanes holding the same experts).
@@ -238,7 +246,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #endif
     dual_prices_kernel(const float* __restrict__ affinities, const int* __restrict__ capacity,
                        const unsigned char* __restrict__ token_mask, int has_mask,
-                       float* __restrict__ prices, float* __restrict__ duals) {
+                       float* __restrict__ prices, float* __restrict__ duals,
+                       int* __restrict__ first_experts, float* __restrict__ first_values) {
   DYNAMIC_SHARED(dyn);
   float* sh = (float*)dyn;
   float* price = sh + SH_PRICE;
@@ -488,22 +497,70 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       __syncthreads();
     }
     // Each token's u_t in the frame of the prices written below (the lowest at 0), into
-    // `duals`: at those prices its top K are about the experts whose reduced affinity is above
-    // it, which the auction's first round tries before it selects them one by one.
+    // `duals`; and the auction's first bids (global_auction.cu's first round from these
+    // prices): at the optimal duals a token takes the experts whose reduced affinity
+    // A_tj - p_j is above u_t, so where exactly K are (most tokens), those in ascending order
+    // into first_experts and A_tj - w for each into first_values, w the best reduced affinity
+    // of the rest (a strict threshold cannot split equal values: the experts and bid levels
+    // the auction's selection finds); -1 in every entry of the other tokens, which the auction
+    // selects one by one. The same float operations as the auction's on the written prices
+    // and duals, so the same bids to the bit. Done here, where the affinities are at hand in
+    // registers over CLUSTER blocks, the auction's first round posts its bids without reading
+    // a row.
     if (tid == 0) scal[0] = lowest_price(price, target);
     __syncthreads();
     const float lowest = scal[0];
+    float written[LANE_E];  // the written prices, CLOSED for an expert without capacity
+#pragma unroll
+    for (int c = 0; c < LANE_E; ++c) {
+      const int j = sub + SEG * c;
+      written[c] = j < E && target[j] >= 0.0f ? price[j] - lowest : CLOSED;
+    }
+    constexpr unsigned SEG_BITS = SEG == 32 ? FULL_MASK : (1u << SEG) - 1u;
+#if IN_REGS
+#pragma unroll  // (the registers' copies are indexed by nb: a loop would put them in memory)
+#endif
     for (int nb = 0; nb < NB; ++nb) {
+      BATCH_VALUES(nb, val, row);
 #pragma unroll
       for (int r = 0; r < BATCH; ++r) {
         const int q = row_of(warp, nb, r, slot);
 #if IN_REGS
-        if (!real_row[nb][r] || sub != 0) continue;
-        duals[(long long)g * N + first + q] = xv[nb][r] + lowest;
+        const float dual = xv[nb][r] + lowest;
 #else
-        if (!real_row_at(first, real, q) || sub != 0) continue;
-        u[q] += lowest;
+        const float dual = (row[r] ? u[q] : 0.0f) + lowest;
+        __syncwarp();  // every lane of the segment has read u_t before its first lane writes
 #endif
+        if (row[r] && sub == 0) duals[(long long)g * N + first + q] = dual;
+        unsigned picked[LANE_E];  // the segment's experts above u_t, a bit per lane, by column
+        int count = 0;
+        float rest = -3.0e38f;
+#pragma unroll
+        for (int c = 0; c < LANE_E; ++c) {
+          const bool open = row[r] && written[c] < CLOSED;
+          const float reduced = val[r][c] - written[c];
+          const bool above = open && reduced > dual;
+          if (open && !above) rest = fmaxf(rest, reduced);
+          picked[c] = (__ballot_sync(FULL_MASK, above) >> (slot * SEG)) & SEG_BITS;
+          count += __popc(picked[c]);
+        }
+        rest = segment_max(rest);
+        if (!row[r]) continue;
+        const long long at = ((long long)g * N + first + q) * K;
+        if (count == K && rest > -3.0e38f) {
+          int before = 0;  // the picks of earlier columns (lower experts)
+#pragma unroll
+          for (int c = 0; c < LANE_E; ++c) {
+            if ((picked[c] >> sub) & 1u) {
+              const int s = before + __popc(picked[c] & ((1u << sub) - 1u));
+              first_experts[at + s] = sub + SEG * c;
+              first_values[at + s] = val[r][c] - rest;
+            }
+            before += __popc(picked[c]);
+          }
+        } else {
+          for (int s = sub; s < K; s += SEG) first_experts[at + s] = -1;
+        }
       }
     }
   }

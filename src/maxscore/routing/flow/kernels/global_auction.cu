@@ -4,8 +4,9 @@
 //   0. starting prices near the optimal duals where the capacities do not exceed the demand
 //      (computed before this kernel by dual_prices.cu's kernel, a cluster of blocks per group,
 //      and passed in start_prices: [groups, E]), else equal prices;
-//   1. a Jacobi forward auction from those prices (its first round bids, for each token whose
-//      dual u_t from that kernel has exactly K experts above it, for those), until at most
+//   1. a Jacobi forward auction from those prices (in its first round each token whose dual
+//      u_t from that kernel has exactly K experts above it bids for those, as that kernel
+//      found them: first_experts / first_values [groups, N, K]), until at most
 //      STOP_OPEN slots are open, or its last STALL rounds filled fewer than STALL_FILL slots
 //      (the tail, where bidders raise prices by eps at a time), or AUCTION rounds have run;
 //      with eps-scaling where the prices do not start at the duals: first at EPS_SCALE times
@@ -28,10 +29,11 @@
 //      Bellman-Ford predecessor graph at once), stopping when no positive cycle is left (on
 //      capacities with no spare slot phase 2 leaves few: measured, 0-4 rounds).
 // Then each token's experts are written by decreasing affinity (ties: lower index), -1 last.
-// The expert graph is built token by token in phase 2's first round (where it is in shared
-// memory), then kept from round to round: a moved token's departure computes the row of
-// the expert it left again, its arrival raises the entries of the row of the expert it joined,
-// and in the rows of its other experts only the entries of those two experts change.
+// The expert graph is built token by token in phase 2's first round (phase 3's where phase 2 had
+// none; where it is in shared memory), then kept from round to round: a moved token's departure
+// computes the row of the expert it left again, its arrival raises the entries of the row of the
+// expert it joined, and in the rows of its other experts only the entries of those two experts
+// change.
 //
 // Memory. The per-group state (each token's K held experts (-1 = open) and held set as a bit
 // mask, each expert's holders with the prices they paid (ascending during phase 1), the bids an
@@ -932,22 +934,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                           unsigned char* __restrict__ scratch, int use_scratch, int want_stats,
                           const unsigned char* __restrict__ token_mask, int has_mask,
                           const float* __restrict__ start_prices,
-                          const float* __restrict__ token_duals) {
+                          const int* __restrict__ first_experts,
+                          const float* __restrict__ first_values) {
   __shared__ Block b;
   DYNAMIC_SHARED(dyn);
   const int g = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const long long t_start = clock64();
   const unsigned char* real = has_mask ? token_mask + (long long)g * N : nullptr;  // DEMAND
-  unsigned char* work = use_scratch ? scratch + (long long)g * WORK_BYTES : dyn;
-  unsigned char* smem_tail = dyn + (use_scratch ? 0 : WORK_BYTES);
+  // The state's place is the compile-time STATE_SMEM (the host passes use_scratch = !STATE_SMEM),
+  // so that the compiler knows its accesses for shared-memory ones where they are: through a
+  // pointer chosen at run time every access to the state (and to the graph inside it) was a
+  // generic one, and its atomics generic GPU-scope ATOMs where ATOMS do (base-8x128's scores,
+  // H100: 0.480 -> 0.461 ms a call, phase 2 501K -> 463K cycles; e = 16-256 all faster).
+  (void)use_scratch;
+#if STATE_SMEM
+  unsigned char* work = dyn;
+  unsigned char* smem_tail = dyn + WORK_BYTES;
+#else
+  unsigned char* work = scratch + (long long)g * WORK_BYTES;
+  unsigned char* smem_tail = dyn;
+#endif
 #if GRAPH_SMEM
   float* gain = (float*)smem_tail;
   smem_tail += GRAPH_BYTES;
 #elif GRAPH_IN_WORK
   float* gain = (float*)(work + OFF_BID_T);  // phase 1's bids are done with by then
 #else
-  float* gain = (float*)(scratch + (long long)gridDim.x * (use_scratch ? WORK_BYTES : 0) +
+  float* gain = (float*)(scratch + (long long)gridDim.x * (STATE_SMEM ? 0 : WORK_BYTES) +
                          (long long)g * GRAPH_BYTES);
 #endif
   const float* a_global = affinities + (long long)g * N * E;
@@ -1143,12 +1157,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       if (open_now <= (r == 0 ? 0 : STOP_OPEN)) break;
       if (r >= STALL && open_history[r % STALL] - open_now < STALL_FILL) break;
       open_history[r % STALL] = open_now;
+      // The first round from the dual prices: every token bids for all its slots, and the
+      // prices' kernel (dual_prices.cu) has already found, for each token whose dual u_t has
+      // exactly K experts above it (most tokens), those experts and A_tj - w for each (w the
+      // best of the rest: the bids the selection below would make). Those tokens post them
+      // here, a thread per bid, without reading a row (base-8x128's scores, H100: the round's
+      // bids 103K -> 21-24K cycles, where a warp per token waited for each row); the others
+      // are marked in `evicted` (clear until the round's merges) and select theirs below, each
+      // mark cleared by the one thread or warp that takes its token.
+      const bool first_round = dual_start && r == 0;
+      if (first_round) {
+        const int* fe = first_experts + (long long)g * N * K;
+        const float* fv = first_values + (long long)g * N * K;
+        for (int i = tid; i < open_tokens * K; i += THREADS) {
+          const int t = open_list[i / K], s = i % K;
+          const int j = fe[t * K + s];
+          if (j >= 0) post_bid(b, t, s, j, fv[t * K + s] + b.eps, rec_e, rec_p, bid_t, bid_p);
+          else if (s == 0) atomicOr(&evicted[t >> 5], 1u << (t & 31));
+        }
+        __syncthreads();
+      }
+      // Whether token t still selects its bids in this round (every thread or lane that calls
+      // it gets the same answer; the caller then clears the mark).
+      auto selects = [&](int t) { return !first_round || has_bit(evicted, t); };
       // A warp per token while few tokens bid (its bids in a few dependent warp steps), a thread
       // per token when many do (the warps would take their tokens one after another).
-      const bool first_round = dual_start && r == 0;  // every token bids for all its slots
       if (open_tokens <= WARP_BID_TOKENS) {
         for (int q = warp; q < open_tokens; q += WARPS) {
           const int t = open_list[q];
+          if (!__shfl_sync(FULL_MASK, (int)selects(t), 0)) continue;
+          if (first_round && lane == 0) atomicAnd(&evicted[t >> 5], ~(1u << (t & 31)));
           const u32* mt = mask + t * MW;
           const int m = OPEN_SLOTS(tok_e, real, t);
           if (lane < K) rec_e[t * K + lane] = -1;
@@ -1163,38 +1201,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
           for (int c = 0; c < LANE_E; ++c) {
             const int j = lane + 32 * c;
             val[c] = (j < E && b.cap[j] > 0 && !has_bit(mt, j)) ? val[c] - b.price[j] : NEG;
-          }
-          // The first round from the dual prices: the experts above the token's dual u_t
-          // (dual_prices.cu) are its top m where exactly m are, and the best of the rest is w
-          // (a strict threshold cannot split equal values, so these are the picks below, as a
-          // set): one count and one reduction instead of m + 1 selections.
-          if (first_round) {
-            const float dual = token_duals[(long long)g * N + t];
-            u32 above[LANE_E];
-            int count = 0;
-            float rest = NEG;
-#pragma unroll
-            for (int c = 0; c < LANE_E; ++c) {
-              above[c] = __ballot_sync(FULL_MASK, val[c] > dual);
-              count += __popc(above[c]);
-              if (!(val[c] > dual)) rest = fmaxf(rest, val[c]);
-            }
-            if (count == m) {  // (the same in every lane)
-              rest = warp_max(rest);
-              const float w = rest > NEG ? rest : floor_w;
-              int before = 0;  // the picks of earlier columns: each pick's open entry
-#pragma unroll
-              for (int c = 0; c < LANE_E; ++c) {
-                if ((above[c] >> lane) & 1u) {
-                  const int j = lane + 32 * c;
-                  const int q = before + __popc(above[c] & ((1u << lane) - 1u));
-                  post_bid(b, t, open_entry(tok_e, t, q), j, a[t * E + j] - w + b.eps, rec_e,
-                           rec_p, bid_t, bid_p);
-                }
-                before += __popc(above[c]);
-              }
-              continue;
-            }
           }
           int my_pick = -1;  // lane r < m keeps the r-th pick
           float w = NEG;
@@ -1232,6 +1238,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       } else {
         for (int q = tid; q < open_tokens; q += THREADS) {
           const int t = open_list[q];
+          if (!selects(t)) continue;
+          if (first_round) atomicAnd(&evicted[t >> 5], ~(1u << (t & 31)));
           const u32* mt = mask + t * MW;
           const int m = OPEN_SLOTS(tok_e, real, t);
           for (int s = 0; s < K; ++s) rec_e[t * K + s] = -1;
@@ -1606,6 +1614,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
   }
   int open_after_auction = 0, augment_rounds = 0, cancel_rounds = 0, sink_rounds = 0;
   bool to_sink = false;  // phase 2's last part: paths from S (spare capacity)
+  [[maybe_unused]] bool graph_built = false;  // (the same in every thread)
   long long t_augment = t_auction;
   for (int phase = 2; phase <= 3; ++phase) {
     const bool cycles = phase == 3;
@@ -1638,8 +1647,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       // time), and of the other rows the entries the moves marked (the rest were kept exact
       // when the moves were applied).
 #if GRAPH_SMEM || (GRAPH_IN_WORK && STATE_SMEM)
-      if (!cycles && round == 0) all_expert_rows(b, gain, a, tok_e, mask, real);
+      // The first graph token by token (in phase 3 where the auction left no slot open, so
+      // that phase 2 built none), then the changed rows.
+      if (!graph_built) all_expert_rows(b, gain, a, tok_e, mask, real);
       else expert_rows(b, gain, tmp, cols, a, hold_t, mask);
+      graph_built = true;
 #else
       expert_rows(b, gain, tmp, cols, a, hold_t, mask);
 #endif
