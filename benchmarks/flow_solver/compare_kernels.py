@@ -93,13 +93,12 @@ def use_kernel(
 
     global_cuda.kernel_source = kernel_source
     global_cuda.kernel_defines = defines
-    global_cuda.start_prices = (
-        (lambda *_: None)
-        if own_prices
-        else start_prices_with_duals
-        if reads_duals
-        else SHIPPED_START_PRICES
-    )
+    if own_prices:
+        global_cuda.start_prices = lambda *_: None
+    elif reads_duals:
+        global_cuda.start_prices = start_prices_with_duals
+    else:
+        global_cuda.start_prices = SHIPPED_START_PRICES
     global_cuda.launch_defines.cache_clear()
     global_cuda._compiled.cache_clear()
     global_cuda._price_launch.cache_clear()

@@ -311,8 +311,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             hi = fmaxf(hi, x);
           }
         }
-#pragma unroll
-        for (int o = SEG / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        m = segment_max(m);
         if (row[r] && sub == 0) {
           rmax += m;
           rows += 1.0f;
