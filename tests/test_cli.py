@@ -94,12 +94,17 @@ def test_compare_writes_table_csv_and_plot(tmp_path: Path) -> None:
         "--model-option", "num_attention_heads=2", "--model-option", "num_experts=4",
         "--seq-len", "16", "--batch-size", "2", "--max-steps", "4", "--logging-steps", "1",
         "--eval-steps", "2", "--save-steps", "0", "--no-save-final", "--max-eval-blocks", "4",
-        "--quiet", "--report-to", "none",
+        "--quiet", "--report-to", "none", "--reruns", "1", "--margin", "0.02",
     ]  # fmt: skip
     assert main(argv) == 0
     md = (out / "comparison.md").read_text()
-    assert "val loss (mean ± std over seeds)" in md and "Δ vs gshard (mean ± std over seeds)" in md
+    assert "val loss (mean ± std over seeds)" in md
+    assert "Δ vs gshard (mean [95% t interval over seeds])" in md and "seeds needed" in md
+    assert "**maxscore** vs gshard: " in md and "±0.02" in md
     assert "| gshard | 1 |" in md and "| maxscore | 2 |" in md  # the per-run rows
+    # --reruns 1: each router's first seed once more, reported as same-seed noise
+    assert "## Same-seed reruns" in md and "Same-seed noise over 2 rerun(s)" in md
+    assert (out / "maxscore" / "seed-1-rerun-1" / "metrics.jsonl").is_file()
     with (out / "comparison.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["router"], r["seed"]) for r in rows] == [
@@ -109,9 +114,17 @@ def test_compare_writes_table_csv_and_plot(tmp_path: Path) -> None:
     # The delta is paired by validation document and seed: the reference's own is 0.
     assert [float(r["delta"]) for r in rows[:2]] == [0.0, 0.0]
     assert all(float(r["delta_se"]) >= 0 for r in rows[2:])
-    summary = json.loads((out / "comparison.json").read_text())["routers"]
+    payload = json.loads((out / "comparison.json").read_text())
+    summary = payload["routers"]
     mean = sum(float(r["eval_loss"]) for r in rows[2:]) / 2
     assert summary[1]["router"] == "maxscore" and summary[1]["eval_loss"] == pytest.approx(mean)
+    found = summary[1]["evidence"]
+    assert found["n"] == 2 and found["df"] == 1 and found["margin"] == 0.02
+    assert found["low"] < found["mean"] < found["high"]
+    assert "evidence" not in summary[0]  # the reference
+    assert [(r["router"], r["rerun"]) for r in payload["reruns"]] == [
+        ("gshard", 1), ("maxscore", 1)
+    ]  # fmt: skip
     for name in ("loss_curves.png", "loss_differences.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "gshard" / "seed-1" / "metrics.jsonl").is_file()

@@ -4,14 +4,16 @@ Nothing here measures: it reads ``<results-dir>/raw/<router>/seed-<s>/`` (copied
 directories by ``study.py run``) and states, claim by claim, what the runs say, with the number
 of seeds and tokens each claim rests on. A claim whose runs are missing is "pending".
 
-Verdicts compare a mean difference over seeds (paired by seed and validation document) with
-its error: the standard error over seeds (``sem = std / sqrt(n)``) combined with the paired
-validation standard error over documents. "reproduces" when the difference has the paper's sign
-and is more than two errors from 0, "opposite" when it is more than two errors the other way,
-"inconclusive" otherwise, and always with a single seed (the spread over seeds is unknown).
-The paper's "negligible gain" claims (GShard-M, GShard-I alone) reproduce unless the gain is more
-than two errors above 0; superadditivity is the excess gain(SM) - gain(S) - gain(M) tested like a
-gain.
+Verdicts rest on the per-seed paired differences (paired by seed and validation document) and
+their 95% Student-t interval over seeds (``n - 1`` degrees of freedom;
+:mod:`maxscore.training.evidence`): "reproduces" when the interval excludes 0 on the paper's
+side, "opposite" on the other side, "no difference beyond ±0.01" when the whole interval lies
+within the equivalence margin (:data:`MARGIN`) where the paper claims a gain, "inconclusive"
+otherwise and always with a single seed. The paper's "negligible gain" claims (GShard-M,
+GShard-I alone) reproduce only when the interval lies within the margin (or wholly on the losing
+side: no gain); non-significance alone is not equivalence. Superadditivity is the excess
+gain(SM) - gain(S) - gain(M) computed per seed (the GShard run it shares enters once per seed)
+and judged like a gain.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from study_plan import ROUTERS, SUPERSEDED, StudyConfig
 
 from maxscore.evaluation.registry import PAPER_TASK_BY_NAME
+from maxscore.training import evidence
 from maxscore.training.validation_set import paired_difference
 
 #: The paper's Table 2 / Table 3 average accuracy (%) over its ten tasks, Base size.
@@ -168,10 +171,15 @@ def _per_card(speeds: dict[str, Any]) -> str:
     return "; ".join(parts) or "pending"
 
 
+#: Equivalence margin (nats) of the verdicts: a 1% change in perplexity.
+MARGIN = 0.01
+
+
 def _paired(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, Any] | None:
-    """``loss(a) - loss(b)`` per common seed (paired by validation document), over seeds."""
+    """``loss(a) - loss(b)`` per common seed (paired by validation document), over seeds, with
+    the per-seed values (``per_seed``) and their t interval (``evidence``)."""
     by_seed = {r["seed"]: r for r in runs.get(b, [])}
-    diffs, ses = [], []
+    diffs, ses, seeds = [], [], []
     for run in runs.get(a, []):
         other = by_seed.get(run["seed"])
         if other is None or run["eval_loss"] is None or other["eval_loss"] is None:
@@ -183,8 +191,11 @@ def _paired(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, 
         )
         diffs.append(paired[0] if paired else run["eval_loss"] - other["eval_loss"])
         ses.append(paired[1] if paired else None)
+        seeds.append(run["seed"])
     stats = _mean_std(diffs)
     if stats is not None:
+        stats["per_seed"] = dict(zip(seeds, diffs, strict=True))
+        stats["evidence"] = evidence.describe(diffs, margin=MARGIN)
         known = [s for s in ses if s is not None]
         stats["validation_se"] = (
             math.sqrt(sum(s * s for s in known)) / len(known) if known else None
@@ -193,32 +204,34 @@ def _paired(runs: dict[str, list[dict[str, Any]]], a: str, b: str) -> dict[str, 
 
 
 def verdict(diff: dict[str, Any] | None, expected_sign: int) -> str:
-    """``reproduces`` / ``opposite`` / ``inconclusive`` / ``pending`` (module docstring).
-
-    The error is the standard error over seeds combined with the validation standard error
-    (over documents, paired): with two or three seeds the spread over seeds is itself uncertain,
-    and the validation sample adds its own noise.
-    """
+    """``reproduces`` / ``opposite`` / ``no difference beyond ±m`` / ``inconclusive`` /
+    ``pending`` from the 95% t interval of ``diff``'s per-seed values (module docstring)."""
     if diff is None:
         return "pending"
-    if diff["sem"] is None:
+    found = diff.get("evidence") or evidence.describe(
+        list(diff.get("per_seed", {}).values()) or [diff["mean"]], margin=MARGIN
+    )
+    if found["low"] is None:
         return "inconclusive (one seed)"
-    error = math.hypot(diff["sem"], diff.get("validation_se") or 0.0)
-    if expected_sign * diff["mean"] > 2 * error:
+    low, high = sorted((expected_sign * found["low"], expected_sign * found["high"]))
+    if low > 0:
         return "reproduces"
-    if -expected_sign * diff["mean"] > 2 * error:
+    if high < 0:
         return "opposite"
+    if found["within_margin"]:
+        return f"no difference beyond ±{MARGIN}"
     return "inconclusive"
 
 
 def negligible_verdict(diff: dict[str, Any] | None) -> str:
-    """The paper's "negligible improvement" claims (GShard-M, GShard-I): ``reproduces`` unless
-    :func:`verdict` finds a clear gain; a clear loss is no improvement either, and is named."""
+    """The paper's "negligible improvement" claims (GShard-M, GShard-I): ``reproduces`` when
+    the interval lies within ±:data:`MARGIN` or wholly on the losing side; a clear gain does
+    not reproduce; an interval that reaches past the margin is inconclusive."""
     found = verdict(diff, 1)
     return {
         "reproduces": "does not reproduce (a clear gain)",
         "opposite": "reproduces (no gain; worse than GShard)",
-        "inconclusive": "reproduces (no clear gain)",
+        f"no difference beyond ±{MARGIN}": f"reproduces (within ±{MARGIN})",
     }.get(found, found)
 
 
@@ -361,16 +374,19 @@ def _claims(runs: dict[str, list[dict[str, Any]]], routers: dict[str, Any]) -> d
         name: _paired(runs, "gshard", name)
         for name in ("gshard-s", "gshard-m", "gshard-i", "maxscore", "maxscore-i")
     }
+    over_gshard_i = _paired(runs, "gshard-i", "maxscore")
     additive = None
     if all(gain[n] for n in ("gshard-s", "gshard-m", "maxscore")):
         sm, s, m = (gain[n]["mean"] for n in ("maxscore", "gshard-s", "gshard-m"))
-        sems = [gain[n]["sem"] for n in ("maxscore", "gshard-s", "gshard-m")]
-        # The excess gain(SM) - gain(S) - gain(M), its error from the three gains' (as if
-        # independent; they share GShard's runs, so this is a rough error).
-        excess = {
-            "mean": sm - s - m,
-            "sem": None if None in sems else math.sqrt(sum(x * x for x in sems)),
-        }
+        # The excess gain(SM) - gain(S) - gain(M) per seed: the three gains share the GShard
+        # run of each seed, so their errors are not independent.
+        per = [gain[n]["per_seed"] for n in ("maxscore", "gshard-s", "gshard-m")]
+        common = sorted(set(per[0]) & set(per[1]) & set(per[2]))
+        values = [per[0][x] - per[1][x] - per[2][x] for x in common]
+        excess = _mean_std(values)
+        if excess is not None:
+            excess["per_seed"] = dict(zip(common, values, strict=True))
+            excess["evidence"] = evidence.describe(values, margin=MARGIN)
         additive = {
             "gain_sm": sm,
             "gain_s_plus_gain_m": s + m,
@@ -402,6 +418,7 @@ def _claims(runs: dict[str, list[dict[str, Any]]], routers: dict[str, Any]) -> d
             "gain": gain["maxscore-i"],
             "verdict": verdict(gain["maxscore-i"], 1),
         },
+        "maxscore_beats_gshard_i": {"gain": over_gshard_i, "verdict": verdict(over_gshard_i, 1)},
         "s_and_m_superadditive": additive,
     }
 
@@ -413,6 +430,7 @@ def _claims(runs: dict[str, list[dict[str, Any]]], routers: dict[str, Any]) -> d
 CLAIM_LABELS: tuple[tuple[str, str], ...] = (
     ("maxscore_beats_gshard", "MaxScore beats GShard (Table 2)"),
     ("maxscore_i_beats_gshard", "MaxScore-I beats GShard (Table 2)"),
+    ("maxscore_beats_gshard_i", "MaxScore beats GShard-I (Table 2: every baseline)"),
     ("softtopk_alone_helps", "SoftTopk alone helps: GShard-S (Table 3)"),
     ("flow_alone_negligible", "Flow alone gives a negligible gain: GShard-M (Table 3)"),
     ("rerouting_alone_negligible", "Rerouting alone gives a negligible gain: GShard-I (Table 3)"),
@@ -442,10 +460,11 @@ def _rerun_lines(found: dict[str, Any] | None) -> list[str]:
 
 def _additivity(add: dict[str, Any]) -> str:
     excess = add["excess"]
-    error = "" if excess["sem"] is None else f" ± {excess['sem']:.4f}"
+    found = (excess or {}).get("evidence")
+    text = evidence.format_interval(found) if found else "pending"
     return (
         f"gain(SM) {add['gain_sm']:+.4f} vs gain(S) + gain(M) {add['gain_s_plus_gain_m']:+.4f}: "
-        f"excess {excess['mean']:+.4f}{error}"
+        f"excess per seed {text}"
     )
 
 
@@ -467,9 +486,11 @@ def _pm(stats: dict[str, Any] | None, fmt: str = "{:.4f}") -> str:
 def _gain(stats: dict[str, Any] | None) -> str:
     if not stats:
         return "pending"
-    sem = f" ± {stats['sem']:.4f} (sem)" if stats.get("sem") is not None else ""
+    found = stats.get("evidence")
     vse = f"; validation SE {stats['validation_se']:.4f}" if stats.get("validation_se") else ""
-    return f"{stats['mean']:+.4f}{sem}, {stats['n']} seed(s){vse}"
+    if found and found.get("low") is not None:
+        return f"{evidence.format_interval(found)}{vse}"
+    return f"{stats['mean']:+.4f}, {stats['n']} seed(s){vse}"
 
 
 def render_readme(
@@ -605,7 +626,10 @@ def render_readme(
         "## Claims",
         "",
         "Gains are GShard's validation loss minus the router's (positive: better than GShard), "
-        "paired by seed and validation document; sem: standard error over seeds.",
+        "paired by seed and validation document: the mean over seeds with its 95% Student-t "
+        f"interval (n - 1 degrees of freedom); equivalence margin ±{MARGIN} nats. The claims "
+        "resolved over more paired seeds, with common routing groups and the sparsity sweep: "
+        "[`../paper_claims/`](../paper_claims/README.md).",
         "",
         "| claim (paper) | ours | verdict |",
         "|---|---|---|",

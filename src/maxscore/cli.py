@@ -38,7 +38,8 @@ examples:
   maxscore compare                                  # gshard, maxscore, dropless on tiny (CPU)
   maxscore compare --routers gshard,gshard-i,maxscore-i,maxscore --max-steps 200
   maxscore compare --routers dense,gshard,maxscore --model base --output-dir runs/cmp-base
-  maxscore compare --routers gshard,maxscore --seeds 42,43,44   # mean +- std over seeds
+  maxscore compare --routers gshard,maxscore --seeds 42,43,44   # intervals and verdicts
+  maxscore compare --routers gshard,maxscore --seeds 1,2,3,4,5,6 --margin 0.005 --deterministic
 
 Every router trains with the same data, seed(s) and budget; the output folder gets
 comparison.md (validation loss with its standard error, differences to the first router),
@@ -54,7 +55,8 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     g.add_argument(
         "--model",
         help=f"model preset (default {d.model}; see `maxscore presets`), or a checkpoint directory "
-        "/ hub name (maxscore, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)",
+        "/ hub name (maxscore, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; a hub name is read from the "
+        "HF cache when the Hub is offline or unreachable)",
     )
     g.add_argument(
         "--model-option",
@@ -77,10 +79,18 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     g.add_argument(
         "--dataset",
         help="'default' (embedded corpus), a HF dataset name ('c4' = allenai/c4 en, streamed) "
-        "or a local .txt/.jsonl file or folder",
+        "or a local .txt/.jsonl file or folder. Documents: one JSON object per .jsonl line; in a "
+        ".txt file, text separated by blank lines (see --txt-documents); 1%% of them (at least "
+        "one; validation_fraction in a --config file) is held out for validation",
     )
     g.add_argument("--dataset-config", help="HF dataset config name (e.g. en)")
     g.add_argument("--text-field", help=f"text column / JSON field (default {d.text_field})")
+    g.add_argument(
+        "--txt-documents",
+        choices=["paragraphs", "lines"],
+        help="how a .txt file is cut into documents: paragraphs = separated by blank lines "
+        f"(lines empty or only white space), lines = every non-blank line (default {d.txt_documents})",
+    )
     g.add_argument(
         "--streaming",
         action=argparse.BooleanOptionalAction,
@@ -155,6 +165,14 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         "--compile-mode",
         choices=["default", "max-autotune-no-cudagraphs"],
         help="torch.compile mode for --compile",
+    )
+    g.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="same-seed reruns agree bit for bit on one GPU type: torch's deterministic "
+        "algorithms (an op without one fails), cuDNN deterministic, CUBLAS_WORKSPACE_CONFIG="
+        ":4096:8, inductor's deterministic mode with --compile (slower; default off)",
     )
     g.add_argument("--deepspeed", help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path")
     g.add_argument(
@@ -246,7 +264,21 @@ def _error(message: str) -> int:
     return 2
 
 
+def _check_model_early(args: argparse.Namespace) -> str | None:
+    """A ``--model`` typo's message, found before torch and transformers are imported (~10 s)."""
+    from maxscore.training.pretrained import check_model_name
+
+    if getattr(args, "model", None):
+        try:
+            check_model_name(args.model)
+        except _USER_ERRORS as err:
+            return str(err)
+    return None
+
+
 def run_train(args: argparse.Namespace) -> int:
+    if (problem := _check_model_early(args)) is not None:
+        return _error(problem)
     from maxscore.training.distributed import is_main_process
     from maxscore.training.run import format_summary, prepare, train
 
@@ -270,11 +302,13 @@ def run_train(args: argparse.Namespace) -> int:
         return _error(str(err))
     if is_main_process():
         print(format_summary(result))
-    return 130 if result.interrupted else 0
+    return result.exit_status  # 0, or 128 + the signal that stopped the run (130: Ctrl-C)
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from maxscore.training.compare import compare
+    if (problem := _check_model_early(args)) is not None:
+        return _error(problem)
+    from maxscore.training.compare import ComparisonStopped, compare
 
     try:
         routers = [r.strip() for r in args.routers.split(",") if r.strip()]
@@ -286,15 +320,24 @@ def run_compare(args: argparse.Namespace) -> int:
             args.output_dir or "runs/compare",
             overwrite=bool(args.overwrite),
             seeds=seeds,
+            confidence=args.confidence,
+            margin=args.margin,
+            reruns=args.reruns,
         )
     except _USER_ERRORS as err:
         return _error(str(err))
-    from maxscore.training.compare import format_summary_markdown
+    except ComparisonStopped as stopped:
+        print(f"maxscore: {stopped}", file=sys.stderr)
+        return stopped.exit_status
+    from maxscore.training.compare import format_summary_markdown, verdict_sentences
     from maxscore.training.distributed import is_main_process
     from maxscore.training.seed_stats import summarize_by_router
 
     if is_main_process():
-        print(format_summary_markdown(summarize_by_router(rows), rows[0]["router"]))
+        summary = summarize_by_router(rows, args.confidence, args.margin)
+        print(format_summary_markdown(summary, rows[0]["router"]))
+        for line in verdict_sentences(summary, rows[0]["router"]):
+            print(line)
     return 0
 
 
@@ -312,13 +355,13 @@ def _parse_seeds(text: str | None) -> list[int] | None:
 
 
 def run_presets(args: argparse.Namespace) -> int:
-    from maxscore.models.presets import MODEL_PRESETS
-    from maxscore.routing.presets import ROUTER_PRESETS
+    # The plain tables: neither torch nor transformers is imported (0.3 s instead of 8 s).
+    from maxscore.preset_tables import MODEL_PRESETS, ROUTER_PRESET_TABLE
 
     if args.kind in ("all", "router"):
         print("router presets (--router):")
-        for name, preset in ROUTER_PRESETS.items():
-            paper = getattr(preset, "paper_name", "") or ""
+        for name, preset in ROUTER_PRESET_TABLE.items():
+            paper = preset.paper_name
             label = f" [{paper}]" if paper and paper.lower() != name else ""
             print(f"  {name:<22}{preset.description}{label}")
     if args.kind in ("all", "model"):
@@ -372,8 +415,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds",
         default=None,
         help="comma-separated seeds, e.g. 42,43,44: every router trains once per seed; the "
-        "table gives mean ± std over seeds and a plot the differences to the first router "
-        "(default: the single --seed)",
+        "table gives mean ± std over seeds, each router's paired difference to the first router "
+        "with its t interval over seeds, a verdict and the seeds needed, and a plot of the "
+        "differences (default: the single --seed)",
+    )
+    compare_p.add_argument(
+        "--confidence",
+        type=float,
+        default=0.95,
+        help="two-sided confidence of the intervals over seeds (default 0.95)",
+    )
+    compare_p.add_argument(
+        "--margin",
+        type=float,
+        default=0.01,
+        help="equivalence margin in nats: a router whose whole interval lies within ±margin of "
+        "the first router's loss is called equivalent (default 0.01, a 1%% perplexity change)",
+    )
+    compare_p.add_argument(
+        "--reruns",
+        type=int,
+        default=0,
+        help="train each router's first seed N more times with identical settings and report "
+        "the same-seed noise (default 0)",
     )
     _add_train_options(compare_p, compare=True)
     compare_p.set_defaults(func=run_compare)

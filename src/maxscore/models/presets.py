@@ -2,7 +2,9 @@
 
 Every paper size has 12 layers, 12 heads, vocabulary 32,000, untied embeddings, 16 experts with
 k = 2 and expert FFN width ``4 * hidden / k``. :func:`get_model_config` turns a preset plus a router
-preset name into a :class:`~maxscore.models.configuration_llama_moe.LlamaMoEConfig`.
+preset name into a :class:`~maxscore.models.configuration_llama_moe.LlamaMoEConfig`. The table
+itself, :data:`MODEL_PRESETS`, lives in :mod:`maxscore.preset_tables` (plain data, no
+transformers), so that ``maxscore presets`` and the ``--model`` name check read it cheaply.
 
 Parameter-count convention (checked against the paper's table in ``tests/test_model_presets.py``):
 *every* parameter counts, including the input embedding **and** the untied LM head (2 × 32,000 ×
@@ -34,136 +36,11 @@ so their parameters equal the MoE model's activated parameters (less the router 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from maxscore.preset_tables import MODEL_PRESETS, ModelPreset
+
 from .configuration_llama_moe import LlamaMoEConfig
-
-
-@dataclass(frozen=True)
-class ModelPreset:
-    """One named model size.
-
-    Attributes:
-        fields: :class:`LlamaMoEConfig` fields of this size.
-        description: one line for docs and ``--help``.
-        default_router: router preset used when :func:`get_model_config` gets none.
-        paper_activated / paper_total: the paper's parameter counts (``None`` if not reported).
-    """
-
-    fields: dict[str, Any]
-    description: str
-    default_router: str = "maxscore"
-    paper_activated: int | None = None
-    paper_total: int | None = None
-
-
-_PAPER_COMMON: dict[str, Any] = {
-    "vocab_size": 32000,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "tie_word_embeddings": False,
-    "num_experts": 16,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 2048,
-}
-
-
-def _paper(hidden: int, **overrides: Any) -> dict[str, Any]:
-    # moe_intermediate_size is left to the config default 4 * hidden / k.
-    return {**_PAPER_COMMON, "hidden_size": hidden, **overrides}
-
-
-MODEL_PRESETS: dict[str, ModelPreset] = {
-    "tiny": ModelPreset(
-        fields={
-            # CPU-trainable in minutes: ~1.3M non-embedding parameters; with a 32k vocabulary the
-            # embeddings dominate (2 × 32000 × 128 = 8.2M), pass vocab_size from a smaller
-            # tokenizer to shrink it further.
-            "vocab_size": 32000,
-            "hidden_size": 128,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "max_position_embeddings": 1024,
-        },
-        description="4 layers, hidden 128, 8 experts k=2: smoke tests and CPU training",
-    ),
-    "base": ModelPreset(
-        fields=_paper(768),
-        description="paper Base: hidden 768, 16 experts k=2 (162M activated / 757M total)",
-        paper_activated=162_000_000,
-        paper_total=757_000_000,
-    ),
-    "large": ModelPreset(
-        fields=_paper(1128),
-        description="paper Large: hidden 1128, 16 experts k=2 (317M / 1.6B)",
-        paper_activated=317_000_000,
-        paper_total=1_600_000_000,
-    ),
-    "xl": ModelPreset(
-        fields=_paper(1608),
-        description="paper XL: hidden 1608, 16 experts k=2 (600M / 3.2B)",
-        paper_activated=600_000_000,
-        paper_total=3_200_000_000,
-    ),
-    "base-2x16": ModelPreset(
-        fields=_paper(768),
-        description="sparsity 2:16 (same as base)",
-        paper_activated=162_000_000,
-        paper_total=757_000_000,
-    ),
-    "base-2x32": ModelPreset(
-        fields=_paper(768, num_experts=32),
-        description="sparsity 2:32: Base with 32 experts (paper: 1475M total)",
-        paper_activated=162_000_000,
-        paper_total=1_475_000_000,
-    ),
-    "base-2x64": ModelPreset(
-        fields=_paper(768, num_experts=64),
-        description="sparsity 2:64: Base with 64 experts (paper: 2867M total)",
-        paper_activated=162_000_000,
-        paper_total=2_867_000_000,
-    ),
-    "base-8x128": ModelPreset(
-        fields=_paper(768, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=384),
-        description="fine-grained Base: 128 experts of 384, k=8 (activated as Base: 8 x 384 = "
-        "2 x 1536)",
-        paper_activated=162_000_000,
-    ),
-    "deepseek-base": ModelPreset(
-        fields=_paper(
-            768,
-            num_experts=64,
-            num_experts_per_tok=6,
-            moe_intermediate_size=384,
-            num_shared_experts=1,
-            shared_expert_intermediate_size=768,
-        ),
-        description="DeepSeek-style Base: 64 experts of 384, k=6, one shared expert of 768",
-        default_router="deepseek",
-        paper_activated=162_000_000,
-    ),
-    "dense-base": ModelPreset(
-        fields=_paper(768),
-        description="dense Base: SwiGLU MLP of 4*768, same activated size as base",
-        default_router="dense",
-        paper_activated=162_000_000,
-    ),
-    "dense-large": ModelPreset(
-        fields=_paper(1128),
-        description="dense Large: SwiGLU MLP of 4*1128",
-        default_router="dense",
-        paper_activated=317_000_000,
-    ),
-    "dense-xl": ModelPreset(
-        fields=_paper(1608),
-        description="dense XL: SwiGLU MLP of 4*1608",
-        default_router="dense",
-        paper_activated=600_000_000,
-    ),
-}
 
 
 def get_model_config(preset: str, router: str | None = None, **overrides: Any) -> LlamaMoEConfig:

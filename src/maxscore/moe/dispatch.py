@@ -362,10 +362,14 @@ def _sum_slot_rows_triton(src: Tensor, slot_row: Tensor) -> Tensor:
     def grid(meta: dict) -> tuple[int, int]:
         return triton.cdiv(t, meta["tokens"]), triton.cdiv(d, meta["block"])
 
-    if src.is_cuda:
+    # Under torch's deterministic mode Triton's autotuner finds no configuration (its timing
+    # run fails: "'NoneType' object is not a mapping", Triton 3.6 / torch 2.11 on an H200), and
+    # every configuration gives the same sums (each token's slots added in slot order), so that
+    # mode, like the interpreter, runs one fixed configuration.
+    if src.is_cuda and not torch.are_deterministic_algorithms_enabled():
         _sum_slot_rows_tuned[grid](src, slot_row.contiguous(), out, t, d, slots=s)
-    else:  # the Triton interpreter
-        fixed = _SUM_SLOT_ROWS_CONFIGS[0]
+    else:  # the Triton interpreter, or deterministic mode
+        fixed = _SUM_SLOT_ROWS_CONFIGS[0 if not src.is_cuda else 1]
         _sum_slot_rows_kernel[grid(fixed.kwargs)](
             src, slot_row.contiguous(), out, t, d, slots=s, num_warps=fixed.num_warps,
             **fixed.kwargs,

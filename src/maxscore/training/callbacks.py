@@ -4,9 +4,12 @@
   ``t`` schedule, the DeepSeek-V3 balancing bias).
 * :class:`RoutingStatisticsCallback`: after every optimizer step, the routing statistics go to
   the trainer's :class:`~maxscore.training.metrics.TrainingMetrics`.
-* :class:`FinalCheckpointCallback`: a checkpoint at the last step and on Ctrl-C (SIGINT).
+* :class:`FinalCheckpointCallback`: a checkpoint at the last step and on Ctrl-C (SIGINT),
+  SIGTERM or SIGUSR1 (a scheduler's preemption), then a clean stop.
 * :class:`GarbageCollectionCallback`: Python's garbage collected every N steps, not whenever
   its allocation counters say.
+* :class:`DeterministicAlgorithms`: torch's deterministic settings around a run
+  (``--deterministic``), restored after it.
 * :class:`RunDirectoryCallback`: tells the run directory when a checkpoint is in place.
 * :class:`CompactProgressCallback`: the progress bar with one readable line per log.
 * :func:`tensorboard_callback`: TensorBoard logs in ``<run>/tensorboard``.
@@ -14,10 +17,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
+import os
 import signal
 import sys
+import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -31,9 +39,14 @@ from maxscore.training.reporting import wants_tensorboard
 from maxscore.training.run_dir import RunDirectory
 
 __all__ = [
+    "CUBLAS_WORKSPACE_CONFIG",
+    "REPEATED_SIGNAL_S",
+    "STOP_SIGNALS",
     "CompactProgressCallback",
+    "DeterministicAlgorithms",
     "FinalCheckpointCallback",
     "GarbageCollectionCallback",
+    "NondeterministicOperationError",
     "RouterStepCallback",
     "RoutingStatisticsCallback",
     "RunDirectoryCallback",
@@ -70,36 +83,74 @@ class RoutingStatisticsCallback(TrainerCallback):
         return control
 
 
+#: The signals that ask a run for a checkpoint and a clean stop at the end of the current step:
+#: Ctrl-C, SIGTERM (Slurm's preemption and time limit, ``docker stop``, ``timeout``, ``kill``)
+#: and SIGUSR1 (the preemption warning many clusters send, e.g. Slurm's ``--signal=USR1@120``)
+#: where the platform has it.
+STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
+
+#: The same SIGTERM / SIGUSR1 again within this many seconds is the same request delivered
+#: twice, not a second one: Slurm signals every process of a job step and torchrun forwards the
+#: signal it got to its workers, so each worker sees it twice at once.
+REPEATED_SIGNAL_S = 2.0
+
+
 class FinalCheckpointCallback(TrainerCallback):
-    """Save at the last step (so the run always ends with a checkpoint) and on Ctrl-C."""
+    """Save at the last step (so the run always ends with a checkpoint), and on a stop signal.
+
+    ``install`` / ``uninstall`` around ``Trainer.train`` put handlers for :data:`STOP_SIGNALS`
+    in place and the previous ones back (also when training raises). The first stop signal asks
+    for a checkpoint at the end of the current optimizer step and ends training there
+    (``interrupted``; ``stop_signal`` says which signal, for the exit status: 128 + its number,
+    see :attr:`maxscore.training.run.TrainResult.exit_status`); a second one aborts at once
+    without saving (``KeyboardInterrupt``, like a second Ctrl-C), except the same SIGTERM /
+    SIGUSR1 repeated within :data:`REPEATED_SIGNAL_S` seconds. Under DDP the processes agree
+    at logging steps (the signal may reach only some of them).
+    """
 
     def __init__(self, save_final: bool = True) -> None:
         self.save_final = save_final
         self.interrupted = False
-        self._previous_handler: Any = None
+        self.stop_signal: int | None = None
+        self._signalled_at = 0.0
+        self._previous_handlers: dict[int, Any] = {}
 
-    # SIGINT: first Ctrl-C asks for a checkpoint and a clean stop; a second one aborts.
     def install(self) -> None:
-        if not _can_install_signal_handler():
+        if not _can_install_signal_handler() or self._previous_handlers:
             return
-        self._previous_handler = signal.getsignal(signal.SIGINT)
-        signal.signal(signal.SIGINT, self._handle)
+        for signum in STOP_SIGNALS:
+            self._previous_handlers[signum] = signal.getsignal(signum)
+            signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGINT, self._previous_handler)
-            self._previous_handler = None
+        previous, self._previous_handlers = self._previous_handlers, {}
+        for signum, handler in previous.items():
+            # None: a handler installed outside Python, which cannot be put back; the default.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        now = time.monotonic()
         if self.interrupted:
+            repeated = signum == self.stop_signal and signum != signal.SIGINT
+            if repeated and now - self._signalled_at < REPEATED_SIGNAL_S:
+                return
             raise KeyboardInterrupt
         self.interrupted = True
-        print(
-            "\nmaxscore: interrupted; saving a checkpoint at the end of this step "
-            "(Ctrl-C again to abort without saving)",
-            file=sys.stderr,
-            flush=True,
-        )
+        self.stop_signal = signum
+        self._signalled_at = now
+        if signum == signal.SIGINT:
+            message = (
+                "\nmaxscore: interrupted; saving a checkpoint at the end of this step "
+                "(Ctrl-C again to abort without saving)"
+            )
+        else:
+            message = (
+                f"\nmaxscore: {signal.Signals(signum).name} received; saving a checkpoint at the "
+                "end of this step, then stopping (another signal aborts without saving)"
+            )
+        _say_from_handler(message)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
         stop = self.interrupted
@@ -107,14 +158,17 @@ class FinalCheckpointCallback(TrainerCallback):
         at_check = state.global_step % max(args.logging_steps, 1) == 0
         if distributed and at_check:
             # Every process must take the same decision, or the collective save would hang; the
-            # all-reduce is a host sync, so it only runs at logging steps (Ctrl-C then saves at
-            # the next logging step).
+            # all-reduce is a host sync, so it only runs at logging steps (a signal then saves at
+            # the next logging step). The maximum carries the signal's number to every process.
             flag = torch.tensor(
-                [1.0 if stop else 0.0],
+                [float(self.stop_signal or 0) if stop else 0.0],
                 device="cuda" if torch.cuda.is_available() else "cpu",
             )
-            torch.distributed.all_reduce(flag)
-            stop = bool(flag.item() > 0)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            signum = int(flag.item())
+            stop = signum > 0
+            if stop and not self.interrupted:
+                self.stop_signal = signum
             self.interrupted = stop
         elif distributed:
             stop = False
@@ -128,6 +182,16 @@ class FinalCheckpointCallback(TrainerCallback):
             if self.save_final:
                 control.should_save = True
         return control
+
+
+def _say_from_handler(message: str) -> None:
+    """Print from a signal handler: ``print`` raises if the signal came in the middle of a
+    write to stderr (a buffered stream is not re-entrant); then the bytes go to fd 2 directly."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except RuntimeError:
+        with contextlib.suppress(OSError):
+            os.write(2, (message + "\n").encode())
 
 
 class GarbageCollectionCallback(TrainerCallback):
@@ -167,6 +231,148 @@ class GarbageCollectionCallback(TrainerCallback):
         if self._was_enabled is not None and state.global_step % self.interval == 0:
             gc.collect(1)
         return control
+
+
+#: The cuBLAS workspace setting of deterministic mode (one of the two torch accepts there).
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+_CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
+
+
+class NondeterministicOperationError(RuntimeError):
+    """An operation torch refused under ``--deterministic``: it has no deterministic
+    implementation on this device (the message names it; torch's error is the cause)."""
+
+
+class DeterministicAlgorithms:
+    """``TrainConfig.deterministic``: torch's deterministic settings for one run, restored after.
+
+    ``install`` (before the model is built and before anything runs on the GPU) /
+    ``uninstall`` (in a ``finally``) around the run, as :class:`GarbageCollectionCallback` does
+    with Python's collector, so a process that trains several runs (``maxscore compare``, the
+    tests) gets its previous settings back even when the run raises. While installed:
+
+    * ``torch.use_deterministic_algorithms(True)``, not ``warn_only``: an operation that has no
+      deterministic implementation raises (:meth:`explain` turns that error into a
+      :class:`NondeterministicOperationError` saying that ``--deterministic`` asked for it);
+      those that have one (``index_add_``, ``scatter_add_``, ``index_put_`` with accumulation,
+      ``gather`` / ``index_select`` backward on CUDA) switch to it;
+    * ``torch.backends.cudnn.deterministic = True`` and ``benchmark = False``;
+    * ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` when the environment has no value: cuBLAS may split a
+      product's reduction differently with the workspace it gets, so torch allows cuBLAS under
+      deterministic algorithms only with one of the two fixed configurations (``:4096:8``,
+      ``:16:8``) and reads the size when it creates a handle's workspace, i.e. at the first
+      product: set before the model is built, not inside the training loop;
+    * with ``compile``, ``torch._inductor.config.deterministic = True`` (no autotuning or
+      padding chosen by timing on the device, whose choices can change the numerics from run to
+      run); a torch without that attribute is refused (:meth:`check`), not trusted.
+
+    Seeds are the Trainer's (transformers' ``set_seed``: ``random``, NumPy, torch and every
+    CUDA device; ``build_model`` seeds the initialisation the same way), data order is seeded
+    by ``data_seed``, DataLoader workers by ``seed_worker``, streaming shuffle buffers by the
+    run's seed, and the model has no dropout. transformers' ``enable_full_determinism`` is not
+    used: it sets ``CUDA_LAUNCH_BLOCKING=1`` (every kernel launch synchronous: slower, and not
+    needed for determinism on one stream), overwrites a ``CUBLAS_WORKSPACE_CONFIG`` the user
+    set, and restores nothing.
+
+    Outside torch's switch: the MoE layer's Triton kernels (:mod:`maxscore.moe.dispatch`: a
+    gather-sum in a fixed slot order, run with one fixed tile configuration in this mode
+    because Triton's autotuner fails under it, and integer running counts, no atomics) and the flow
+    solver's CUDA kernels, whose assignment is a function of the input
+    (:mod:`maxscore.routing.flow.global_cuda`, "Determinism").
+    """
+
+    def __init__(self, enabled: bool, compile: bool = False) -> None:
+        self.enabled = enabled
+        self.compile = compile
+        self._previous: dict[str, Any] | None = None
+
+    @staticmethod
+    def check(compile: bool) -> None:
+        """Raise :class:`ConfigError` where deterministic mode cannot be honoured here: with
+        ``compile`` on a torch whose inductor has no deterministic mode, or with a
+        ``CUBLAS_WORKSPACE_CONFIG`` that torch does not accept as deterministic."""
+        if compile and not hasattr(_inductor_config(), "deterministic"):
+            raise ConfigError(
+                f"--deterministic with --compile needs torch._inductor.config.deterministic "
+                f"(inductor's deterministic mode), which torch {torch.__version__} does not "
+                "have; drop --compile (or --deterministic), or use a newer torch"
+            )
+        workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if workspace is not None and workspace not in _CUBLAS_DETERMINISTIC:
+            raise ConfigError(
+                f"--deterministic: CUBLAS_WORKSPACE_CONFIG={workspace} is not one of the "
+                f"settings under which cuBLAS is deterministic ({', '.join(_CUBLAS_DETERMINISTIC)});"
+                " unset it (deterministic mode then uses :4096:8) or drop --deterministic"
+            )
+
+    @property
+    def active(self) -> bool:
+        """Whether the settings are installed now."""
+        return self._previous is not None
+
+    def install(self) -> None:
+        if not self.enabled or self._previous is not None:
+            return
+        self.check(self.compile)
+        inductor = _inductor_config()
+        self._previous = {
+            "algorithms": torch.are_deterministic_algorithms_enabled(),
+            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            "inductor": getattr(inductor, "deterministic", None),
+        }
+        # Before the first cuBLAS call of the run (see the class docstring); a value the user
+        # set is kept (check() refused one that is not deterministic).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        if self.compile and inductor is not None:
+            inductor.deterministic = True
+
+    def uninstall(self) -> None:
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
+        # use_deterministic_algorithms sets inductor's flag too (torch 2.11's and 2.13's do): inductor's
+        # own previous value goes back after it.
+        torch.use_deterministic_algorithms(previous["algorithms"], warn_only=previous["warn_only"])
+        torch.backends.cudnn.deterministic = previous["cudnn_deterministic"]
+        torch.backends.cudnn.benchmark = previous["cudnn_benchmark"]
+        inductor = _inductor_config()
+        if inductor is not None and previous["inductor"] is not None:
+            inductor.deterministic = previous["inductor"]
+        if previous["cublas"] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = previous["cublas"]
+
+    def explain(self, error: BaseException) -> NondeterministicOperationError | None:
+        """The error to raise instead of torch's ``error`` when deterministic mode caused it (an
+        operation without a deterministic implementation, or cuBLAS without a deterministic
+        workspace), else ``None``."""
+        if not self.enabled or not isinstance(error, RuntimeError):
+            return None
+        text = str(error)
+        if "deterministic" not in text.lower() or isinstance(error, NondeterministicOperationError):
+            return None
+        return NondeterministicOperationError(
+            "--deterministic (TrainConfig.deterministic) made torch refuse an operation that "
+            "has no deterministic implementation on this device; drop --deterministic to run "
+            "it (same-seed reruns then differ slightly), or the option that selects that "
+            f"operation. torch said: {text}"
+        )
+
+
+def _inductor_config() -> ModuleType | None:
+    """``torch._inductor.config`` (imported on first use: it takes seconds), ``None`` where
+    this torch has no inductor."""
+    try:
+        return importlib.import_module("torch._inductor.config")
+    except ImportError:
+        return None
 
 
 def _can_install_signal_handler() -> bool:

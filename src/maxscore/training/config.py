@@ -33,6 +33,8 @@ LRSchedule = Literal["wsd", "cosine", "linear", "constant"]
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
 CompileMode = Literal["default", "max-autotune-no-cudagraphs"]
 COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
+TxtDocuments = Literal["paragraphs", "lines"]
+TXT_DOCUMENTS: tuple[str, ...] = ("paragraphs", "lines")
 
 #: Fields that may differ between a run directory's stored config and a ``--resume`` of it
 #: without a warning: they say where/how to run, not what is trained.
@@ -70,6 +72,10 @@ class TrainConfig:
         dataset_config: Hugging Face dataset config name (``"en"`` for C4).
         text_field: the text column of a HF dataset or a JSONL record.
         streaming: stream a HF dataset instead of downloading it (``None``: only for C4).
+        txt_documents: how a local ``.txt`` file is cut into documents: ``"paragraphs"``
+            (default): documents are separated by blank lines (lines that are empty or only white
+            space); ``"lines"``: every non-blank line is a document. Refused for a source
+            without ``.txt`` files (:mod:`maxscore.training.data`).
         validation_fraction: share of documents held out when the source has no validation split.
         max_train_documents: use only the first N (seed-shuffled) training documents.
         max_eval_blocks: validation blocks per evaluation, evenly spaced over the split so every
@@ -105,6 +111,13 @@ class TrainConfig:
             ``"max-autotune-no-cudagraphs"``. (``"reduce-overhead"``, CUDA graphs per layer, is
             refused: under the Trainer's gradient accumulation its graph outputs are overwritten
             before the backward pass reads them, measured on an H200 with torch 2.11.)
+        deterministic: same-seed reruns agree bit for bit on one GPU type (and on the CPU):
+            ``torch.use_deterministic_algorithms(True)`` (an operation without a deterministic
+            implementation fails instead of running), cuDNN deterministic without benchmarking,
+            ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, and with ``compile`` inductor's deterministic
+            mode (no autotuning by timing); refused with ``compile`` on a torch without that
+            mode. Set for the run and restored after it
+            (:class:`~maxscore.training.callbacks.DeterministicAlgorithms`); slower.
         output_dir: run directory (``None``: ``runs/<model>-<router>``).
         eval_steps, save_steps, logging_steps: intervals in optimizer steps (0 disables).
         save_total_limit: checkpoints kept (oldest deleted after a new one is complete).
@@ -137,6 +150,7 @@ class TrainConfig:
     dataset_config: str | None = None
     text_field: str = "text"
     streaming: bool | None = None
+    txt_documents: TxtDocuments = "paragraphs"
     validation_fraction: float = 0.01
     max_train_documents: int | None = None
     max_eval_blocks: int | None = None
@@ -166,6 +180,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     compile: bool = False
     compile_mode: CompileMode = "default"
+    deterministic: bool = False
     output_dir: str | None = None
     # Every 250 steps: one evaluation of the whole validation split (195k tokens) costs about a
     # sixth of the default 250-step CPU run, so the default run evaluates once, at its end.
@@ -223,6 +238,11 @@ class TrainConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise ConfigError(
                 f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}"
+            )
+        if self.txt_documents not in TXT_DOCUMENTS:
+            raise ConfigError(
+                f"txt_documents must be one of {', '.join(TXT_DOCUMENTS)} (documents of a .txt "
+                f"file: separated by blank lines, or one per line), got {self.txt_documents!r}"
             )
         if self.precision not in ("auto", "bf16", "fp16", "fp32"):
             raise ConfigError(f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")

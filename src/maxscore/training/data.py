@@ -3,8 +3,12 @@
 Sources (``TrainConfig.dataset``):
 
 * ``"default"`` — the embedded corpus of :mod:`maxscore.data` (train / validation split shipped).
-* a local ``.txt`` file (documents separated by blank lines), ``.jsonl`` file (one JSON object per
-  line, text in ``text_field``) or a folder of them.
+* a local ``.txt`` file, ``.jsonl`` file (one JSON object per line, text in ``text_field``) or
+  a folder of them. A ``.txt`` file's documents are separated by blank lines (lines empty or only
+  white space), or with ``txt_documents="lines"`` each non-blank line is one
+  (:func:`split_txt_documents`). ``validation_fraction`` of the documents (at least one) is held
+  out for validation; a source of fewer than two documents is refused with the reason (an empty
+  or white-space file, a whole file without blank lines read as one document).
 * any Hugging Face dataset name (``"c4"`` means ``allenai/c4`` with config ``en``, streamed).
 
 Packing (:mod:`~maxscore.training.packing`; every source goes through it): documents, in a
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -55,6 +60,7 @@ __all__ = [
     "load_tokenizer",
     "pack_documents",
     "pack_token_stream",
+    "split_txt_documents",
 ]
 
 #: Short names for well-known Hugging Face datasets: name -> (path, config, streaming default).
@@ -106,6 +112,9 @@ class TextSplits:
     validation: list[str]
     description: str
     stream_factory: Callable[[int], Iterable[str]] | None = None
+    #: ``validation_fraction`` when the validation documents were held out of one list of
+    #: documents (None: the source's own validation split).
+    held_out_fraction: float | None = None
 
 
 #: Share of a text file's characters that may be control characters or undecodable bytes
@@ -134,8 +143,26 @@ def _first_undecodable_line(raw: bytes) -> int | None:
     return None
 
 
-def _read_txt(file: Path) -> list[str]:
-    """Documents of a ``.txt`` file (blank-line separated); refuses files that are not text.
+#: A blank line between two documents of a ``.txt`` file: empty or only white space (so
+#: ``\r\n`` line ends count too); several in a row are one separator.
+_BLANK_LINES = re.compile(r"\n\s*\n")
+
+
+def split_txt_documents(text: str, rule: str = "paragraphs") -> list[str]:
+    """The documents of a ``.txt`` file's text (``TrainConfig.txt_documents``), stripped.
+
+    ``"paragraphs"``: separated by blank lines (lines empty or only white space);
+    ``"lines"``: every non-blank line. Empty documents are dropped.
+    """
+    if rule not in ("paragraphs", "lines"):
+        raise DataError(f"unknown .txt document rule {rule!r}; use 'paragraphs' or 'lines'")
+    parts = text.split("\n") if rule == "lines" else _BLANK_LINES.split(text)
+    return [d.strip() for d in parts if d.strip()]
+
+
+def _read_txt(file: Path, rule: str = "paragraphs") -> list[str]:
+    """Documents of a ``.txt`` file (:func:`split_txt_documents`); refuses files that are not
+    text.
 
     Undecodable bytes are replaced (U+FFFD) with a warning naming the first bad line; a file
     whose characters are more than ``BINARY_REFUSE_FRACTION`` control characters or bad bytes
@@ -157,7 +184,7 @@ def _read_txt(file: Path) -> list[str]:
             f" or bytes that are not UTF-8{where}; training on it with those replaced",
             file=sys.stderr,
         )
-    return [d.strip() for d in text.split("\n\n") if d.strip()]
+    return split_txt_documents(text, rule)
 
 
 def _read_jsonl(file: Path, text_field: str) -> list[str]:
@@ -197,30 +224,73 @@ def _read_jsonl(file: Path, text_field: str) -> list[str]:
     return docs
 
 
-#: Readers of local files, by suffix.
-_LOCAL_READERS: dict[str, Callable[[Path, str], list[str]]] = {
-    ".txt": lambda file, _field: _read_txt(file),
-    ".jsonl": _read_jsonl,
+#: Readers of local files, by suffix: ``reader(file, text_field, txt_documents)``.
+_LOCAL_READERS: dict[str, Callable[[Path, str, str], list[str]]] = {
+    ".txt": lambda file, _field, rule: _read_txt(file, rule),
+    ".jsonl": lambda file, field, _rule: _read_jsonl(file, field),
 }
 
 
-def _read_local(path: Path, text_field: str) -> list[str]:
-    files: list[Path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_READERS)
-        if not files:
-            raise DataError(f"folder {str(path)!r} holds no .txt or .jsonl files")
-    else:
-        files = [path]
+def _local_files(path: Path) -> list[Path]:
+    """The data files of a local source: the file itself, or a folder's .txt / .jsonl files."""
+    if not path.is_dir():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.suffix in _LOCAL_READERS)
+    if not files:
+        raise DataError(f"folder {str(path)!r} holds no .txt or .jsonl files")
+    return files
+
+
+def _read_local(path: Path, text_field: str, txt_documents: str = "paragraphs") -> list[str]:
     docs: list[str] = []
-    for file in files:
+    for file in _local_files(path):
         reader = _LOCAL_READERS.get(file.suffix)
         if reader is None:
             raise DataError(
                 f"unsupported file type {file.suffix!r} for {str(file)!r}: use .txt or .jsonl"
             )
-        docs.extend(reader(file, text_field))
+        docs.extend(reader(file, text_field, txt_documents))
     return docs
+
+
+def _why_too_few_documents(path: Path, docs: list[str], config: TrainConfig) -> str:
+    """Why a local source of fewer than two documents gives no validation document."""
+    files = _local_files(path)
+    one = len(files) == 1 and not path.is_dir()
+    if not docs:
+        if all(f.stat().st_size == 0 for f in files):
+            return "the file is empty" if one else f"its {len(files)} data files are empty"
+        return (
+            "the file holds only white space"
+            if one
+            else f"its {len(files)} data files hold only white space (or nothing)"
+        )
+    if config.txt_documents == "paragraphs":
+        txt_lines = sum(
+            sum(
+                1
+                for line in f.read_text(encoding="utf-8", errors="replace").split("\n")
+                if line.strip()
+            )
+            for f in files
+            if f.suffix == ".txt"
+        )
+        if txt_lines > 1:
+            what = "the whole file is" if one else "all its .txt text is"
+            return (
+                f"{what} one document: documents in a .txt file are separated by blank lines, "
+                f"and its {txt_lines:,} lines have no blank line between them; for one document "
+                "per line pass --txt-documents lines"
+            )
+    return _too_few_for_fraction(1, config.validation_fraction, "the file" if one else "it")
+
+
+def _too_few_for_fraction(n_docs: int, fraction: float, subject: str = "it") -> str:
+    return (
+        f"{subject} holds {n_docs} document{'s' if n_docs != 1 else ''}, and holding "
+        f"validation_fraction={fraction:g} of the documents out for validation needs at least 2 "
+        "(one to validate on, the rest to train on)"
+    )
 
 
 def _split_validation(docs: list[str], fraction: float, seed: int) -> tuple[list[str], list[str]]:
@@ -287,17 +357,24 @@ def _hf_source(config: TrainConfig) -> TextSplits:
     train_docs = [str(t) for t in train[field]]
     if validation is not None:
         val_docs = [str(t) for t in validation[field]]
+        held_out = None
     else:
         train_docs, val_docs = _split_validation(
             train_docs, config.validation_fraction, config.seed
         )
-    return TextSplits(train_docs, val_docs, f"{name} ({ds_config})")
+        held_out = config.validation_fraction
+    return TextSplits(train_docs, val_docs, f"{name} ({ds_config})", held_out_fraction=held_out)
 
 
 def load_text_splits(config: TrainConfig) -> TextSplits:
     """The documents of ``config.dataset`` split into train and validation."""
     source = config.dataset
     if source in ("default", "embedded"):
+        if config.txt_documents != "paragraphs":
+            raise DataError(
+                f"--txt-documents {config.txt_documents} applies to local .txt files, and the "
+                "embedded corpus is not one"
+            )
         from maxscore.data import load_default_corpus
 
         corpus = load_default_corpus()
@@ -308,9 +385,28 @@ def load_text_splits(config: TrainConfig) -> TextSplits:
     if path.exists() or source.endswith((".txt", ".jsonl")) or source.startswith((".", "/")):
         if not path.exists():
             raise DataError(f"data file or folder {source!r} does not exist")
-        docs = _read_local(path, config.text_field)
+        if config.txt_documents != "paragraphs" and not any(
+            f.suffix == ".txt" for f in _local_files(path)
+        ):
+            raise DataError(
+                f"--txt-documents {config.txt_documents} applies to .txt files, and {source!r} "
+                "has none (a .jsonl line is always one document)"
+            )
+        docs = _read_local(path, config.text_field, config.txt_documents)
+        if len(docs) < 2:
+            raise DataError(
+                f"dataset {source!r} gives no validation documents: "
+                f"{_why_too_few_documents(path, docs, config)}"
+            )
         train, val = _split_validation(docs, config.validation_fraction, config.seed)
-        return TextSplits(train, val, f"local {source}")
+        return TextSplits(
+            train, val, f"local {source}", held_out_fraction=config.validation_fraction
+        )
+    if config.txt_documents != "paragraphs":
+        raise DataError(
+            f"--txt-documents {config.txt_documents} applies to local .txt files, and dataset "
+            f"{source!r} is not one"
+        )
     return _hf_source(config)
 
 
@@ -348,14 +444,27 @@ def build_training_data(
     """
     splits = load_text_splits(config)
     if not splits.validation:
-        raise DataError(f"dataset {config.dataset!r} gives no validation documents")
+        if splits.held_out_fraction is not None:
+            why = _too_few_for_fraction(len(splits.train or []), splits.held_out_fraction)
+        else:
+            why = "its validation split is empty"
+        raise DataError(f"dataset {config.dataset!r} gives no validation documents: {why}")
     validation = pack_validation(
         splits.validation, tokenizer, config.seq_len, max_blocks=config.max_eval_blocks
     )
     if len(validation) == 0:
+        n_val = len(splits.validation)
+        which = f"the {n_val} validation document{'s' if n_val != 1 else ''} of {config.dataset!r}"
+        if splits.held_out_fraction is not None:
+            total = n_val + len(splits.train or [])
+            which += (
+                f" (validation_fraction={splits.held_out_fraction:g} of {total} documents, "
+                "at least one)"
+            )
         raise DataError(
-            f"the validation documents of {config.dataset!r} give no block of seq_len="
-            f"{config.seq_len} tokens; use more data or a shorter --seq-len"
+            f"{which} {'give' if n_val != 1 else 'gives'} no block of seq_len={config.seq_len} "
+            "tokens; use more or longer documents, a larger validation_fraction (a --config "
+            "field), or a shorter --seq-len"
         )
     if splits.stream_factory is not None:
         train: PackedDataset | PackedStream = PackedStream(

@@ -19,14 +19,21 @@ is the Trainer's own):
   checkpoints carry it, and the DeepSeek-V3 balancing bias);
 * MoE metrics in every training log and one line per log in ``metrics.jsonl``
   (:mod:`maxscore.training.metrics`);
-* atomic checkpoints with the tokenizer, Ctrl-C saving a checkpoint at the end of the current
-  step (:mod:`maxscore.training.trainer`, :mod:`maxscore.training.callbacks`).
+* the run directory's lock: one process owns it from :func:`prepare` to the end of
+  :func:`train` (:func:`~maxscore.training.run_lock.lock_run_dir`);
+* atomic checkpoints with the tokenizer, Ctrl-C, SIGTERM or SIGUSR1 saving a checkpoint at the
+  end of the current step (:mod:`maxscore.training.trainer`, :mod:`maxscore.training.callbacks`;
+  ``maxscore train`` then exits with 128 + the signal's number, :attr:`TrainResult.exit_status`);
+* ``--deterministic``: torch's deterministic settings from before the model is built to the end
+  of the final evaluation, restored after
+  (:class:`~maxscore.training.callbacks.DeterministicAlgorithms`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,6 +47,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from maxscore.training import checkpoint as ckpt
 from maxscore.training.callbacks import (
     CompactProgressCallback,
+    DeterministicAlgorithms,
     FinalCheckpointCallback,
     GarbageCollectionCallback,
     RouterStepCallback,
@@ -69,6 +77,7 @@ from maxscore.training.option_checks import check_parallel_options
 from maxscore.training.precision import resolve_precision
 from maxscore.training.reporting import check_report_to, trainer_report_to
 from maxscore.training.run_dir import CONFIG_FILE, RunDirectory, RunDirPlan, check_run_dir
+from maxscore.training.run_lock import lock_run_dir
 from maxscore.training.temperature import (
     ResolvedTemperature,
     apply_temperature,
@@ -110,6 +119,19 @@ class TrainResult:
     eval_loss_se: float | None = None
     eval_tokens: int | None = None
     eval_documents: int | None = None
+    #: the signal that stopped the run (``interrupted``): SIGINT, SIGTERM or SIGUSR1
+    stop_signal: int | None = None
+
+    @property
+    def exit_status(self) -> int:
+        """The status ``maxscore train`` exits with: 0 for a finished run; for one stopped by
+        a signal (its checkpoint saved, ``--resume`` continues it) 128 + the signal's number,
+        what a shell reports for a process that signal killed: 130 for Ctrl-C, 143 for SIGTERM,
+        138 for SIGUSR1 on Linux. A scheduler's epilog, ``sbatch --requeue`` scripts or a retry
+        loop thus see a run that did not complete, and which signal ended it."""
+        if not self.interrupted:
+            return 0
+        return 128 + int(self.stop_signal or signal.SIGINT)
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -139,12 +161,17 @@ def prepare(config: TrainConfig) -> PreparedRun:
     """Validate everything and build tokenizer, model config and data; no training yet.
 
     All bad input (unknown preset / dataset / tokenizer, seq_len too long, corpus too small,
-    run-directory conflicts) raises :class:`ConfigError` from here.
+    run-directory conflicts, a run directory in use by another process) raises
+    :class:`ConfigError` from here. On process 0 the returned run holds the run directory's
+    lock (:func:`~maxscore.training.run_lock.lock_run_dir`, taken before the directory is looked
+    at) until :func:`train` ends; a refusal here releases it.
     """
     config.validate()
     check_report_to(config.report_to)
     ws = world_size()
     precision = resolve_precision(config.precision)
+    if config.deterministic:
+        DeterministicAlgorithms.check(config.compile)
     if config.deepspeed is not None:
         deepspeed_config_path(config.deepspeed)
         if config.compile and zero_stage(config.deepspeed) == 3:
@@ -181,39 +208,43 @@ def prepare(config: TrainConfig) -> PreparedRun:
         )
     check_parallel_options(config, ws, model_config)
     plan = check_run_dir(config) if is_main_process() else _follower_plan(config)
-    total_steps = config.total_steps(ws)
-    # The SoftTopk t schedule follows the run (or a resumed run's stored length); resolved once.
-    temperature = resolve_temperature(
-        config, model_config.get_router_config(), total_steps, plan.resume_from
-    )
-    apply_temperature(model_config, temperature)
-    global_batch = config.batch_size * config.grad_accum * ws
-    if config.recipe == "paper" and global_batch != PAPER_GLOBAL_BATCH and is_main_process():
-        print(
-            f"maxscore: global batch is {global_batch} sequences ({config.batch_size} x "
-            f"{config.grad_accum} x {ws} GPUs), the paper's is {PAPER_GLOBAL_BATCH}; set "
-            "--batch-size / --grad-accum to match",
-            file=sys.stderr,
+    try:
+        total_steps = config.total_steps(ws)
+        # The SoftTopk t schedule follows the run (or a resumed run's stored length); resolved once.
+        temperature = resolve_temperature(
+            config, model_config.get_router_config(), total_steps, plan.resume_from
         )
-    data = build_training_data(
-        config,
-        tokenizer,
-        min_train_blocks=global_batch,
-        max_train_blocks=total_steps * global_batch,
-    )
-    return PreparedRun(
-        config,
-        plan.path,
-        plan.resume_from,
-        tokenizer,
-        model_config,
-        data,
-        precision,
-        ws,
-        total_steps,
-        plan,
-        temperature,
-    )
+        apply_temperature(model_config, temperature)
+        global_batch = config.batch_size * config.grad_accum * ws
+        if config.recipe == "paper" and global_batch != PAPER_GLOBAL_BATCH and is_main_process():
+            print(
+                f"maxscore: global batch is {global_batch} sequences ({config.batch_size} x "
+                f"{config.grad_accum} x {ws} GPUs), the paper's is {PAPER_GLOBAL_BATCH}; set "
+                "--batch-size / --grad-accum to match",
+                file=sys.stderr,
+            )
+        data = build_training_data(
+            config,
+            tokenizer,
+            min_train_blocks=global_batch,
+            max_train_blocks=total_steps * global_batch,
+        )
+        return PreparedRun(
+            config,
+            plan.path,
+            plan.resume_from,
+            tokenizer,
+            model_config,
+            data,
+            precision,
+            ws,
+            total_steps,
+            plan,
+            temperature,
+        )
+    except BaseException:
+        plan.release_lock()  # refused after the lock was taken: the directory is free again
+        raise
 
 
 def _follower_plan(config: TrainConfig) -> RunDirPlan:
@@ -245,7 +276,7 @@ def training_arguments(run: PreparedRun) -> TrainingArguments:
         "constant": {"lr_scheduler_type": "constant_with_warmup"},
     }[cfg.lr_schedule]
     deepspeed = deepspeed_config_path(cfg.deepspeed) if cfg.deepspeed else None
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=str(run.run_dir),
         per_device_train_batch_size=cfg.batch_size,
         per_device_eval_batch_size=cfg.batch_size,
@@ -293,6 +324,17 @@ def training_arguments(run: PreparedRun) -> TrainingArguments:
         ddp_find_unused_parameters=False,
         deepspeed=deepspeed,
     )
+    if run.world_size == 1 and args.n_gpu > 1:
+        # One process that sees several GPUs would make the Trainer wrap the model in
+        # nn.DataParallel, whose replicas return per-GPU aux losses and routing statistics
+        # (and run the routing kernels on copies); data parallelism here is torchrun's.
+        print(
+            f"maxscore: {args.n_gpu} GPUs visible to one process: training on {args.device} "
+            f"only; launch with torchrun --nproc-per-node {args.n_gpu} to use them all",
+            file=sys.stderr,
+        )
+        args._n_gpu = 1  # the Trainer's own count of the GPUs it spreads a batch over
+    return args
 
 
 def _activation_checkpointing_argument(enabled: bool) -> dict[str, bool]:
@@ -353,23 +395,48 @@ def train(
         prepared: the result of :func:`prepare` if the caller already validated the config.
     """
     run = prepared or prepare(config)
-    directory = RunDirectory(run.run_dir_plan or RunDirPlan(run.run_dir, run.resume_from))
+    plan = run.run_dir_plan or RunDirPlan(run.run_dir, run.resume_from)
     main = is_main_process()
-    if main:
-        directory.open()
+    if main and (plan.lock is None or not plan.lock.held):
+        # A plan made without check_run_dir, or whose run already ended: the directory is
+        # taken again before anything in it changes (run_lock.lock_run_dir).
+        plan.lock = lock_run_dir(plan.path)
+    directory = RunDirectory(plan)
     try:
-        result = _train(run, [*(callbacks or []), RunDirectoryCallback(directory)])
-    except BaseException:
         if main:
-            directory.close(failed=True)
-        raise
-    if main:
-        directory.close(failed=False)
+            directory.open()
+        try:
+            result = _train(run, [*(callbacks or []), RunDirectoryCallback(directory)])
+        except BaseException:
+            if main:
+                directory.close(failed=True)
+            raise
+        if main:
+            directory.close(failed=False)
+    finally:
+        plan.release_lock()  # after the directory is settled (a replaced run put back or gone)
     return result
 
 
 def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
-    """:func:`train` inside an opened run directory."""
+    """:func:`train` inside an opened run directory, with ``--deterministic``'s settings
+    installed before the model is built (before anything runs on the GPU) and restored when the
+    run ends or raises (:class:`~maxscore.training.callbacks.DeterministicAlgorithms`)."""
+    determinism = DeterministicAlgorithms(run.config.deterministic, compile=run.config.compile)
+    determinism.install()
+    try:
+        return _train_and_evaluate(run, callbacks)
+    except RuntimeError as err:
+        explained = determinism.explain(err)
+        if explained is None:
+            raise
+        raise explained from err
+    finally:
+        determinism.uninstall()
+
+
+def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
+    """The model built, trained and evaluated; the result written to the run directory."""
     cfg = run.config
     write_resolved_config(run)
     # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
@@ -451,6 +518,7 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
         peak_memory_gb=peak_memory_gb(),
         runtime_s=runtime,
         interrupted=interrupted,
+        stop_signal=final_cb.stop_signal if interrupted else None,
         routing=summarize_routing(routing),
         eval_loss_se=metrics.get("eval_loss_se"),
         eval_tokens=metrics.get("eval_tokens"),
@@ -493,7 +561,10 @@ def format_summary(result: TrainResult) -> str:
     """The lines ``maxscore train`` prints at the end."""
     lines = [f"run directory:     {result.run_dir}"]
     if result.interrupted:
-        lines.append(f"interrupted at step {result.steps}; checkpoint: {result.final_checkpoint}")
+        how = "interrupted"
+        if result.stop_signal not in (None, signal.SIGINT):
+            how = f"stopped by {signal.Signals(result.stop_signal).name}"
+        lines.append(f"{how} at step {result.steps}; checkpoint: {result.final_checkpoint}")
         lines.append("continue with the same command plus --resume")
         return "\n".join(lines)
     lines.append(f"steps / tokens:    {result.steps} / {result.tokens:,}")

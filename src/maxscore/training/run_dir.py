@@ -10,6 +10,8 @@
   nothing to resume from, and its ``config.json`` would block the corrected rerun).
 * A checkpoint that fails verification on ``--resume`` is renamed ``damaged-checkpoint-N``:
   kept for inspection, out of the way of resuming and rotation.
+* One process owns a run directory at a time (:mod:`maxscore.training.run_lock`):
+  :func:`check_run_dir` takes the lock before it looks at (or repairs) anything.
 
 Only process 0 calls these (the others wait at the Trainer's barriers).
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 from maxscore.training import checkpoint as ckpt
 from maxscore.training.config import ConfigError, TrainConfig
 from maxscore.training.integrity import describe_damage, newest_intact
+from maxscore.training.run_lock import RunDirLock, lock_run_dir
 
 CONFIG_FILE = "config.json"
 PREVIOUS_RUN_SUFFIX = ".previous-run"
@@ -61,6 +64,14 @@ class RunDirPlan:
     resume_from: Path | None = None
     replaces: bool = False
     damaged: dict[Path, list[str]] = field(default_factory=dict)
+    #: this process's hold on the run directory's lock (taken by :func:`check_run_dir`, given
+    #: up by :meth:`release_lock` when the run ends); ``None`` on processes other than 0.
+    lock: RunDirLock | None = field(default=None, repr=False, compare=False)
+
+    def release_lock(self) -> None:
+        """Give up the plan's hold on the run directory's lock (no-op when it has none)."""
+        if self.lock is not None:
+            self.lock.release()
 
 
 def recover_interrupted_overwrite(run_dir: Path) -> None:
@@ -118,16 +129,33 @@ def _resume_point(run_dir: Path) -> tuple[Path | None, dict[Path, list[str]]]:
 def check_run_dir(config: TrainConfig) -> RunDirPlan:
     """Decide how the run uses ``config.run_dir``; raise ConfigError on a conflict.
 
-    Refuses an existing run with a different config unless ``resume`` or ``overwrite``, an
-    existing run with the same config unless one of them, a folder that is not a run directory
-    unless ``overwrite``, and a location that is not writable. Writes nothing, apart from
-    finishing or undoing an interrupted ``--overwrite`` (:func:`recover_interrupted_overwrite`).
+    Takes the run directory's lock first (:func:`lock_run_dir`: another process's run there is
+    refused with :class:`~maxscore.training.run_lock.RunDirInUseError`); the returned plan holds it until
+    :meth:`RunDirPlan.release_lock` (``train`` calls it when the run ends), a refusal here
+    releases it. Refuses an existing run with a different config unless ``resume`` or
+    ``overwrite``, an existing run with the same config unless one of them, a folder that is not
+    a run directory unless ``overwrite``, and a location that is not writable. Writes nothing
+    but the lock file, apart from finishing or undoing an interrupted ``--overwrite``
+    (:func:`recover_interrupted_overwrite`).
     """
     run_dir = config.run_dir
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"output dir {str(run_dir)!r} exists and is not a directory")
-    recover_interrupted_overwrite(run_dir)
     _check_writable(run_dir)
+    lock = lock_run_dir(run_dir)
+    try:
+        plan = _plan_run_dir(config)
+    except BaseException:
+        lock.release()
+        raise
+    plan.lock = lock
+    return plan
+
+
+def _plan_run_dir(config: TrainConfig) -> RunDirPlan:
+    """:func:`check_run_dir` once the lock is held."""
+    run_dir = config.run_dir
+    recover_interrupted_overwrite(run_dir)
     plan = RunDirPlan(run_dir)
     if not (run_dir.is_dir() and any(run_dir.iterdir())):
         return plan

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from maxscore.training import evidence
 from maxscore.training.validation_set import VALIDATION_FILE, paired_difference
 
 __all__ = ["add_paired_differences", "mean_std", "summarize_by_router"]
@@ -78,13 +79,20 @@ MEAN_KEYS: tuple[str, ...] = (
 )
 
 
-def summarize_by_router(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def summarize_by_router(
+    rows: list[dict[str, Any]],
+    confidence: float = evidence.DEFAULT_CONFIDENCE,
+    margin: float = evidence.DEFAULT_MARGIN,
+) -> list[dict[str, Any]]:
     """One row per router, in first-seen order: mean ± std over seeds of loss and delta.
 
     Keys: ``router``, ``seeds``, ``eval_loss`` / ``eval_loss_std`` (over seeds), ``delta`` /
-    ``delta_std`` (over seeds) or, for one seed, ``delta_se`` (paired), and the seed means of
-    :data:`MEAN_KEYS`.
+    ``delta_std`` (over seeds) or, for one seed, ``delta_se`` (paired), the seed means of
+    :data:`MEAN_KEYS`, and for every router but the reference ``evidence``: the t interval of
+    its per-seed differences, the verdict at ``margin`` and the seeds needed
+    (:func:`maxscore.training.evidence.describe`).
     """
+    reference = rows[0]["router"] if rows else None
     out = []
     for router in dict.fromkeys(r["router"] for r in rows):
         runs = [r for r in rows if r["router"] == router]
@@ -95,6 +103,9 @@ def summarize_by_router(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         summary["delta"], summary["delta_std"] = mean_std([r.get("delta") for r in runs])
         if len(runs) == 1:
             summary["delta_se"] = runs[0].get("delta_se")
+        deltas = [r.get("delta") for r in runs]
+        if router != reference and any(d is not None for d in deltas):
+            summary["evidence"] = evidence.describe(deltas, confidence, margin)
         for key in MEAN_KEYS:
             summary[key] = mean_std([r.get(key) for r in runs])[0]
         out.append(summary)

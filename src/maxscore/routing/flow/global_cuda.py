@@ -14,6 +14,31 @@ The sources are compiled at first use for each shape and budget with NVRTC throu
 runtime-compilation helpers (``torch.cuda._utils``, private; present since PyTorch 2.8) and
 launched on the current stream, so calls are capturable in CUDA graphs and need no host sync.
 Where NVRTC or those helpers are missing, :func:`available` is false.
+
+Determinism (what ``--deterministic`` relies on; torch's switch does not reach these kernels):
+the assignment is a function of the input on one GPU type. ``dual_prices.cu`` has no atomics
+(each block adds the cluster's column sums in rank order: the same prices in every block and
+run). In ``global_auction.cu`` the setup has no float atomics, and every other atomic either
+gives a result independent of the order threads arrive in or fills a list whose order the
+result does not depend on: float max / min through their order-preserving integer images
+(``atomic_max_float``, the graph's gains and ``worst``: exact and commutative); 64-bit
+(value, index) keys, a total order (``tree_best``, the frontier search's labels, "so the labels
+the search ends with do not depend on the order in which the warps' relaxations land"); bit
+masks (atomicOr / atomicAnd); integer counters whose offsets order the open-token list ("its
+order does not matter: bids are ranked per expert"), the bid buffers (bids ranked by value,
+then lower token; an overflowing expert's ``BUF`` best chosen by value, then record index,
+"deterministically from the bidders' own records") and the expert lists (each expert's work
+its own); and the moves' atomicCAS (phases 2 and 3) that puts a joined expert in a token's
+first free entry, whose position no later step depends on (a token's entries are read as a
+set; the output is sorted by affinity, ties to the lower expert). Every choice breaks ties by
+index (warp argmax and Dijkstra's argmin to the lower index, an edge's token the lowest among
+equals), and the node-disjoint paths / cycles of a round never move two tokens into one
+expert. Measured: ``benchmarks/determinism/measure.py`` solves one input twice and compares
+the assignments index for index (H200, torch 2.11, 64 groups of 512 tokens x 16 experts,
+k = 2: identical), and same-seed maxscore runs with ``--deterministic`` end with equal
+validation losses there (``tests/test_deterministic.py``). Another GPU type can plan another
+launch (the prices' cluster size from the SM count and occupancy, the memory plan from the
+shared memory), whose float sums may round differently: reproducible per GPU type only.
 """
 
 from __future__ import annotations
