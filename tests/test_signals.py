@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from transformers import TrainerCallback
 from maxscore.training import train
 from maxscore.training.callbacks import STOP_SIGNALS
 from maxscore.training.checkpoint import list_checkpoints
+from maxscore.training.run_dir import previous_run_path
 from maxscore.training.run_lock import lock_file_path
 from test_faults import SMALL_FLAGS, leftovers
 from test_training import small_config
@@ -62,8 +64,9 @@ def names(run: Path) -> list[str]:
 def test_sigterm_before_the_first_checkpoint_saves_the_runs_first_one(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """An --overwrite stopped before its first checkpoint: the stop's checkpoint counts as its
-    first (the previous run is gone, the new one resumable); handlers restored after."""
+    """An --overwrite stopped before its first scheduled checkpoint: the stop's checkpoint makes
+    the new run resumable but does not replace the previous run (kept aside); continued, the
+    new run replaces it at its end. Handlers restored after."""
     cfg = small_config(tmp_path, max_steps=2, save_steps=2)
     train(cfg)
     run = tmp_path / "run"
@@ -75,17 +78,27 @@ def test_sigterm_before_the_first_checkpoint_saves_the_runs_first_one(
             seen.append(signal.getsignal(signal.SIGTERM))
             return control
 
-    again = replace(cfg, overwrite=True, lr=0.5, max_steps=50, save_steps=0)
+    again = replace(cfg, overwrite=True, lr=0.5, max_steps=5, save_steps=0)
     result = train(again, callbacks=[Look(), SignalAt({2: [signal.SIGTERM]})])
     assert result.interrupted and result.stop_signal == signal.SIGTERM
     assert result.exit_status == 128 + signal.SIGTERM == 143
-    assert result.steps == 3 and names(run) == ["checkpoint-3"] and not leftovers(run)
+    assert result.steps == 3 and names(run) == ["checkpoint-3"]
+    assert names(previous_run_path(run)) == ["checkpoint-2"]  # the previous run, kept
     assert json.loads((run / "config.json").read_text())["train"]["lr"] == 0.5
     err = capsys.readouterr().err
-    assert "SIGTERM received; saving a checkpoint" in err and "replaced the previous run" in err
+    assert "SIGTERM received; saving a checkpoint" in err and "replaced the previous run" not in err
+    assert "does not replace the previous run" in err
     assert seen and seen[0] != before[signal.SIGTERM]  # ours while training
     assert handlers() == before
     assert not lock_file_path(run).exists()
+
+    result = train(replace(again, overwrite=False, resume=True))
+    assert (
+        result.steps == 5
+        and not result.interrupted
+        and names(run) == ["checkpoint-3", "checkpoint-5"]
+    )
+    assert not leftovers(run) and "replaced the previous run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -259,6 +272,8 @@ def test_a_signal_stops_compare_with_its_status(
     argv = ["compare", "--routers", "gshard,maxscore", "--output-dir", str(out),
             "--max-steps", "6", "--save-steps", "0", *SMALL_FLAGS]  # fmt: skip
     assert main(argv) == 143
-    assert "compare stopped by a signal while training gshard" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "compare stopped by a signal while training gshard" in err
+    assert f"start it again with: maxscore {shlex.join(argv)} --overwrite" in err
     assert names(out / "gshard") == ["checkpoint-2"]
     assert not (out / "maxscore").exists() and not (out / "comparison.md").exists()

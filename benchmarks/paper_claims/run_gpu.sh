@@ -2,8 +2,11 @@
 # One device call of the paper-claims study: PER_DEVICE workers on every GPU take the next pending
 # (arm, seed) until the queue is empty or DEADLINE seconds (default 480) have passed; a run
 # starts only while it can finish. With TIMING=1 the flow solver's group timing is measured first
-# (group_timing.py). The results folder (results/raw/*, study.json, group_timing.json) goes to
-# $OUT as results.tar.gz: unpack it into benchmarks/paper_claims/ and run `claims_study.py report`.
+# (group_timing.py); GPU_TESTS=1 runs the deterministic-mode GPU tests and DETERMINISM=1
+# benchmarks/determinism/measure.py beside the study on GPU 0; DETERMINISTIC=1 trains with
+# --deterministic (one mode per results folder). The results folder (results/raw/*, study.json,
+# group_timing.json) goes to $OUT as results.tar.gz: unpack it into benchmarks/paper_claims/ and
+# run `claims_study.py report`. PER_DEVICE=3 on an H200 (three small runs share a card).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -16,9 +16,12 @@ from typing import Any
 from maxscore.cli_options import parse_options
 from maxscore.training.checkpoint import CheckpointSaveError
 from maxscore.training.config import RECIPES, ConfigError, TrainConfig, apply_recipe
+from maxscore.training.write_errors import RunWriteError
 
-#: Failures that end a command with one line (what happened, what to do), not a traceback.
-_USER_ERRORS = (ConfigError, CheckpointSaveError)
+#: Failures that end a command with one line (what happened, what to do), not a traceback: a
+#: bad option, a checkpoint save that failed, any other file of the run that could not be
+#: written (a full disk, a read-only folder: ``training/write_errors.py``).
+_USER_ERRORS = (ConfigError, CheckpointSaveError, RunWriteError)
 
 _TRAIN_EXAMPLES = """\
 examples:
@@ -281,7 +284,10 @@ def run_train(args: argparse.Namespace) -> int:
         return _error(problem)
     from maxscore.training.distributed import is_main_process
     from maxscore.training.run import format_summary, prepare, train
+    from maxscore.training.run_dir import set_command_line
 
+    # The exact command that continues the run, in every message that says how to go on.
+    set_command_line(getattr(args, "command_line", None) or sys.argv[1:])
     try:
         config = config_from_args(args)
         prepared = prepare(config)
@@ -309,7 +315,9 @@ def run_compare(args: argparse.Namespace) -> int:
     if (problem := _check_model_early(args)) is not None:
         return _error(problem)
     from maxscore.training.compare import ComparisonStopped, compare
+    from maxscore.training.run_dir import set_command_line
 
+    set_command_line(getattr(args, "command_line", None) or sys.argv[1:])
     try:
         routers = [r.strip() for r in args.routers.split(",") if r.strip()]
         seeds = _parse_seeds(args.seeds)
@@ -499,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.command_line = argv
     if args.command is None:
         parser.print_help()
         return 0

@@ -33,6 +33,7 @@ from maxscore.training.integrity import (
     newest_intact,
     verify_checkpoint,
 )
+from maxscore.training.run_dir import pending_previous_run
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,16 @@ def resolve_model_path(path: str | Path, name: str | None = None) -> ResolvedMod
         EvaluationError: the path does not exist or holds no loadable checkpoint.
     """
     p = Path(path).expanduser()
+    previous = pending_previous_run(p)
+    if previous is not None and not is_checkpoint_dir(p):
+        # An --overwrite of the run has not replaced it yet: the run is still the previous one.
+        print(
+            f"maxscore eval: {p} is being replaced by an --overwrite run that has not reached a "
+            f"scheduled checkpoint; evaluating the previous run ({previous.name}) "
+            f"(its own checkpoints: {p}/checkpoint-N)",
+            file=sys.stderr,
+        )
+        name, p = name or p.name, previous
     if not p.exists():
         raise EvaluationError(f"checkpoint or run directory not found: {p}")
     if not p.is_dir():

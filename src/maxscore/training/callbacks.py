@@ -37,6 +37,7 @@ from maxscore.training.distributed import is_main_process, unwrap
 from maxscore.training.metrics import TrainingMetrics, format_log_line
 from maxscore.training.reporting import wants_tensorboard
 from maxscore.training.run_dir import RunDirectory
+from maxscore.training.write_errors import reported_write, silence_tensorboard_writer_thread
 
 __all__ = [
     "CUBLAS_WORKSPACE_CONFIG",
@@ -382,15 +383,27 @@ def _can_install_signal_handler() -> bool:
 
 
 class RunDirectoryCallback(TrainerCallback):
-    """Tells the run directory when a checkpoint is in place (a replaced run can go then)."""
+    """Tells the run directory when a checkpoint is in place: a scheduled one (a ``save_steps``
+    multiple, or the last step) lets a replaced run go; one saved at a stop signal does not."""
 
     def __init__(self, directory: RunDirectory) -> None:
         self.directory = directory
 
     def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
         if is_main_process():
-            self.directory.checkpoint_written()
+            self.directory.checkpoint_written(scheduled=is_scheduled_save(args, state))
         return control
+
+
+def is_scheduled_save(args: Any, state: Any) -> bool:
+    """Whether the checkpoint of ``state.global_step`` is one the run was set to write (every
+    ``save_steps``, or at the last step), not one a stop signal asked for in between."""
+    step = state.global_step
+    if state.max_steps and step >= state.max_steps:
+        return True
+    strategy = getattr(args.save_strategy, "value", args.save_strategy)
+    every = args.save_steps
+    return strategy == "steps" and bool(every) and every >= 1 and step % int(every) == 0
 
 
 class CompactProgressCallback(ProgressCallback):
@@ -404,17 +417,72 @@ class CompactProgressCallback(ProgressCallback):
 
 def tensorboard_callback(run_dir: Path, report_to: str) -> TrainerCallback | None:
     """TensorBoard logging into ``<run>/tensorboard`` when ``report_to`` asks for it (``None``:
-    not wanted, or ``auto`` without the package)."""
+    not wanted, or ``auto`` without the package).
+
+    A full disk or a read-only folder under the event files ends the run with the one line of
+    :mod:`~maxscore.training.write_errors`, like every other file of the run. Turning
+    TensorBoard off and training on was the alternative; it is not taken because the event
+    files live in the run directory, on the same file system as ``metrics.jsonl`` and the
+    checkpoints: the next metrics line or checkpoint would fail the same way a few steps
+    later, and those steps could not be saved anyway. Stopping at once keeps the newest
+    checkpoint the newest work, and the message says what to do.
+    """
     wanted = wants_tensorboard(report_to)
     if wanted == "no":
         return None
     try:
         from transformers.integrations import TensorBoardCallback
 
-        callback = TensorBoardCallback()
+        # Raises without tensorboard / tensorboardX.
+        return _tensorboard_callback_class(TensorBoardCallback)(run_dir)
     except (ImportError, RuntimeError):
         if wanted == "required":
             raise ConfigError("report_to=tensorboard needs the tensorboard package") from None
         return None
-    callback.logging_dir = str(run_dir / "tensorboard")
-    return callback
+
+
+def _tensorboard_callback_class(base: type) -> type:
+    """``transformers``' ``TensorBoardCallback`` whose writes report a full disk in one line.
+
+    The writes happen in ``SummaryWriter``'s background thread; a failed one is raised again in
+    the training thread by the next ``add_scalar`` / ``flush`` (the Trainer's callback flushes
+    after every log), inside the hooks below. The thread's own traceback is kept off the
+    console (``silence_tensorboard_writer_thread``).
+    """
+
+    class ReportedTensorBoardCallback(base):  # type: ignore[misc, valid-type]
+        def __init__(self, run_dir: Path) -> None:
+            super().__init__()
+            self.run_dir = run_dir
+            self.logging_dir = str(run_dir / "tensorboard")
+            silence_tensorboard_writer_thread()
+
+        def _reported(self) -> contextlib.AbstractContextManager[None]:
+            return reported_write("the TensorBoard logs in", self.logging_dir, self.run_dir)
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            with self._reported():
+                return super().on_train_begin(args, state, control, **kw)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> Any:
+            with self._reported():
+                return super().on_log(args, state, control, logs=logs, **kw)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            worker = self._writer_thread()
+            with self._reported():
+                result = super().on_train_end(args, state, control, **kw)
+                # close() joins the thread but does not raise what it failed with.
+                failure = getattr(worker, "exception", None)
+                if failure is not None:
+                    raise failure
+            return result
+
+        def _writer_thread(self) -> Any:
+            """The ``SummaryWriter``'s background thread (``None`` where the writer has none:
+            tensorboardX, or a version that keeps it elsewhere)."""
+            writer = getattr(getattr(self, "tb_writer", None), "file_writer", None)
+            async_writer = getattr(getattr(writer, "event_writer", None), "_async_writer", None)
+            return getattr(async_writer, "_worker", None)
+
+    return ReportedTensorBoardCallback

@@ -10,27 +10,32 @@ leftover staging folder is never mistaken for a checkpoint (and is removed on th
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import shutil
 from pathlib import Path
 
+from maxscore.training.write_errors import (
+    RunWriteError,
+    describe_write_failure,
+    write_failure_advice,
+)
 
-class CheckpointSaveError(RuntimeError):
+
+class CheckpointSaveError(RunWriteError):
     """A checkpoint could not be written (disk full, permissions, ...); the earlier ones are
-    intact and the half-written staging folder is gone."""
+    intact and the half-written staging folder is gone. One of the run's write errors
+    (:mod:`maxscore.training.write_errors`): the same reasons and remedies, in one line."""
 
     def __init__(self, name: str, run_dir: Path, cause: BaseException) -> None:
-        previous = last_checkpoint(run_dir)
-        kept = f"the newest intact one is {previous.name}" if previous else "there is none yet"
-        reason = f"{type(cause).__name__}: {cause}"
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
-            reason = "the disk is full"
-        super().__init__(
-            f"could not save {name} in {run_dir} ({reason}); earlier checkpoints are untouched "
-            f"({kept}). Free some space and continue with the same command plus --resume"
-        )
+        reason = describe_write_failure(cause, run_dir)
+        if reason is None:  # not a full disk: say what it was (still one line)
+            reason = f"{type(cause).__name__}: {cause}"
+        self.path = run_dir / name
+        self.reason = reason
+        advice = write_failure_advice(reason, run_dir)
+        message = f"could not save {name} in {run_dir} ({reason}); {advice}"
+        RuntimeError.__init__(self, " ".join(message.split()))  # one line
 
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")

@@ -33,6 +33,7 @@ from typing import Any
 from maxscore.training import evidence
 from maxscore.training.config import ConfigError, TrainConfig
 from maxscore.training.seed_stats import add_paired_differences, summarize_by_router
+from maxscore.training.write_errors import reported_write
 
 #: Per-run columns: (key, markdown header, format).
 RUN_COLUMNS: list[tuple[str, str, str]] = [
@@ -61,10 +62,12 @@ class ComparisonStopped(Exception):
     trained and no comparison file was written. ``exit_status``: 128 + the signal number."""
 
     def __init__(self, router: str, seed: int, run_dir: Path, exit_status: int) -> None:
+        from maxscore.training.run_dir import overwrite_command
+
         super().__init__(
             f"compare stopped by a signal while training {router} seed {seed} (its checkpoint "
-            f"is in {run_dir}); no comparison was written: run the same command with "
-            "--overwrite to start it again"
+            f"is in {run_dir}); no comparison was written: start it again with: "
+            f"{overwrite_command()}"
         )
         self.exit_status = exit_status
 
@@ -387,13 +390,6 @@ def write_comparison(
         format_markdown(rows),
         "",
     ]
-    (out / "comparison.md").write_text("\n".join(md))
-    keys = [k for k, _, _ in RUN_COLUMNS] + ["eval_tokens", "run_dir"]
-    with (out / "comparison.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row.get(k) for k in keys})
     payload = {
         "settings": settings,
         "reference": reference,
@@ -403,8 +399,22 @@ def write_comparison(
         "reruns": reruns,
         "routers": summary,
     }
-    (out / "comparison.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    plot_comparison(rows, out)
+    keys = [k for k, _, _ in RUN_COLUMNS] + ["eval_tokens", "run_dir"]
+    # A full disk or a read-only folder: one line (write_errors.py); the runs are complete.
+    advice = (
+        "every run is complete in its own folder there (summary.json, checkpoints). Free some "
+        "space or make the folder writable, then run the same command with --overwrite, or "
+        "choose another --output-dir"
+    )
+    with reported_write("the comparison files in", out, advice=advice):
+        (out / "comparison.md").write_text("\n".join(md))
+        with (out / "comparison.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=keys, extrasaction="ignore")
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: row.get(k) for k in keys})
+        (out / "comparison.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        plot_comparison(rows, out)
 
 
 def plot_comparison(rows: list[dict[str, Any]], out: Path) -> None:

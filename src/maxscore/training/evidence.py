@@ -5,7 +5,7 @@ router's) and their data order, so the per-seed difference ``d_s = L_B(s) - L_A(
 much of the seed-to-seed spread of either loss. The seeds are the sample: the interval is a
 Student-t interval over the ``n`` differences with ``n - 1`` degrees of freedom (not the
 validation set's standard error, which only measures the noise of the validation sample, nor a
-"2 standard errors" rule, which with 2 degrees of freedom is a 80% interval).
+"2 standard errors" rule, which with 2 degrees of freedom is an 82% interval).
 
 A verdict is computed from that interval and an *equivalence margin* ``m`` (nats) stated in
 advance:

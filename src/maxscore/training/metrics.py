@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -23,6 +24,7 @@ import torch
 from transformers import TrainerCallback
 
 from maxscore.training.distributed import unwrap
+from maxscore.training.write_errors import append_text, reported_write
 
 __all__ = [
     "METRICS_FILE",
@@ -277,8 +279,8 @@ class MetricsJsonlCallback(TrainerCallback):
             routing = self.metrics.last_routing
             if routing:
                 record["routing"] = routing
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        # A full disk or a read-only folder ends the run with one line (write_errors.py).
+        append_text(self.path, json.dumps(record) + "\n", "the training metrics", self.path.parent)
         return control
 
 
@@ -317,7 +319,14 @@ def truncate_metrics(path: Path, last_step: int) -> None:
                 kept.append(line)
         except json.JSONDecodeError:
             continue  # a line cut short by a crash
-    path.write_text("".join(line + "\n" for line in kept))
+    # Into a new file, then renamed over the old one: a full disk here keeps the old file.
+    fresh = path.with_name(f".{path.name}.truncated")
+    with reported_write("the training metrics", path, path.parent):
+        try:
+            fresh.write_text("".join(line + "\n" for line in kept))
+            os.replace(fresh, path)
+        finally:
+            fresh.unlink(missing_ok=True)
 
 
 def mean_over_layers(per_layer: list[list[float]]) -> list[float]:

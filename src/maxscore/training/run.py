@@ -76,7 +76,15 @@ from maxscore.training.model_build import build_model, build_model_config
 from maxscore.training.option_checks import check_parallel_options
 from maxscore.training.precision import resolve_precision
 from maxscore.training.reporting import check_report_to, trainer_report_to
-from maxscore.training.run_dir import CONFIG_FILE, RunDirectory, RunDirPlan, check_run_dir
+from maxscore.training.run_dir import (
+    CONFIG_FILE,
+    RunDirectory,
+    RunDirPlan,
+    check_run_dir,
+    how_to_continue,
+    pending_previous_run,
+    with_advice,
+)
 from maxscore.training.run_lock import lock_run_dir
 from maxscore.training.temperature import (
     ResolvedTemperature,
@@ -85,6 +93,7 @@ from maxscore.training.temperature import (
 )
 from maxscore.training.trainer import MaxScoreTrainer
 from maxscore.training.validation_set import VALIDATION_FILE
+from maxscore.training.write_errors import RunWriteError, append_text, write_text
 
 __all__ = [
     "SUMMARY_FILE",
@@ -379,7 +388,8 @@ def write_resolved_config(run: PreparedRun) -> None:
         "model": run.model_config.to_dict(),
     }
     if is_main_process():
-        (run.run_dir / CONFIG_FILE).write_text(json.dumps(resolved, indent=2, default=str) + "\n")
+        text = json.dumps(resolved, indent=2, default=str) + "\n"
+        write_text(run.run_dir / CONFIG_FILE, text, "the run's config", run.run_dir)
 
 
 def train(
@@ -407,15 +417,28 @@ def train(
             directory.open()
         try:
             result = _train(run, [*(callbacks or []), RunDirectoryCallback(directory)])
-        except BaseException:
+        except BaseException as err:
             if main:
                 directory.close(failed=True)
+                _advise(err, directory.resumable)
             raise
         if main:
-            directory.close(failed=False)
+            directory.close(failed=False, interrupted=result.interrupted)
     finally:
         plan.release_lock()  # after the directory is settled (a replaced run put back or gone)
     return result
+
+
+def _advise(err: BaseException, resumable: bool) -> None:
+    """Say how to go on after a failed run, with the exact command (``run_dir.continue_command``:
+    ``--resume`` without ``--overwrite`` when the run has a checkpoint, else the same command
+    again, since an ``--overwrite`` that failed before its first checkpoint put the previous run
+    back). A failed save's own advice is replaced; a configuration error needs a change, not a
+    rerun, and gets none."""
+    if isinstance(err, RunWriteError):  # a CheckpointSaveError too (write_errors.py)
+        err.args = (with_advice(str(err), resumable), *err.args[1:])
+    elif resumable and not isinstance(err, ConfigError):
+        print(f"maxscore: the run failed; {how_to_continue(True)}", file=sys.stderr, flush=True)
 
 
 def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
@@ -525,15 +548,19 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
         eval_documents=metrics.get("eval_documents"),
     )
     if trainer.is_world_process_zero():
-        (run.run_dir / SUMMARY_FILE).write_text(
-            json.dumps(result.to_dict(), indent=2, default=str) + "\n"
-        )
+        summary = json.dumps(result.to_dict(), indent=2, default=str) + "\n"
+        write_text(run.run_dir / SUMMARY_FILE, summary, "the run's summary", run.run_dir)
         if metrics and trainer.last_validation is not None:
             payload = {"step": result.steps, **trainer.last_validation.to_dict()}
-            (run.run_dir / VALIDATION_FILE).write_text(json.dumps(payload) + "\n")
-        with (run.run_dir / METRICS_FILE).open("a") as handle:
-            record = {"type": "final", "step": result.steps, **result.to_dict()}
-            handle.write(json.dumps(record, default=str) + "\n")
+            write_text(
+                run.run_dir / VALIDATION_FILE,
+                json.dumps(payload) + "\n",
+                "the validation result",
+                run.run_dir,
+            )
+        record = {"type": "final", "step": result.steps, **result.to_dict()}
+        line = json.dumps(record, default=str) + "\n"
+        append_text(run.run_dir / METRICS_FILE, line, "the training metrics", run.run_dir)
     return result
 
 
@@ -565,7 +592,13 @@ def format_summary(result: TrainResult) -> str:
         if result.stop_signal not in (None, signal.SIGINT):
             how = f"stopped by {signal.Signals(result.stop_signal).name}"
         lines.append(f"{how} at step {result.steps}; checkpoint: {result.final_checkpoint}")
-        lines.append("continue with the same command plus --resume")
+        previous = pending_previous_run(result.run_dir)
+        if previous is not None:
+            lines.append(
+                f"the previous run stays as {previous.name} until this one, continued, reaches "
+                "a scheduled checkpoint or its end"
+            )
+        lines.append(how_to_continue(True))
         return "\n".join(lines)
     lines.append(f"steps / tokens:    {result.steps} / {result.tokens:,}")
     if result.eval_loss is not None:

@@ -4,10 +4,18 @@
   one, a ``--resume`` (from the newest checkpoint that passes its integrity check), or an
   ``--overwrite`` of an existing run. It refuses conflicts with a message saying what to do.
 * :class:`RunDirectory` opens the directory when training starts. ``--overwrite`` moves the
-  previous run aside (``.<name>.previous-run`` beside it) instead of deleting it; it is deleted
-  only once the new run has written its first checkpoint, and put back if the new run fails
-  before that. A run that fails before its first checkpoint leaves nothing behind (it has
-  nothing to resume from, and its ``config.json`` would block the corrected rerun).
+  previous run aside (``.<name>.previous-run`` beside it) instead of deleting it, and marks the
+  new run (``.replacing-previous-run`` inside it) until the replacement is done: the previous
+  run is deleted at the new run's first *scheduled* checkpoint (a ``save_steps`` multiple or
+  the last step) or at its normal end; a checkpoint saved because of a stop signal (Ctrl-C,
+  SIGTERM, SIGUSR1) does not replace it (the stopped run is resumable and, resumed, replaces
+  it at its first scheduled checkpoint). The previous run is put back if the new run fails
+  before any checkpoint. A run that fails before its first checkpoint leaves nothing behind (it
+  has nothing to resume from, and its ``config.json`` would block the corrected rerun).
+  Meanwhile :func:`pending_previous_run` names the previous run (``maxscore eval NAME``
+  evaluates it).
+* :func:`continue_command` is the exact command line that continues (or restarts) a run, for
+  every message that says how to go on.
 * A checkpoint that fails verification on ``--resume`` is renamed ``damaged-checkpoint-N``:
   kept for inspection, out of the way of resuming and rotation.
 * One process owns a run directory at a time (:mod:`maxscore.training.run_lock`):
@@ -19,8 +27,11 @@ Only process 0 calls these (the others wait at the Trainer's barriers).
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +42,13 @@ from maxscore.training.run_lock import RunDirLock, lock_run_dir
 
 CONFIG_FILE = "config.json"
 PREVIOUS_RUN_SUFFIX = ".previous-run"
+#: Inside a run that an ``--overwrite`` started: the previous run (aside) is not replaced yet.
+REPLACING_MARKER = ".replacing-previous-run"
 DAMAGED_PREFIX = "damaged-"
+
+#: ``maxscore ARGS`` as the CLI parsed it (:func:`set_command_line`); ``None``: called as a
+#: library, where :func:`continue_command` describes the change instead.
+_COMMAND_LINE: list[str] | None = None
 
 
 def _say(message: str) -> None:
@@ -41,6 +58,100 @@ def _say(message: str) -> None:
 def previous_run_path(run_dir: Path) -> Path:
     """Where ``--overwrite`` keeps the previous run until the new one has a checkpoint."""
     return run_dir.with_name(f".{run_dir.name}{PREVIOUS_RUN_SUFFIX}")
+
+
+def pending_previous_run(run_dir: Path) -> Path | None:
+    """The previous run an unfinished ``--overwrite`` of ``run_dir`` keeps aside, or ``None``.
+
+    Pending while the replacing run has no checkpoint (it is starting, or it was killed) or only
+    ones that do not replace (saved at a stop signal: ``run_dir`` holds the marker). Read-only:
+    safe while the replacing run trains.
+    """
+    previous = previous_run_path(run_dir)
+    if not previous.is_dir():
+        return None
+    if (run_dir / REPLACING_MARKER).exists() or not ckpt.list_checkpoints(run_dir):
+        return previous
+    return None
+
+
+def set_command_line(argv: Sequence[str], program: str = "maxscore") -> None:
+    """Remember the command line (``argv`` without the program) for :func:`continue_command`."""
+    global _COMMAND_LINE
+    _COMMAND_LINE = [program, *argv]
+
+
+def _is_flag(token: str, flag: str) -> bool:
+    """``token`` is ``flag`` or an abbreviation argparse accepts for it (``--overw``)."""
+    return token == flag or (len(token) >= 5 and flag.startswith(token))
+
+
+def continue_command(resume: bool, argv: Sequence[str] | None = None) -> str:
+    """The command that goes on with a run: ``resume`` (it has a checkpoint to continue from)
+    drops ``--overwrite`` and adds ``--resume``; else the same command again (a run that failed
+    before its first checkpoint left nothing to resume: an ``--overwrite`` put the previous run
+    back, so ``--resume`` would continue *that* one). ``argv``: the command line, program
+    first (default: the one :func:`set_command_line` stored)."""
+    line = list(argv) if argv is not None else _COMMAND_LINE
+    if line is None:
+        if resume:
+            return "the same settings with resume=True and overwrite=False"
+        return "the same settings again"
+    program, args = line[0], list(line[1:])
+    if resume:
+        if "--" in args:  # nothing after "--" is an option
+            args = args[: args.index("--")]
+        args = [a for a in args if not _is_flag(a, "--overwrite")]
+        if not any(_is_flag(a, "--resume") for a in args):
+            args.append("--resume")
+    return shlex.join([program, *args])
+
+
+def overwrite_command(argv: Sequence[str] | None = None) -> str:
+    """The command that starts a run (or ``maxscore compare``) again over what it left: the
+    same command with ``--overwrite`` (and without ``--resume``)."""
+    line = list(argv) if argv is not None else _COMMAND_LINE
+    if line is None:
+        return "the same settings with overwrite=True"
+    program, args = line[0], [a for a in line[1:] if not _is_flag(a, "--resume")]
+    if not any(_is_flag(a, "--overwrite") for a in args):
+        args.append("--overwrite")
+    return shlex.join([program, *args])
+
+
+def _launcher_note() -> str:
+    """Under torchrun (or another launcher) the command goes after the launcher's own part."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return " (under your launcher, e.g. torchrun, as before)"
+    return ""
+
+
+def how_to_continue(resume: bool) -> str:
+    """``continue with: CMD`` (``resume``) or ``run it again with: CMD``, for messages."""
+    verb = "continue with" if resume else "start it again with"
+    return f"{verb}: {continue_command(resume)}{_launcher_note()}"
+
+
+#: The generic advice of a failed save or write ("the same command plus --resume", "the same
+#: command again"), which :func:`with_advice` replaces by the exact command.
+_GENERIC_ADVICE = re.compile(
+    r"(?:[Cc]ontinue with the same command plus --resume|[Rr]un the same command again)"
+)
+
+
+def has_generic_advice(message: str) -> bool:
+    """Whether ``message`` says how to go on in words (:func:`with_advice` replaces them)."""
+    return _GENERIC_ADVICE.search(message) is not None
+
+
+def with_advice(message: str, resume: bool) -> str:
+    """``message`` with its generic advice (``_GENERIC_ADVICE``) replaced by the exact command
+    (:func:`how_to_continue`; ``resume``: the run has a checkpoint to continue from); the
+    command is appended where the message has no such advice."""
+    advice = how_to_continue(resume)
+    if has_generic_advice(message):
+        return _GENERIC_ADVICE.sub(lambda _: advice, message, count=1)
+    return f"{message.rstrip()}; {advice}"
 
 
 def _checkpoint_names(run_dir: Path) -> str:
@@ -75,14 +186,23 @@ class RunDirPlan:
 
 
 def recover_interrupted_overwrite(run_dir: Path) -> None:
-    """Finish or undo an ``--overwrite`` whose process died (the previous run is still aside).
+    """Finish or undo an ``--overwrite`` that ended with the previous run still aside.
 
-    If the replacing run got as far as a checkpoint, the replacement is finished (the previous
-    run is deleted); otherwise the replacing run's partial folder is removed and the previous
-    run is put back.
+    A replacing run without a checkpoint (its process died) is removed and the previous run put
+    back. One with checkpoints that do not replace (saved at a stop signal: the marker) is kept,
+    resumable, with the previous run still aside. One with checkpoints and no marker (it died
+    between its first scheduled checkpoint and deleting the previous run) finishes the
+    replacement: the previous run is deleted.
     """
     previous = previous_run_path(run_dir)
     if not previous.is_dir():
+        return
+    if ckpt.list_checkpoints(run_dir) and (run_dir / REPLACING_MARKER).exists():
+        _say(
+            f"the previous run of {run_dir} is kept as {previous.name} until the --overwrite "
+            f"run there ({_checkpoint_names(run_dir)}, saved at a stop) reaches a scheduled "
+            "checkpoint or its end"
+        )
         return
     if ckpt.list_checkpoints(run_dir):
         shutil.rmtree(previous)
@@ -180,13 +300,13 @@ def _plan_run_dir(config: TrainConfig) -> RunDirPlan:
             lines = "\n".join(f"  {k}: stored {b!r}, now {a!r}" for k, (a, b) in diff.items())
             raise ConfigError(
                 f"output dir {str(run_dir)!r} holds a run with a different config:\n{lines}\n"
-                "pass --resume to continue it anyway, --overwrite to replace it, or choose "
-                "another --output-dir"
+                f"continue it anyway with: {continue_command(True)}\nreplace it with: "
+                f"{overwrite_command()}\nor choose another --output-dir"
             )
         else:
             raise ConfigError(
-                f"output dir {str(run_dir)!r} already holds this run; pass --resume to "
-                "continue it or --overwrite to start again"
+                f"output dir {str(run_dir)!r} already holds this run; continue it with: "
+                f"{continue_command(True)}; or start again with: {overwrite_command()}"
             )
     return plan
 
@@ -201,17 +321,33 @@ class RunDirectory:
         self._created_root: Path | None = None
         self._was_empty = False
         self._has_checkpoint = plan.resume_from is not None
+        self._noted_stop = False
 
     def open(self) -> None:
         """Move a replaced run aside, create the folder, clear crash leftovers."""
         path = self.path
+        aside = previous_run_path(path)
         if self.plan.replaces and path.exists():
-            self.previous = previous_run_path(path)
-            _say(
-                f"--overwrite: the previous run in {path} ({_checkpoint_names(path)}) is kept "
-                "until this run writes its first checkpoint"
-            )
-            os.rename(path, self.previous)
+            if aside.is_dir():
+                # An earlier --overwrite stopped before it replaced the run (recover kept both):
+                # that stopped run is what this one replaces; the previous run stays aside.
+                _say(
+                    f"--overwrite: removing the stopped --overwrite run in {path} "
+                    f"({_checkpoint_names(path)}); the previous run stays as {aside.name} until "
+                    "this run reaches its first scheduled checkpoint"
+                )
+                shutil.rmtree(path)
+            else:
+                _say(
+                    f"--overwrite: the previous run in {path} ({_checkpoint_names(path)}) is kept "
+                    "until this run reaches its first scheduled checkpoint"
+                )
+                os.rename(path, aside)
+            self.previous = aside
+        elif (path / REPLACING_MARKER).exists() and aside.is_dir():
+            self.previous = aside  # a resumed --overwrite run that has not replaced it yet
+        elif (path / REPLACING_MARKER).exists():
+            (path / REPLACING_MARKER).unlink()  # the previous run went: nothing to replace
         self._was_empty = path.is_dir() and not any(path.iterdir())
         # The outermost folder this run creates (removed again if the run fails early).
         self._created_root = None
@@ -224,6 +360,8 @@ class RunDirectory:
         except OSError as err:
             self._restore_previous()
             raise ConfigError(f"output dir {str(path)!r} cannot be created: {err}") from err
+        if self.previous is not None:
+            (path / REPLACING_MARKER).touch()
         ckpt.remove_stale_staging(path)
         for damaged in self.plan.damaged:
             if damaged.is_dir():
@@ -233,21 +371,45 @@ class RunDirectory:
                 os.rename(damaged, target)
                 _say(f"kept the damaged {damaged.name} as {target.name}")
 
-    def checkpoint_written(self) -> None:
-        """The run has a checkpoint: the replaced run (if any) is deleted now."""
-        self._has_checkpoint = True
-        if self.previous is not None:
-            shutil.rmtree(self.previous, ignore_errors=True)
-            _say(f"replaced the previous run in {self.path} (--overwrite)")
-            self.previous = None
+    @property
+    def resumable(self) -> bool:
+        """Whether the run has a checkpoint to continue from (``--resume``)."""
+        return self._has_checkpoint and bool(ckpt.list_checkpoints(self.path))
 
-    def close(self, failed: bool) -> None:
-        """Settle the directory at the end of the run (``failed``: it raised)."""
-        if not failed:
+    def checkpoint_written(self, scheduled: bool = True) -> None:
+        """The run has a checkpoint. A ``scheduled`` one (``save_steps``, the last step)
+        replaces the previous run (deleted now); one saved at a stop signal does not."""
+        self._has_checkpoint = True
+        if self.previous is None:
+            return
+        if not scheduled:
+            if not self._noted_stop:
+                self._noted_stop = True
+                _say(
+                    f"--overwrite: a checkpoint saved at a stop does not replace the previous run "
+                    f"(kept as {self.previous.name})"
+                )
+            return
+        # The marker first: killed in between, the next start finishes the replacement.
+        (self.path / REPLACING_MARKER).unlink(missing_ok=True)
+        shutil.rmtree(self.previous, ignore_errors=True)
+        _say(f"replaced the previous run in {self.path} (--overwrite)")
+        self.previous = None
+
+    def close(self, failed: bool, interrupted: bool = False) -> None:
+        """Settle the directory at the end of the run (``failed``: it raised; ``interrupted``:
+        a stop signal ended it early, at a checkpoint)."""
+        if not failed and not interrupted:
             self.checkpoint_written()
             return
-        if self._has_checkpoint:
-            return  # resumable: keep everything
+        if not failed or self._has_checkpoint:
+            if self.previous is not None:  # resumable: keep everything
+                _say(
+                    f"the previous run of {self.path} stays as {self.previous.name} (`maxscore "
+                    f"eval {self.path}` evaluates it) until this run, continued, reaches a "
+                    "scheduled checkpoint or its end"
+                )
+            return
         if self._was_empty:  # a folder the user made for this run: empty it again
             for child in self.path.iterdir():
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
