@@ -14,6 +14,7 @@ from dataclasses import fields
 from typing import Any
 
 from maxscore.cli_options import parse_options
+from maxscore.host_memory import reuse_freed_host_memory
 from maxscore.training.checkpoint import CheckpointSaveError
 from maxscore.training.config import RECIPES, ConfigError, TrainConfig, apply_recipe
 from maxscore.training.write_errors import RunWriteError
@@ -282,6 +283,7 @@ def _check_model_early(args: argparse.Namespace) -> str | None:
 def run_train(args: argparse.Namespace) -> int:
     if (problem := _check_model_early(args)) is not None:
         return _error(problem)
+    reuse_freed_host_memory()  # a CPU step would otherwise fault in its large tensors anew
     from maxscore.training.distributed import is_main_process
     from maxscore.training.run import format_summary, prepare, train
     from maxscore.training.run_dir import set_command_line
@@ -314,6 +316,7 @@ def run_train(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     if (problem := _check_model_early(args)) is not None:
         return _error(problem)
+    reuse_freed_host_memory()
     from maxscore.training.compare import ComparisonStopped, compare
     from maxscore.training.run_dir import set_command_line
 
