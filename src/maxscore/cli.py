@@ -284,9 +284,9 @@ def run_train(args: argparse.Namespace) -> int:
     if (problem := _check_model_early(args)) is not None:
         return _error(problem)
     reuse_freed_host_memory()  # a CPU step would otherwise fault in its large tensors anew
+    from maxscore.training.continue_command import set_command_line
     from maxscore.training.distributed import is_main_process
     from maxscore.training.run import format_summary, prepare, train
-    from maxscore.training.run_dir import set_command_line
 
     # The exact command that continues the run, in every message that says how to go on.
     set_command_line(getattr(args, "command_line", None) or sys.argv[1:])
@@ -318,7 +318,7 @@ def run_compare(args: argparse.Namespace) -> int:
         return _error(problem)
     reuse_freed_host_memory()
     from maxscore.training.compare import ComparisonStopped, compare
-    from maxscore.training.run_dir import set_command_line
+    from maxscore.training.continue_command import set_command_line
 
     set_command_line(getattr(args, "command_line", None) or sys.argv[1:])
     try:

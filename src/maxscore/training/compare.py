@@ -62,7 +62,7 @@ class ComparisonStopped(Exception):
     trained and no comparison file was written. ``exit_status``: 128 + the signal number."""
 
     def __init__(self, router: str, seed: int, run_dir: Path, exit_status: int) -> None:
-        from maxscore.training.run_dir import overwrite_command
+        from maxscore.training.continue_command import overwrite_command
 
         super().__init__(
             f"compare stopped by a signal while training {router} seed {seed} (its checkpoint "

@@ -55,6 +55,7 @@ from maxscore.training.callbacks import (
     tensorboard_callback,
 )
 from maxscore.training.config import PAPER_GLOBAL_BATCH, ConfigError, TrainConfig
+from maxscore.training.continue_command import how_to_continue
 from maxscore.training.data import TrainingData, build_training_data, collate_blocks, load_tokenizer
 from maxscore.training.distributed import (
     deepspeed_config_path,
@@ -81,9 +82,7 @@ from maxscore.training.run_dir import (
     RunDirectory,
     RunDirPlan,
     check_run_dir,
-    how_to_continue,
     pending_previous_run,
-    with_advice,
 )
 from maxscore.training.run_lock import lock_run_dir
 from maxscore.training.temperature import (
@@ -430,14 +429,11 @@ def train(
 
 
 def _advise(err: BaseException, resumable: bool) -> None:
-    """Say how to go on after a failed run, with the exact command (``run_dir.continue_command``:
-    ``--resume`` without ``--overwrite`` when the run has a checkpoint, else the same command
-    again, since an ``--overwrite`` that failed before its first checkpoint put the previous run
-    back). A failed save's own advice is replaced; a configuration error needs a change, not a
-    rerun, and gets none."""
-    if isinstance(err, RunWriteError):  # a CheckpointSaveError too (write_errors.py)
-        err.args = (with_advice(str(err), resumable), *err.args[1:])
-    elif resumable and not isinstance(err, ConfigError):
+    """Say how to go on after a failed run that has a checkpoint, with the exact command
+    (:func:`~maxscore.training.continue_command.how_to_continue`). A failed write says it in its
+    own line (:mod:`maxscore.training.write_errors`); a configuration error needs a change, not
+    a rerun, and gets none."""
+    if resumable and not isinstance(err, (RunWriteError, ConfigError)):
         print(f"maxscore: the run failed; {how_to_continue(True)}", file=sys.stderr, flush=True)
 
 

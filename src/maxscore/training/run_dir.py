@@ -27,16 +27,14 @@ Only process 0 calls these (the others wait at the Trainer's barriers).
 from __future__ import annotations
 
 import os
-import re
-import shlex
 import shutil
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from maxscore.training import checkpoint as ckpt
 from maxscore.training.config import ConfigError, TrainConfig
+from maxscore.training.continue_command import continue_command, overwrite_command
 from maxscore.training.integrity import describe_damage, newest_intact
 from maxscore.training.run_lock import RunDirLock, lock_run_dir
 
@@ -45,10 +43,6 @@ PREVIOUS_RUN_SUFFIX = ".previous-run"
 #: Inside a run that an ``--overwrite`` started: the previous run (aside) is not replaced yet.
 REPLACING_MARKER = ".replacing-previous-run"
 DAMAGED_PREFIX = "damaged-"
-
-#: ``maxscore ARGS`` as the CLI parsed it (:func:`set_command_line`); ``None``: called as a
-#: library, where :func:`continue_command` describes the change instead.
-_COMMAND_LINE: list[str] | None = None
 
 
 def _say(message: str) -> None:
@@ -73,85 +67,6 @@ def pending_previous_run(run_dir: Path) -> Path | None:
     if (run_dir / REPLACING_MARKER).exists() or not ckpt.list_checkpoints(run_dir):
         return previous
     return None
-
-
-def set_command_line(argv: Sequence[str], program: str = "maxscore") -> None:
-    """Remember the command line (``argv`` without the program) for :func:`continue_command`."""
-    global _COMMAND_LINE
-    _COMMAND_LINE = [program, *argv]
-
-
-def _is_flag(token: str, flag: str) -> bool:
-    """``token`` is ``flag`` or an abbreviation argparse accepts for it (``--overw``)."""
-    return token == flag or (len(token) >= 5 and flag.startswith(token))
-
-
-def continue_command(resume: bool, argv: Sequence[str] | None = None) -> str:
-    """The command that goes on with a run: ``resume`` (it has a checkpoint to continue from)
-    drops ``--overwrite`` and adds ``--resume``; else the same command again (a run that failed
-    before its first checkpoint left nothing to resume: an ``--overwrite`` put the previous run
-    back, so ``--resume`` would continue *that* one). ``argv``: the command line, program
-    first (default: the one :func:`set_command_line` stored)."""
-    line = list(argv) if argv is not None else _COMMAND_LINE
-    if line is None:
-        if resume:
-            return "the same settings with resume=True and overwrite=False"
-        return "the same settings again"
-    program, args = line[0], list(line[1:])
-    if resume:
-        if "--" in args:  # nothing after "--" is an option
-            args = args[: args.index("--")]
-        args = [a for a in args if not _is_flag(a, "--overwrite")]
-        if not any(_is_flag(a, "--resume") for a in args):
-            args.append("--resume")
-    return shlex.join([program, *args])
-
-
-def overwrite_command(argv: Sequence[str] | None = None) -> str:
-    """The command that starts a run (or ``maxscore compare``) again over what it left: the
-    same command with ``--overwrite`` (and without ``--resume``)."""
-    line = list(argv) if argv is not None else _COMMAND_LINE
-    if line is None:
-        return "the same settings with overwrite=True"
-    program, args = line[0], [a for a in line[1:] if not _is_flag(a, "--resume")]
-    if not any(_is_flag(a, "--overwrite") for a in args):
-        args.append("--overwrite")
-    return shlex.join([program, *args])
-
-
-def _launcher_note() -> str:
-    """Under torchrun (or another launcher) the command goes after the launcher's own part."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        return " (under your launcher, e.g. torchrun, as before)"
-    return ""
-
-
-def how_to_continue(resume: bool) -> str:
-    """``continue with: CMD`` (``resume``) or ``run it again with: CMD``, for messages."""
-    verb = "continue with" if resume else "start it again with"
-    return f"{verb}: {continue_command(resume)}{_launcher_note()}"
-
-
-#: The generic advice of a failed save or write ("the same command plus --resume", "the same
-#: command again"), which :func:`with_advice` replaces by the exact command.
-_GENERIC_ADVICE = re.compile(
-    r"(?:[Cc]ontinue with the same command plus --resume|[Rr]un the same command again)"
-)
-
-
-def has_generic_advice(message: str) -> bool:
-    """Whether ``message`` says how to go on in words (:func:`with_advice` replaces them)."""
-    return _GENERIC_ADVICE.search(message) is not None
-
-
-def with_advice(message: str, resume: bool) -> str:
-    """``message`` with its generic advice (``_GENERIC_ADVICE``) replaced by the exact command
-    (:func:`how_to_continue`; ``resume``: the run has a checkpoint to continue from); the
-    command is appended where the message has no such advice."""
-    advice = how_to_continue(resume)
-    if has_generic_advice(message):
-        return _GENERIC_ADVICE.sub(lambda _: advice, message, count=1)
-    return f"{message.rstrip()}; {advice}"
 
 
 def _checkpoint_names(run_dir: Path) -> str:

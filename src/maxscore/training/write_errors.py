@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from maxscore.training.continue_command import how_to_continue
+
 __all__ = [
     "FULL_DISK",
     "RunWriteError",
@@ -110,11 +112,11 @@ def write_failure_advice(reason: str, run_dir: Path | None) -> str:
         fix = "Make the folder writable or choose another --output-dir"
     else:  # a checkpoint save that failed otherwise (CheckpointSaveError)
         fix = "Fix the cause"
-    if previous is None:  # train() adds the exact command (run_dir.with_advice)
-        return f"there is no checkpoint yet. {fix}"
+    if previous is None:
+        return f"there is no checkpoint yet. {fix}; {how_to_continue(False)}"
     return (
         f"earlier checkpoints are untouched (the newest intact one is {previous.name}). "
-        f"{fix}, then continue with the same command plus --resume"
+        f"{fix}, then {how_to_continue(True)}"
     )
 
 
