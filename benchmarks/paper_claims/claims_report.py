@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from claims_plan import ARMS_BY_NAME, SHAPES, STUDY_MODEL, StudyConfig
+from claims_plan import ARMS_BY_NAME, STUDY_MODEL, StudyConfig
 
 from maxscore.training import evidence
 
@@ -650,4 +650,3 @@ def readme_lines(
 
 
 __all__ = ["CLAIMS", "Claim", "evaluate_claims", "outcome", "write_report"]
-_ = SHAPES  # the shapes are named in the claims above
