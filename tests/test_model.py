@@ -438,3 +438,15 @@ def test_compile_layers_with_gradient_checkpointing_cpu() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compile_layers_matches_eager_gpu(router: str, dtype: torch.dtype) -> None:
     _compiled_vs_eager("cuda", router, dtype)
+
+
+def test_batch_not_filling_whole_token_groups_gives_the_first_groups_unchanged() -> None:
+    # Routing groups of 2 sequences and a batch of 3 (the last validation batch): the first two
+    # sequences' logits do not depend on the third, which is routed beside a masked sequence.
+    model = tiny("gshard", router_config={"group": "tokens", "group_size": 32}).eval()
+    ids = tokens(batch=3, length=16)
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+        first = model(ids[:2]).logits
+    torch.testing.assert_close(out.logits[:2], first)
+    assert all(logits.shape[0] == 3 * 16 for logits in out.router_logits)

@@ -534,3 +534,30 @@ def test_gpu_autocast_grouped_path_has_no_host_sync() -> None:
     assert out[0].dtype == torch.bfloat16
     for name, a, b in zip(["y", "dx", "d_gate_up", "d_down"], out, ref):
         assert _rel(a, b) < BF16_REL_TOL, (name, _rel(a, b))
+
+
+@pytest.mark.parametrize("preset", ["gshard", "maxscore"])
+def test_batch_not_filling_whole_token_groups_routes_the_rest_as_a_padded_group(
+    preset: str,
+) -> None:
+    # Groups of 2 sequences; 5 sequences: the fifth is routed with one masked sequence, so it
+    # gets what it gets beside a padding sequence, and the first four are routed as before.
+    torch.manual_seed(0)
+    layer = MoE(16, 4, 2, router=preset, group="tokens", group_size=12)
+    layer.eval()
+    x = torch.randn(5, 6, 16)
+    y, result = layer(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    assert torch.isfinite(result.aux_loss)
+    y_first, _ = layer(x[:4])
+    torch.testing.assert_close(y[:4], y_first)
+    padded_mask = torch.tensor([[True] * 6, [False] * 6])
+    y_last, _ = layer(torch.cat([x[4:], torch.zeros(1, 6, 16)]), padded_mask)
+    torch.testing.assert_close(y[4:], y_last[:1])
+
+
+def test_token_group_smaller_than_a_sequence_pads_whole_sequences() -> None:
+    # 8-token groups over 6-token sequences: 3 sequences = 18 tokens need a fourth (24 = 3 x 8).
+    layer = MoE(16, 4, 2, router="gshard", group="tokens", group_size=8)
+    y, _ = layer(torch.randn(3, 6, 16))
+    assert y.shape == (3, 6, 16) and torch.isfinite(y).all()

@@ -335,7 +335,9 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         self.last_routing_stats = with_extra_statistics(
             routing.stats, aux_loss=routing.aux_loss.detach(), z_loss=routing.z_loss.detach()
         )
-        return h + y.to(h.dtype), routing.logits, routing.aux_loss, routing.z_loss
+        # A batch padded to whole routing groups (MoE._pad_to_whole_groups) routed extra rows.
+        logits = routing.logits[: y.shape[0] * y.shape[1]]
+        return h + y.to(h.dtype), logits, routing.aux_loss, routing.z_loss
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ optionally scaled by a per-token sigmoid gate ``sigmoid(x_i W_s)`` as in Qwen-Mo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -181,6 +182,7 @@ class MoE(nn.Module):
         cast = dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type)
         if cast:
             x = x.to(weight_dtype)
+        x, token_mask, real = self._pad_to_whole_groups(x, token_mask)
         result: RoutingResult = self.router(x, token_mask)
         tokens = x.reshape(-1, shape[-1])
         if self.expert_parallel is not None:
@@ -200,8 +202,40 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             y = y + shared
         self._last_stats = result.stats  # lazy: evaluated when last_stats is read
+        if real is not None:
+            y = y[:real]
         y = y.view(shape)
         return (y.to(dtype) if cast else y), result
+
+    def _pad_to_whole_groups(
+        self, x: Tensor, token_mask: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, int | None]:
+        """Append masked sequences until ``B * L`` is a multiple of a fixed routing group.
+
+        With ``group="tokens"`` a batch need not fill whole groups (the last evaluation batch of
+        a validation set usually does not). The missing rows are routed as masked padding, which
+        the router leaves out of routing, losses and statistics, so the last group keeps the
+        capacity of a full group. Returns ``(x, token_mask, real tokens)``; ``None`` when nothing
+        was appended. Shapes only: no host synchronisation.
+        """
+        cfg = self.router_config
+        if cfg.group != "tokens" or cfg.group_size is None or x.dim() != 3:
+            return x, token_mask, None
+        batch, seq = x.shape[0], x.shape[1]
+        n = int(cfg.group_size)
+        if (batch * seq) % n == 0:
+            return x, token_mask, None
+        # Whole sequences keep per-sequence losses well defined: B' * L must be a multiple of n.
+        rows = n // math.gcd(n, seq)
+        extra = -batch % rows
+        mask = (
+            torch.ones(batch, seq, dtype=torch.bool, device=x.device)
+            if token_mask is None
+            else token_mask.reshape(batch, seq).to(device=x.device, dtype=torch.bool)
+        )
+        x = torch.cat([x, x.new_zeros(extra, seq, x.shape[-1])])
+        mask = torch.cat([mask, mask.new_zeros(extra, seq)])
+        return x, mask, batch * seq
 
     def extra_repr(self) -> str:
         return (
