@@ -171,6 +171,63 @@ def test_a_run_trained_twice_reports_its_run_to_run_variation(tmp_path: Path) ->
     assert "gshard/42 3.1000 -> 3.0000 (-0.1000, H200 -> H100)" in readme.read_text()
 
 
+def test_runs_only_the_summary_records_report_as_with_their_raw_files(tmp_path: Path) -> None:
+    """results.json keeps every run's numbers and analysis.json every plotted number: without
+    the raw files the report (verdicts, README, figures) is the same, the runs count as trained,
+    and a new run's raw files join them."""
+    results = tmp_path / "results"
+    config = StudyConfig(routers=("gshard", "maxscore"))
+    for seed, shift in ((42, 0.0), (43, 0.01)):
+        _write_run(results, "gshard", seed, [3.0 + shift, 3.2 + shift], device="NVIDIA H200")
+        _write_run(results, "maxscore", seed, [2.98 + shift, 3.17 + shift], device="NVIDIA H200")
+    readme = tmp_path / "README.md"
+    first = study_report.write_report(config, results, readme, study.status(config, results))
+    texts = {p: p.read_text() for p in (readme, results / "results.json")}
+    analysis_md = (results / "analysis" / "analysis.md").read_text()
+    shutil.rmtree(results / "raw")
+    (results / "analysis" / "loss_curves.png").unlink()
+    rows = study.status(config, results)
+    assert [r["trained"] for r in rows] == [True, True, True, True, False, False]
+    assert rows[0]["evaluated"] == ["causal"]
+    again = study_report.write_report(config, results, readme, rows)
+    assert {p: p.read_text() for p in texts} == texts
+    assert (results / "analysis" / "analysis.md").read_text() == analysis_md
+    assert (results / "analysis" / "loss_curves.png").is_file()  # drawn from analysis.json
+    assert again["claims"] == first["claims"]
+    # a run of a later call: its raw files join the runs the summary records
+    _write_run(results, "gshard", 44, [3.1, 3.3], device="NVIDIA H100 80GB HBM3")
+    _write_run(results, "maxscore", 44, [3.08, 3.27], device="NVIDIA H100 80GB HBM3")
+    data = study_report.write_report(config, results, readme, study.status(config, results))
+    assert data["claims"]["maxscore_beats_gshard"]["gain"]["n"] == 3
+    assert sorted(data["runs"]) == [
+        f"{r}/{s}" for r in ("gshard", "maxscore") for s in (42, 43, 44)
+    ]
+    assert "6 of 6 runs trained" in readme.read_text()
+
+
+@pytest.mark.parametrize(
+    ("results", "readme"),
+    [("results", "README.md"), ("results_full", "results_full/README.md")],
+)
+def test_the_committed_readmes_regenerate_from_the_summaries(
+    tmp_path: Path, results: str, readme: str
+) -> None:
+    """``study_report.py`` writes each committed README again, byte for byte, from its study's
+    summary (results.json) and saved analysis alone."""
+    for name in ("README.md", "results_full/README.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(STUDY_DIR / name, tmp_path / name)
+    for folder in ("results", "results_full"):
+        (tmp_path / folder / "analysis").mkdir(parents=True, exist_ok=True)
+        for name in ("results.json", "analysis/analysis.json"):
+            shutil.copyfile(STUDY_DIR / folder / name, tmp_path / folder / name)
+    argv = ["--results-dir", str(tmp_path / results), "--readme", str(tmp_path / readme)]
+    assert study_report.main([*argv, "--no-figures"]) == 0
+    assert (tmp_path / readme).read_text() == (STUDY_DIR / readme).read_text()
+    summary = json.loads((tmp_path / results / "results.json").read_text())
+    assert summary == json.loads((STUDY_DIR / results / "results.json").read_text())
+
+
 def test_empty_results_say_every_number_is_pending(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     config = StudyConfig()

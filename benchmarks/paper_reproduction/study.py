@@ -25,11 +25,15 @@ between calls; run directories only help while the machine that holds them is ke
 lm-eval needs the run's final checkpoint, which only the machine that trained it holds:
 ``run --retrain-for-eval`` trains such runs again (after the runs never trained; one run of each
 router without a complete lm-eval before the others) and evaluates them (:func:`work`).
-``report`` needs only ``<results-dir>``: it writes ``results.json`` (every number) and
-``README.md`` (generated from it; a claim without its runs says "pending").
+``report`` needs only ``<results-dir>``: it adds the runs in ``raw/`` to the study's summary
+``results.json`` (every run's numbers and every number of the report) and writes the figures
+and ``README.md`` from it (:mod:`study_report`; a claim without its runs says "pending"). A run
+the summary records counts as trained (and evaluated) without its raw files, which the
+repository does not keep.
 
 ``--profile`` picks the study's settings (:data:`study_plan.PROFILES`); ``run`` records them in
-``<results-dir>/study.json``, which ``plan`` and ``report`` use when no profile is given.
+``<results-dir>/study.json``, which ``plan`` and ``report`` use when no profile is given (else
+the settings in ``results.json``).
 """
 
 from __future__ import annotations
@@ -64,8 +68,21 @@ def routings_for(router: str) -> list[str]:
     return ["causal", "train"] if router in BOTH_ROUTINGS else ["causal"]
 
 
+def _recorded(results: Path, router: str, seed: int) -> dict[str, Any] | None:
+    """The run's record in the study's summary (``results.json``) when it has no raw files."""
+    if (raw_dir(results, router, seed) / "summary.json").is_file():
+        return None
+    from study_report import stored_runs
+
+    return stored_runs(results).get(f"{router}/{seed}")
+
+
 def _trained(results: Path, router: str, seed: int) -> bool:
-    """Whether the run's summary in ``results`` is that of a complete run."""
+    """Whether the run's summary in ``results`` (its raw copy, else its record in
+    ``results.json``) is that of a complete run."""
+    record = _recorded(results, router, seed)
+    if record is not None:
+        return bool(record.get("complete"))
     return _complete(raw_dir(results, router, seed))
 
 
@@ -83,13 +100,16 @@ def status(config: StudyConfig, results: Path) -> list[dict[str, Any]]:
     rows = []
     for router, seed in config.queue():
         folder = raw_dir(results, router, seed)
+        recorded = (_recorded(results, router, seed) or {}).get("lm_eval", {})
         rows.append(
             {
                 "router": router,
                 "seed": seed,
                 "trained": _trained(results, router, seed),
                 "evaluated": [
-                    r for r in routings_for(router) if (folder / f"eval_{r}.json").is_file()
+                    r
+                    for r in routings_for(router)
+                    if (folder / f"eval_{r}.json").is_file() or r in recorded
                 ],
                 "routings": routings_for(router) if config.lm_eval else [],
             }
@@ -139,7 +159,7 @@ def train_run(
     if replacing:
         old = out / SUPERSEDED
         shutil.rmtree(old, ignore_errors=True)
-        old.mkdir()
+        old.mkdir(parents=True)  # a run only the summary records has no files to move
         for path in out.iterdir():
             if path.is_file():
                 path.rename(old / path.name)
@@ -440,7 +460,8 @@ def _parse_only(text: str | None) -> set[tuple[str, int]] | None:
 
 
 def _base_config(args: argparse.Namespace) -> StudyConfig:
-    """The named profile; else the settings ``run`` recorded in the results; else ``full``."""
+    """The named profile; else the settings ``run`` recorded in the results (``study.json``,
+    else the summary's); else ``full``."""
     if getattr(args, "study_config", None):
         return StudyConfig.from_dict(json.loads(Path(args.study_config).read_text()))
     if args.profile:
@@ -448,6 +469,9 @@ def _base_config(args: argparse.Namespace) -> StudyConfig:
     recorded = args.results_dir / "study.json"
     if recorded.is_file():
         return StudyConfig.from_dict(json.loads(recorded.read_text()))
+    summary = args.results_dir / "results.json"
+    if summary.is_file():
+        return StudyConfig.from_dict(json.loads(summary.read_text())["settings"])
     return PROFILES["full"]
 
 

@@ -1,8 +1,19 @@
-"""``study.py report``: every number of the study in ``results.json``, and the README from it.
+"""The study's report: every number in ``results.json``, and the README and figures from it.
 
-Nothing here measures: it reads ``<results-dir>/raw/<router>/seed-<s>/`` (copied from the run
-directories by ``study.py run``) and states, claim by claim, what the runs say, with the number
-of seeds and tokens each claim rests on. A claim whose runs are missing is "pending".
+    python benchmarks/paper_reproduction/study_report.py              # results/ -> README.md
+    python benchmarks/paper_reproduction/study_report.py --results-dir \
+        benchmarks/paper_reproduction/results_full --readme \
+        benchmarks/paper_reproduction/results_full/README.md
+
+Nothing here measures. ``<results-dir>/results.json`` is the study's summary: every complete
+run's numbers (its per-document validation losses included, for the paired differences), the
+claims and verdicts computed from them, and the runs trained twice; ``analysis/analysis.json``
+holds every number the figures plot. A run's raw files (``raw/<router>/seed-<s>/``, copied from
+its run directory by ``study.py run``) take precedence over its record in the summary, so
+``study.py report`` after a device call adds the new runs; once the summary holds them the raw
+files are not needed (``raw/`` is not kept in the repository). The report states, claim by
+claim, what the runs say, with the number of seeds and tokens each claim rests on. A claim
+whose runs are missing is "pending".
 
 Verdicts rest on the per-seed paired differences (paired by seed and validation document) and
 their 95% Student-t interval over seeds (``n - 1`` degrees of freedom;
@@ -18,10 +29,14 @@ and judged like a gain.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
 import math
 import os
 import statistics
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +45,8 @@ from study_plan import ROUTERS, SUPERSEDED, StudyConfig
 from maxscore.evaluation.registry import PAPER_TASK_BY_NAME
 from maxscore.training import evidence
 from maxscore.training.validation_set import paired_difference
+
+HERE = Path(__file__).resolve().parent
 
 #: The paper's Table 2 / Table 3 average accuracy (%) over its ten tasks, Base size.
 PAPER_AVG: dict[str, float] = {
@@ -61,6 +78,10 @@ CHANCE: dict[str, float] = {
 }
 
 
+#: The study's summary in its results folder (:func:`summarize` writes it).
+SUMMARY = "results.json"
+
+
 def _read(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -85,12 +106,21 @@ def _layer_mean(per_layer: list[list[float]] | None) -> list[float] | None:
     return [sum(layer[r] for layer in per_layer) / len(per_layer) for r in range(len(per_layer[0]))]
 
 
-def load_run(results: Path, router: str, seed: int) -> dict[str, Any] | None:
-    """The numbers of one run from its raw files (``None`` until it is trained)."""
+def stored_runs(results: Path) -> dict[str, dict[str, Any]]:
+    """The complete runs the summary (``<results>/results.json``) records, by ``router/seed``."""
+    return (_read(results / SUMMARY) or {}).get("runs", {})
+
+
+def load_run(
+    results: Path, router: str, seed: int, stored: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any] | None:
+    """The numbers of one run from its raw files, else from its record in the summary
+    (``stored``: :func:`stored_runs`, read when not given); ``None`` until it is trained."""
     folder = results / "raw" / router / f"seed-{seed}"
     summary, config = _read(folder / "summary.json"), _read(folder / "config.json")
     if summary is None or config is None:
-        return None
+        record = (stored_runs(results) if stored is None else stored).get(f"{router}/{seed}")
+        return copy.deepcopy(record)
     resolved = config["resolved"]
     routing = _last_routing(folder / "metrics.jsonl") or {}
     loads = routing.get("load_over_capacity") or []
@@ -254,10 +284,17 @@ def _spearman(a: list[float], b: list[float]) -> float | None:
 def reruns(config: StudyConfig, results: Path) -> dict[str, Any]:
     """Runs trained twice with the same seed and settings (again for their lm-eval, the first
     run's files kept in ``SUPERSEDED/``): how far apart the two validation losses are,
-    the run-to-run variation that no seed explains (GPU nondeterminism, another card)."""
+    the run-to-run variation that no seed explains (GPU nondeterminism, another card). A run
+    without raw files keeps the pair the summary records."""
+    recorded = ((_read(results / SUMMARY) or {}).get("reruns") or {}).get("pairs", [])
+    recorded_pairs = {p["run"]: p for p in recorded}
     pairs = []
     for router, seed in config.runs():
         folder = results / "raw" / router / f"seed-{seed}"
+        if not (folder / "summary.json").is_file():
+            if f"{router}/{seed}" in recorded_pairs:
+                pairs.append(recorded_pairs[f"{router}/{seed}"])
+            continue
         new = _read(folder / "summary.json")
         old = _read(folder / SUPERSEDED / "summary.json")
         cards = [
@@ -283,10 +320,12 @@ def reruns(config: StudyConfig, results: Path) -> dict[str, Any]:
 
 
 def summarize(config: StudyConfig, results: Path) -> dict[str, Any]:
-    """Everything the README says, as data (written to ``results.json``)."""
+    """Everything the README says, as data (written to ``results.json``), with every complete
+    run's own numbers (``runs``) to compute it again."""
+    stored = stored_runs(results)
     runs: dict[str, list[dict[str, Any]]] = {}
     for router, seed in config.runs():
-        run = load_run(results, router, seed)
+        run = load_run(results, router, seed, stored)
         if run is not None and run["complete"]:
             runs.setdefault(router, []).append(run)
     routers: dict[str, Any] = {}
@@ -357,11 +396,7 @@ def summarize(config: StudyConfig, results: Path) -> dict[str, Any]:
         "routers": routers,
         "claims": claims,
         "reruns": reruns(config, results),
-        "runs": {
-            f"{r['router']}/{r['seed']}": {k: v for k, v in r.items() if k != "validation"}
-            for rs in runs.values()
-            for r in rs
-        },
+        "runs": {f"{r['router']}/{r['seed']}": r for rs in runs.values() for r in rs},
     }
 
 
@@ -509,9 +544,9 @@ def render_readme(
     lines = [
         "# Miniature reproduction of the paper's claims",
         "",
-        "Generated by `python benchmarks/paper_reproduction/study.py report` from "
-        f"`{results_path}/raw/` (every number is in `{results_path}/results.json`). Do not edit "
-        "by hand.",
+        f"Generated from the study's summary `{results_path}/results.json` (every run's numbers "
+        f"and every number below) and `{results_path}/analysis/analysis.json` (the figures' "
+        "numbers) by `study_report.py` (commands below). Do not edit by hand.",
         "",
     ]
     for other in other_reports:
@@ -561,12 +596,22 @@ def render_readme(
         "",
         "## How to regenerate",
         "",
+        "This README and its figures, from the summaries (a CPU, seconds):",
+        "",
+        "```bash",
+        "python benchmarks/paper_reproduction/study_report.py",
+        "python benchmarks/paper_reproduction/study_report.py --results-dir \\",
+        "  benchmarks/paper_reproduction/results_full --readme benchmarks/paper_reproduction/results_full/README.md",
+        "```",
+        "",
+        "The runs:",
+        "",
         "```bash",
         "# on a machine with two GPUs (one device call, ~9 minutes): the one-call profile",
         "OUT=/tmp/out bash benchmarks/paper_reproduction/run_gpu.sh",
         "tar -xzf /tmp/out/results.tar.gz -C benchmarks/paper_reproduction",
         "python benchmarks/paper_reproduction/study.py plan     # done / pending, per run",
-        "python benchmarks/paper_reproduction/study.py report   # results.json, figures, README",
+        "python benchmarks/paper_reproduction/study.py report   # adds raw/ to results.json; README",
         "# the full study (25M tokens per run, lm-eval), one run per GPU per ~10-minute call",
         "# (training: ~5 min on an H200, ~6.5 on an H100; then lm-eval, ~1 min per routing on an",
         "# H200); first, once, on a machine with registry access: pack lm-eval's wheels and the",
@@ -588,7 +633,10 @@ def render_readme(
         "worker per GPU takes the next one, and starts it only while it has time to finish it. "
         "Each run trains into `runs/paper_reproduction/`, runs lm-eval on its final checkpoint "
         "where the profile asks for it (both routings for capacity / flow routers) and copies the "
-        "small result files to `results/raw/`; `results/study.json` records the settings. A run "
+        "small result files to `results/raw/`; `results/study.json` records the settings. "
+        "`report` adds the runs in `raw/` to the summary `results.json` (a run's raw files take "
+        "precedence over its record there); after it `raw/` is not needed, and git ignores it. A "
+        "run "
         "cut by the deadline is not counted (the `full` profile keeps checkpoints and resumes "
         "it in the next call while its machine is held). lm-eval needs the run's final "
         "checkpoint, which lives only on the machine that trained it: a run trained in an "
@@ -777,46 +825,94 @@ def render_readme(
     return "\n".join(lines) + "\n"
 
 
+def _figure_run_key(entry: dict[str, Any]) -> tuple[str, int] | None:
+    """``(router, seed)`` of a run of the saved analysis, from its path ``.../<router>/seed-<s>``."""
+    path = Path(entry.get("path") or "")
+    if not path.name.startswith("seed-"):
+        return None
+    return path.parent.name, int(path.name.removeprefix("seed-"))
+
+
 def write_figures(config: StudyConfig, results: Path) -> list[str]:
-    """``maxscore analyze`` on the first trained seed of each router (figures in ``analysis/``).
+    """The routing analysis (``maxscore analyze``'s figures, ``analysis.json`` and
+    ``analysis.md``, in ``analysis/``) of the first trained seed of each router.
 
-    The raw copies hold ``config.json`` and ``metrics.jsonl``, all the analysis reads: the
-    dropped / rerouted shares and mean affinity by choice rank per layer, the sorted expert load
-    over capacity, loss curves, tokens/s. Returns the figure file names.
+    A run's numbers come from its raw copy where there is one (``config.json`` and
+    ``metrics.jsonl``, all the analysis reads: the dropped / rerouted shares and mean affinity by
+    choice rank per layer, the sorted expert load over capacity, loss curves, tokens/s), else
+    from the saved ``analysis/analysis.json``, which holds every plotted number; the figures are
+    drawn from these numbers. Returns the figure file names.
     """
-    from maxscore.analysis.analyze import analyze
+    from maxscore.analysis.analyze import analyze, draw_figures
+    from maxscore.analysis.markdown import ANALYSIS_JSON, ANALYSIS_MD, analysis_markdown
 
-    dirs = []
+    out = results / "analysis"
+    saved: dict[tuple[str, int], dict[str, Any]] = {}
+    for entry in ((_read(out / ANALYSIS_JSON) or {}).get("runs") or {}).values():
+        key = _figure_run_key(entry)
+        if key is not None:
+            saved[key] = entry
+    stored = stored_runs(results)
+    chosen: list[tuple[str, int, Path | None, str]] = []  # router, seed, raw folder, device
     for plan in config.plans():
         for seed in plan.seeds:
             folder = results / "raw" / plan.router / f"seed-{seed}"
             if (folder / "metrics.jsonl").is_file():
-                dirs.append(folder)
+                resolved = (_read(folder / "config.json") or {}).get("resolved", {})
+                chosen.append((plan.router, seed, folder, resolved.get("device") or "unknown"))
                 break
-    if not dirs:
+            if (plan.router, seed) in saved:
+                device = stored.get(f"{plan.router}/{seed}", {}).get("device") or "unknown"
+                chosen.append((plan.router, seed, None, device))
+                break
+    if not chosen:
         return []
     # The throughput figure compares speeds: name each run's card where the runs used several.
-    cards = [
-        json.loads((d / "config.json").read_text()).get("resolved", {}).get("device") or "unknown"
-        for d in dirs
+    several = len({device for *_, device in chosen}) > 1
+    names = [f"{r} ({_card(device)})" if several else r for r, _, _, device in chosen]
+    fresh: dict[str, dict[str, Any]] = {}
+    raw = [(name, folder) for name, (_, _, folder, _) in zip(names, chosen, strict=True) if folder]
+    if raw:
+        with tempfile.TemporaryDirectory() as scratch:
+            found = analyze([f for _, f in raw], scratch, names=[n for n, _ in raw]).data
+        fresh = found["runs"]
+    data: dict[str, Any] = {"runs": {}}
+    for name, (router, seed, folder, _) in zip(names, chosen, strict=True):
+        entry = dict(fresh[name] if folder else saved[(router, seed)])
+        entry["path"] = f"raw/{router}/seed-{seed}"  # relative to the results folder
+        data["runs"][name] = entry
+    notes = [
+        f"{name}: no routing statistics in metrics.jsonl (dense model?)"
+        for name, entry in data["runs"].items()
+        if entry.get("routing") is None
     ]
-    several = len(set(cards)) > 1
-    names = [
-        f"{d.parent.name} ({_card(c)})" if several else d.parent.name
-        for d, c in zip(dirs, cards, strict=True)
-    ]
-    result = analyze(dirs, results / "analysis", names=names)
-    return sorted(p.name for p in result.figures.values())
+    out.mkdir(parents=True, exist_ok=True)
+    figures, drawing_notes = draw_figures(data, out)
+    data["figures"] = {k: v.name for k, v in figures.items()}
+    data["notes"] = notes + drawing_notes
+    data["settings"] = {"checkpoint": None, "window": 1, "routing": "training (as logged)"}
+    (out / ANALYSIS_JSON).write_text(json.dumps(data, indent=2) + "\n")
+    (out / ANALYSIS_MD).write_text(analysis_markdown(data))
+    return sorted(p.name for p in figures.values())
 
 
 def write_report(
-    config: StudyConfig, results: Path, readme: Path, status: list[dict[str, Any]]
+    config: StudyConfig,
+    results: Path,
+    readme: Path,
+    status: list[dict[str, Any]],
+    figures: bool = True,
 ) -> dict[str, Any]:
-    """Write ``results.json``, the analysis figures and the README; return the data."""
+    """Write ``results.json``, the analysis figures (``figures=False``: keep the saved ones)
+    and the README; return the data."""
     data = summarize(config, results)
-    data["figures"] = write_figures(config, results)
+    if figures:
+        data["figures"] = write_figures(config, results)
+    else:
+        saved = _read(results / "analysis" / "analysis.json") or {}
+        data["figures"] = sorted((saved.get("figures") or {}).values())
     results.mkdir(parents=True, exist_ok=True)
-    (results / "results.json").write_text(json.dumps(data, indent=1) + "\n")
+    (results / SUMMARY).write_text(json.dumps(data, indent=1) + "\n")
     where = os.path.relpath(results.resolve(), readme.resolve().parent)
     others = tuple(
         os.path.relpath(path, readme.resolve().parent)
@@ -829,4 +925,31 @@ def write_report(
     return data
 
 
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Write a study's results.json, figures and README from its summary "
+        "(results.json) and the raw files beside it."
+    )
+    parser.add_argument("--results-dir", type=Path, default=HERE / "results")
+    parser.add_argument("--readme", type=Path, default=HERE / "README.md")
+    parser.add_argument(
+        "--no-figures", action="store_true", help="keep the saved figures and analysis/"
+    )
+    args = parser.parse_args(argv)
+    summary = _read(args.results_dir / SUMMARY)
+    if summary is None:
+        parser.error(f"no {args.results_dir / SUMMARY}: `study.py report` writes it from raw/")
+    from study import status
+
+    config = StudyConfig.from_dict(summary["settings"])
+    rows = status(config, args.results_dir)
+    write_report(config, args.results_dir, args.readme, rows, figures=not args.no_figures)
+    print(f"wrote {args.results_dir / SUMMARY}, {args.results_dir / 'analysis'} and {args.readme}")
+    return 0
+
+
 __all__ = ["ROUTERS", "render_readme", "summarize", "verdict", "write_report"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

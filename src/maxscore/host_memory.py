@@ -3,10 +3,10 @@
 glibc's ``malloc`` serves every block above its mmap threshold (at most 32 MiB) with a fresh
 ``mmap`` and unmaps it on ``free``, so a CPU training step that allocates the ``[tokens, vocab]``
 logits, their gradients and the optimizer's temporaries (tens to hundreds of MiB each) faults in
-new zeroed pages every time: the tiny preset's default CPU run spent a third of its time in the
-kernel (55 million minor page faults in 5.5 minutes on 2 cores). With ``mmap`` off for ``malloc``
-and heap trimming off, freed blocks stay in the heap and the next step reuses them (the same run:
-system time 88 -> 2 s over 60 steps). The cost: the process keeps its peak heap until it exits,
+new zeroed pages every time: the tiny preset's default CPU run would spend a third of its time
+in the kernel (55 million minor page faults in 5.5 minutes on 2 cores). With ``mmap`` off for
+``malloc`` and heap trimming off, freed blocks stay in the heap and the next step reuses them
+(2 s of system time over 60 steps of that run, against 88 s without). The cost: the process keeps its peak heap until it exits,
 which a training process does anyway. The command line turns this on for ``train`` and
 ``compare``; a library user sets ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`` or
 calls :func:`reuse_freed_host_memory`.

@@ -169,47 +169,9 @@ def analyze(
             entry["routing"] = snapshots[run.name].to_dict()
         data["runs"][run.name] = entry
 
-    if snapshots:
-        by_rank_figures = (("dropped", plots.dropped_figure), ("rerouted", plots.rerouted_figure))
-        for name, figure in by_rank_figures:
-            if any(s.stats.get(f"{name}_by_rank") for s in snapshots.values()):
-                path = out / f"{name}_by_rank.png"
-                result.figures[name] = plots.save_figure(figure(snapshots), path)
-        if any(s.stats.get("mean_affinity_by_rank") for s in snapshots.values()):
-            fig = plots.mean_affinity_figure(snapshots)
-            result.figures["mean_affinity"] = plots.save_figure(
-                fig, out / "mean_affinity_by_rank.png"
-            )
-        chosen = layer if layer is not None else default_layer(snapshots)
-        if chosen is None:
-            raise RunError("the runs share no MoE layer; pass --layer")
-        for snap in snapshots.values():
-            snap.layer_position(chosen)  # raises a clear error for a non-MoE layer
-        loads = {
-            name: plots.expert_load_summary(s.stats["load_over_capacity"][s.layer_position(chosen)])
-            for name, s in snapshots.items()
-            if s.stats.get("load_over_capacity")
-        }
-        if loads:
-            fig = plots.expert_load_figure(snapshots, chosen)
-            path = plots.save_figure(fig, out / f"expert_load_layer{chosen}.png")
-            result.figures["expert_load"] = path
-            data["expert_load"] = {"layer": chosen, "runs": loads}
-
-    train = {r.name: r.train_loss() for r in runs}
-    validation = {r.name: r.eval_loss() for r in runs}
-    if any(train.values()) or any(validation.values()):
-        fig = plots.loss_curves_figure(train, validation)
-        result.figures["loss_curves"] = plots.save_figure(fig, out / "loss_curves.png")
-    else:
-        result.notes.append("no training or validation losses in any metrics.jsonl")
-    throughput = {r.name: r.throughput() for r in runs}
-    if any(
-        t["tokens_per_s"] is not None or t["peak_memory_gb"] is not None
-        for t in throughput.values()
-    ):
-        fig = plots.throughput_figure(throughput)
-        result.figures["throughput"] = plots.save_figure(fig, out / "throughput_memory.png")
+    figures, notes = draw_figures(data, out, layer)
+    result.figures.update(figures)
+    result.notes.extend(notes)
 
     data["figures"] = {k: v.name for k, v in result.figures.items()}
     data["notes"] = result.notes
@@ -222,3 +184,62 @@ def analyze(
     result.json_path.write_text(json.dumps(data, indent=2) + "\n")
     result.markdown_path.write_text(analysis_markdown(data))
     return result
+
+
+def draw_figures(
+    data: dict[str, Any], output_dir: Path, layer: int | None = None
+) -> tuple[dict[str, Path], list[str]]:
+    """Draw the figures of an analysis from its numbers alone (``data["runs"]`` as in
+    ``analysis.json``), so saved numbers redraw the same figures without the run directories.
+
+    Sets ``data["expert_load"]`` when there are expert loads. Returns the figures by key and
+    notes on what could not be drawn.
+    """
+    out = Path(output_dir)
+    figures: dict[str, Path] = {}
+    notes: list[str] = []
+    runs = data["runs"]
+    snapshots = {
+        name: RoutingSnapshot(**entry["routing"])
+        for name, entry in runs.items()
+        if entry.get("routing") is not None
+    }
+    if snapshots:
+        by_rank_figures = (("dropped", plots.dropped_figure), ("rerouted", plots.rerouted_figure))
+        for name, figure in by_rank_figures:
+            if any(s.stats.get(f"{name}_by_rank") for s in snapshots.values()):
+                path = out / f"{name}_by_rank.png"
+                figures[name] = plots.save_figure(figure(snapshots), path)
+        if any(s.stats.get("mean_affinity_by_rank") for s in snapshots.values()):
+            fig = plots.mean_affinity_figure(snapshots)
+            figures["mean_affinity"] = plots.save_figure(fig, out / "mean_affinity_by_rank.png")
+        chosen = layer if layer is not None else default_layer(snapshots)
+        if chosen is None:
+            raise RunError("the runs share no MoE layer; pass --layer")
+        for snap in snapshots.values():
+            snap.layer_position(chosen)  # raises a clear error for a non-MoE layer
+        loads = {
+            name: plots.expert_load_summary(s.stats["load_over_capacity"][s.layer_position(chosen)])
+            for name, s in snapshots.items()
+            if s.stats.get("load_over_capacity")
+        }
+        if loads:
+            fig = plots.expert_load_figure(snapshots, chosen)
+            figures["expert_load"] = plots.save_figure(fig, out / f"expert_load_layer{chosen}.png")
+            data["expert_load"] = {"layer": chosen, "runs": loads}
+
+    train = {name: entry["train_loss"] for name, entry in runs.items()}
+    validation = {name: entry["eval_loss"] for name, entry in runs.items()}
+    if any(train.values()) or any(validation.values()):
+        fig = plots.loss_curves_figure(train, validation)
+        figures["loss_curves"] = plots.save_figure(fig, out / "loss_curves.png")
+    else:
+        notes.append("no training or validation losses in any metrics.jsonl")
+    throughput = {name: entry["throughput"] for name, entry in runs.items()}
+    if any(
+        t["tokens_per_s"] is not None or t["peak_memory_gb"] is not None
+        for t in throughput.values()
+    ):
+        fig = plots.throughput_figure(throughput)
+        figures["throughput"] = plots.save_figure(fig, out / "throughput_memory.png")
+    return figures, notes

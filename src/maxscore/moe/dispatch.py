@@ -131,8 +131,8 @@ def _positions(
     running count over a one-hot, in registers (the sort path costs ~85 us per Base layer at
     ``[128, 1024]``: sort, searchsorted, scatter). Longer rows (one group for the whole batch)
     take a stable sort: torch's cumsum along a non-innermost dimension runs one thread per
-    column, serial along the tokens (measured on an H100: 5.7 ms per layer step for
-    ``[1, 32768, 17]``, against ~0.1 ms for the sort).
+    column, serial along the tokens (5.7 ms per layer step for ``[1, 32768, 17]``, against
+    ~0.1 ms for the sort).
     """
     g, m = key.shape
     k1 = num_keys + 1
@@ -363,7 +363,7 @@ def _sum_slot_rows_triton(src: Tensor, slot_row: Tensor) -> Tensor:
         return triton.cdiv(t, meta["tokens"]), triton.cdiv(d, meta["block"])
 
     # Under torch's deterministic mode Triton's autotuner finds no configuration (its timing
-    # run fails: "'NoneType' object is not a mapping", Triton 3.6 / torch 2.11 on an H200), and
+    # run fails: "'NoneType' object is not a mapping", Triton 3.6 / torch 2.11), and
     # every configuration gives the same sums (each token's slots added in slot order), so that
     # mode, like the interpreter, runs one fixed configuration.
     if src.is_cuda and not torch.are_deterministic_algorithms_enabled():

@@ -67,8 +67,8 @@ def _swiglu_backward(gate_up: Tensor, weight: Tensor, grad_h: Tensor) -> tuple[T
 
 # On CUDA without Triton kernels (MAXSCORE_TRITON=0, or Triton missing) the two elementwise
 # functions above are compiled with torch.compile (a few fused kernels instead of ~10 eager
-# launches over [rows, F]; measured 2x slower than the Triton kernels below on an H100, and 2x
-# faster than eager); set MAXSCORE_COMPILE=0 to disable that too. Only the half-precision
+# launches over [rows, F]; 2x slower than the Triton kernels below, and 2x faster than
+# eager); set MAXSCORE_COMPILE=0 to disable that too. Only the half-precision
 # training path is compiled; fp32 on a GPU is for checks.
 def _call(name: str, fn: Callable[..., object], *args: Tensor):
     x = args[0]
@@ -142,7 +142,7 @@ def _swiglu_backward_triton(
 # Under torch.compile the two kernels run as custom operators (one opaque node each), like the
 # flow solver (``routing/flow/compiled_call.py``): the compiled graph then calls them as they are,
 # instead of depending on how the torch version's inductor traces user Triton kernels and the
-# buffers they write (measured on an H100: same speed either way, torch 2.11).
+# buffers they write (the same speed either way, torch 2.11).
 @torch.library.custom_op("maxscore::weighted_swiglu_fwd", mutates_args=())
 def _swiglu_forward_op(gate_up: Tensor, weight: Tensor) -> Tensor:
     return _swiglu_forward_triton(gate_up, weight)
@@ -206,7 +206,7 @@ def _in_compute_dtype(x: Tensor) -> Tensor:
     Casting the ``[T, D]`` tokens once (fused into the norm before it when compiled) instead of
     the ``[R, D]`` gathered rows halves the bytes the gather reads, and its gradient comes back
     as bf16 rows summed per token into bf16 (fp32 accumulation) rather than as fp32 copies of
-    every row: ~3 ms of a 167 ms Base step on an H100 with an fp32 residual stream.
+    every row: ~3 ms of a 167 ms Base step with an fp32 residual stream.
     """
     if not torch.is_autocast_enabled(x.device.type):
         return x

@@ -43,7 +43,7 @@ def load_balancing_loss(
       ``L = e · sum_j mean_i(A_ij) · f_j`` with ``f_j`` the fraction of the group's tokens whose
       top-1 choice (argmax of ``A``, before any capacity drop) is expert ``j``, computed from
       the per-expert top-1 counts (a one-hot sum: no scatter in the backward pass, whose
-      atomic adds onto ``e`` addresses cost ~0.1 ms per Base layer on an H100).
+      atomic adds onto ``e`` addresses cost ~0.1 ms per Base layer on a GPU).
     * ``"eq9"``, the paper's Eq. (9) as printed (without λ):
       ``L = (1/e) · sum_j mean_i(A_ij) · mean_i(P_ij)`` with ``P`` the final assignment
       (Eq. 7), i.e. every kept slot, after capacity.

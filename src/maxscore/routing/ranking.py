@@ -3,8 +3,8 @@
 Every place that ranks a token's experts (the top-k strategies, SoftTopk's rank multiplier, the
 drop-rate statistics) uses these, so they agree on ties: equal scores rank by the lower expert
 index. ``torch.topk`` gives no tie-breaking guarantee, and on the router's ``[T, e]`` rows with
-small ``e`` it is slow on CUDA (one thread block per row: ~140-190 us for ``[65536, 16]`` on an
-H100, ``benchmarks/train_throughput/README.md``); a stable sort of such short rows is one pass.
+small ``e`` it is slow on CUDA (one thread block per row: ~140-190 us for ``[65536, 16]``,
+``benchmarks/train_throughput/README.md``); a stable sort of such short rows is one pass.
 NaN ranks first (as in ``torch.topk`` and a descending ``torch.sort``).
 """
 
@@ -64,7 +64,7 @@ def top_experts(scores: Tensor, k: int) -> Tensor:
     torch.compile fuses into the surrounding kernel. Up to ``_ARGMAX_RANKS`` ranks (fewer than
     ``e``) it is ``k`` argmaxes over integer order keys, each taking the first maximum (the
     lower index on ties) and then marking it taken: a few passes over the row instead of a
-    sort, which on CUDA costs ~0.23 ms for ``[65536, 16]`` rows (H100; the per-step routing
+    sort, which on CUDA costs ~0.23 ms for ``[65536, 16]`` rows (the per-step routing
     statistics rank every layer's tokens).
     """
     if k == 1:

@@ -189,7 +189,7 @@ class _PendingStatistics:
             assert self.affinities is not None and self.expert_index is not None
             # The trainer reads every MoE layer's statistics after every optimizer step (for
             # the logged means). Eagerly that is ~25 small kernels per layer on [G, n, e]
-            # tensors; compiled on CUDA, ~0.04 ms per Base layer on an H100
+            # tensors; compiled on CUDA, ~0.04 ms per Base layer
             # (benchmarks/train_throughput/README.md).
             self.result = call_compiled(
                 "routing_statistics",

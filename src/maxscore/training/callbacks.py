@@ -202,8 +202,8 @@ class GarbageCollectionCallback(TrainerCallback):
     Python starts a full (oldest-generation) collection on its own when enough objects have
     survived the younger ones; it walks every object the process holds, and after
     ``torch.compile`` of a 12-layer, 128-expert model those are about 700,000 (0.4-0.6 s for one
-    collection on a 2-core CPU), so the step it falls in stalls; training runs on an H100 showed
-    one-off stalls of that size (benchmarks/flow_solver/README.md). On a schedule the pauses are
+    collection on a 2-core CPU), so the step it falls in stalls; GPU training runs show one-off
+    stalls of that size (benchmarks/flow_solver/README.md). On a schedule the pauses are
     short (the young generations: 12.5 ms every 50 steps there) and fall at the same steps in
     every process, so no process of a distributed run waits for another's collection. Objects
     that reach the old generation stay until training ends, as with torchtitan's ``gc_freq``.

@@ -110,7 +110,7 @@ class TrainConfig:
         compile_mode: ``torch.compile`` mode for ``compile``: ``"default"`` or
             ``"max-autotune-no-cudagraphs"``. (``"reduce-overhead"``, CUDA graphs per layer, is
             refused: under the Trainer's gradient accumulation its graph outputs are overwritten
-            before the backward pass reads them, measured on an H200 with torch 2.11.)
+            before the backward pass reads them, seen with torch 2.11.)
         deterministic: same-seed reruns agree bit for bit on one GPU type (and on the CPU):
             ``torch.use_deterministic_algorithms(True)`` (an operation without a deterministic
             implementation fails instead of running), cuDNN deterministic without benchmarking,

@@ -2,9 +2,9 @@
 
 The authors decay ``t`` over the first 30,000 of their 180,000 optimizer steps: 1/6 of the run.
 A run of a few hundred steps that keeps the absolute 30,000 never leaves ``t ≈ t0`` (a 400-step
-Base run ends at t = 2.96 instead of 0), and measured on an H100 that loses MaxScore's lead over
-GShard, while the proportioned schedule keeps it (0.02 nats on two seeds). So in training the
-length follows the run:
+Base run ends at t = 2.96 instead of 0), and in such a run MaxScore loses its lead over GShard,
+which the proportioned schedule keeps (0.02 nats on two seeds). So in training the length
+follows the run:
 
 1. ``TrainConfig.temperature_steps`` when given (``--temperature-steps``; the ``paper`` recipe
    sets 30,000), or ``router_overrides["temperature"]["steps"]``: an explicit length;
