@@ -364,6 +364,7 @@ def arm_summary(arm: str, by_seed: Mapping[int, Mapping[str, Any]]) -> dict[str,
         else None,
         "tokens_per_s": mean([r.get("tokens_per_s") for r in records]),
         "devices": sorted({r.get("device", "?") for r in records}),
+        "dates": sorted({r["date"] for r in records if r.get("date")}),
     }
 
 
@@ -604,7 +605,8 @@ def readme_lines(
     lines = [*HEADER, "", "## Summary", ""]
     lines += headline_lines(payload)
     lines += [""]
-    lines += method_lines(config, runs, devices, MARGIN)
+    dates = sorted({d for a in payload["arms"] for d in a.get("dates", [])})
+    lines += method_lines(config, runs, devices, MARGIN, dates)
     lines += ["", "## Claims", ""]
     lines += claim_table(claims)
     noise = payload["same_seed_noise"]

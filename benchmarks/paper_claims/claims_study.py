@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import traceback
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,7 @@ def run_record(run_dir: Path, result: Any) -> dict[str, Any]:
         "validation": {"loss_sum": validation["loss_sum"], "tokens": validation["tokens"]},
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
     }
 
 

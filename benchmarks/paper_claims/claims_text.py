@@ -12,7 +12,9 @@ HEADER = [
 ]
 
 
-def method_lines(config: StudyConfig, runs: int, devices: list[str], margin: float) -> list[str]:
+def method_lines(
+    config: StudyConfig, runs: int, devices: list[str], margin: float, dates: list[str]
+) -> list[str]:
     tokens = config.tokens
     model = ", ".join(f"{k} {v}" for k, v in STUDY_MODEL.items())
     return [
@@ -43,13 +45,16 @@ def method_lines(config: StudyConfig, runs: int, devices: list[str], margin: flo
         "within the margin where the paper claims a gain; *inconclusive* otherwise. *Seeds "
         "needed*: paired seeds for the observed mean and spread to exclude 0 with 80% power. The "
         "verdict logic is tested on constructed data (`tests/test_paper_claims.py`).",
-        f"- **Runs**: {runs} trained on {', '.join(devices) or '-'}, one card type per study.",
+        f"- **Runs**: {runs} trained on {', '.join(devices) or '-'}, one card type per study"
+        + (f", {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") if dates else "")
+        + ".",
         "",
-        "Reproduce (a machine with two GPUs, one call of about ten minutes each, repeated until "
-        "`plan` reports nothing pending; results accumulate in `results/raw/`):",
+        "Reproduce (any number of GPUs; each GPU trains `PER_DEVICE` runs at once, 3 on an H200, "
+        "so 4 H200s train about 45 runs in a call of eight minutes; repeat until `plan` reports "
+        "nothing pending; results accumulate in `results/raw/`):",
         "",
         "```bash",
-        "OUT=/tmp/out bash benchmarks/paper_claims/run_gpu.sh   # copies results/ to $OUT",
+        "OUT=/tmp/out PER_DEVICE=3 bash benchmarks/paper_claims/run_gpu.sh   # results/ to $OUT",
         "python benchmarks/paper_claims/claims_study.py plan",
         "python benchmarks/paper_claims/claims_study.py report",
         "```",
