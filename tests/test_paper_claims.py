@@ -191,3 +191,26 @@ def test_tiny_study_trains_and_reports_on_cpu(tmp_path: Path) -> None:
     assert record["first_layer"]["load_over_capacity"]
     assert study.main(["report", *argv, "--readme", str(tmp_path / "README.md")]) == 0
     assert "MaxScore beats GShard" in (tmp_path / "README.md").read_text()
+
+
+def test_summary_block_in_another_readme_is_regenerated_and_nothing_else_changes(
+    tmp_path: Path,
+) -> None:
+    payload = json.loads((STUDY_DIR / "results" / "results.json").read_text())
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n\n{report.BLOCK_BEGIN}\nstale numbers\n{report.BLOCK_END}\n\nrest\n")
+    assert report.update_summary_block(readme, payload)
+    text = readme.read_text()
+    assert "stale numbers" not in text
+    assert text.startswith("intro\n\n") and text.endswith(f"{report.BLOCK_END}\n\nrest\n")
+    assert "\n".join(report.headline_lines(payload)) in text
+    plain = tmp_path / "other.md"
+    plain.write_text("no block\n")
+    assert not report.update_summary_block(plain, payload)
+    assert plain.read_text() == "no block\n"
+
+
+def test_main_readme_summary_matches_the_committed_results() -> None:
+    payload = json.loads((STUDY_DIR / "results" / "results.json").read_text())
+    main = (STUDY_DIR.parents[1] / "README.md").read_text()
+    assert "\n".join(report.headline_lines(payload)) in main

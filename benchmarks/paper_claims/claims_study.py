@@ -234,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=HERE / "results")
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/paper_claims"))
     parser.add_argument("--readme", type=Path, default=HERE / "README.md")
+    parser.add_argument(
+        "--summary-in",
+        type=Path,
+        default=HERE.parents[1] / "README.md",
+        help="a README whose generated paper-claims summary block `report` refreshes",
+    )
     parser.add_argument("--devices", default="cpu", help="cuda:0,cuda:1 or cpu")
     parser.add_argument("--per-device", type=int, default=1, help="workers per device")
     parser.add_argument("--deadline-s", type=float, default=500.0)
@@ -271,10 +277,12 @@ def main(argv: list[str] | None = None) -> int:
             config, devices, args.per_device, args.runs_dir, args.results_dir, args.deadline_s
         )
     if args.command == "report":
-        from claims_report import write_report
+        from claims_report import update_summary_block, write_report
 
-        write_report(config, args.results_dir, args.readme)
+        payload = write_report(config, args.results_dir, args.readme)
         print(f"wrote {args.results_dir / 'results.json'} and {args.readme}")
+        if args.summary_in.is_file() and update_summary_block(args.summary_in, payload):
+            print(f"refreshed the summary in {args.summary_in}")
         return 0
     left = pending(config, args.results_dir)
     total = len(jobs(config))
