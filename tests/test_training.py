@@ -661,3 +661,39 @@ def test_gpu_training_clips_inside_the_fused_adamw_step(
         calls.clear()
     for name, value in weights[0].items():
         torch.testing.assert_close(value, weights[1][name], rtol=2e-3, atol=1e-5, msg=name)
+
+
+def test_quiet_run_writes_no_progress_bars_and_readable_checkpoints(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # transformers' "Writing model shards" bar at every save, and safetensors' mode 0600 for the
+    # weights while the checkpoint's other files get the umask's 0644.
+    from transformers.utils import logging as hf_logging
+
+    old = os.umask(0o022)
+    try:
+        train(small_config(tmp_path, max_steps=2, save_steps=2))
+    finally:
+        os.umask(old)
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err
+    assert hf_logging.is_progress_bar_enabled()  # restored after the run
+    weights = next((tmp_path / "run").glob("checkpoint-*/model.safetensors"))
+    assert weights.stat().st_mode & 0o777 == 0o644
+
+
+def test_default_file_modes_widen_only_stricter_files(tmp_path: Path) -> None:
+    from maxscore.file_modes import give_default_file_modes
+
+    strict, wide = tmp_path / "strict", tmp_path / "tool"
+    strict.write_text("x")
+    wide.write_text("x")
+    strict.chmod(0o600)
+    wide.chmod(0o755)
+    old = os.umask(0o022)
+    try:
+        give_default_file_modes(tmp_path)
+    finally:
+        os.umask(old)
+    assert strict.stat().st_mode & 0o777 == 0o644
+    assert wide.stat().st_mode & 0o777 == 0o755

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from maxscore.cli_options import parse_options
+from maxscore.file_modes import give_default_file_modes
 
 __all__ = ["add_export_parser", "add_upcycle_parser"]
 
@@ -80,6 +81,7 @@ def run_upcycle(args: argparse.Namespace) -> int:
         return 2
     output = Path(args.output)
     model.save_pretrained(output)
+    give_default_file_modes(output)
     _copy_tokenizer(args.source, output)
     counts = model.parameter_counts()
     print(

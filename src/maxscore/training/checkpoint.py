@@ -15,6 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
+from maxscore.file_modes import give_default_file_modes
 from maxscore.training.write_errors import (
     RunWriteError,
     describe_write_failure,
@@ -75,6 +76,7 @@ def publish_checkpoint(staged: Path, final: Path) -> None:
     If ``final`` exists (a checkpoint of the same step written again, e.g. at Ctrl-C), it is
     moved aside first and deleted only after the new one is in place.
     """
+    give_default_file_modes(staged)
     fsync_tree(staged)
     trash: Path | None = None
     if final.exists():

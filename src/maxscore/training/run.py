@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.utils import logging as hf_logging
 
 from maxscore.training import checkpoint as ckpt
 from maxscore.training.callbacks import (
@@ -443,6 +444,10 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
     run ends or raises (:class:`~maxscore.training.callbacks.DeterministicAlgorithms`)."""
     determinism = DeterministicAlgorithms(run.config.deterministic, compile=run.config.compile)
     determinism.install()
+    # --quiet also silences transformers' own bars ("Writing model shards" at every save).
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    if run.config.quiet:
+        hf_logging.disable_progress_bar()
     try:
         return _train_and_evaluate(run, callbacks)
     except RuntimeError as err:
@@ -452,6 +457,8 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
         raise explained from err
     finally:
         determinism.uninstall()
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
 
 
 def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:

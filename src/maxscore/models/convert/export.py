@@ -9,6 +9,7 @@ from typing import Any
 import transformers
 from transformers import AutoConfig, PreTrainedModel
 
+from maxscore.file_modes import give_default_file_modes
 from maxscore.models.convert.family import (
     ConversionError,
     build_with_weights,
@@ -119,6 +120,7 @@ def export_pretrained(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_model.save_pretrained(out)
+    give_default_file_modes(out)
     if source_dir is not None:
         for name in TOKENIZER_FILES:
             if (source_dir / name).is_file() and not (out / name).exists():
