@@ -156,8 +156,7 @@ def _resume_point(run_dir: Path) -> tuple[Path | None, dict[Path, list[str]]]:
             f"no intact checkpoint in {run_dir}: {describe_damage(damaged)}. Copy a good "
             "checkpoint back, or start again with --overwrite"
         )
-    if damaged:
-        _say(f"damaged checkpoint(s): {describe_damage(damaged)}; resuming from {intact.name}")
+    # Damaged checkpoints are reported once, when RunDirectory.open sets them aside.
     return intact, damaged
 
 
@@ -278,13 +277,13 @@ class RunDirectory:
         if self.previous is not None:
             (path / REPLACING_MARKER).touch()
         ckpt.remove_stale_staging(path)
-        for damaged in self.plan.damaged:
+        for damaged, problems in self.plan.damaged.items():
             if damaged.is_dir():
                 target = damaged.with_name(DAMAGED_PREFIX + damaged.name)
                 if target.exists():
                     shutil.rmtree(target)
                 os.rename(damaged, target)
-                _say(f"kept the damaged {damaged.name} as {target.name}")
+                _say(f"{damaged.name} is damaged ({', '.join(problems)}): kept it as {target.name}")
 
     @property
     def resumable(self) -> bool:
