@@ -455,3 +455,21 @@ def test_markdown_table_is_in_the_paper_layout() -> None:
     # A model missing a column: dash, and the average over what it has, flagged with '*'.
     assert lines[3] == f"| MaxScore | 20.73 | 67.41 | – | {(20.73 + 67.41) / 2:.2f}* |"
     assert set(TASK_SOURCES) == set(BUNDLED_TASKS)
+
+
+def test_eval_outside_a_git_repository_prints_no_third_party_noise(
+    checkpoints: dict[int, Path],
+    task_data: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # lm-eval probes `git describe` in the current folder (git prints "fatal: not a git
+    # repository" outside one) and warns about how it is called; neither concerns our users.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    args = [str(checkpoints[0]), "--tasks", TASKS[0], "--limit", "2", "--device", "cpu"]
+    assert eval_cli([*args, "--output", str(tmp_path / "out")]) == 0
+    err = capfd.readouterr().err
+    assert "fatal:" not in err
+    assert "WARNING" not in err and "lm_eval" not in err

@@ -8,12 +8,14 @@ directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -328,11 +330,41 @@ def _clean_metrics(raw: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-class _CustomDatasetNotice(logging.Filter):
-    """Drop lm-eval's per-task notice about ``custom_dataset`` kwargs (our loader needs none)."""
+@contextlib.contextmanager
+def _quiet_lm_eval() -> Iterator[None]:
+    """lm-eval as a library, without its command-line chatter.
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Custom kwargs can be passed" not in record.getMessage()
+    Its warnings address its own CLI's users (custom dataset kwargs, how a model was passed,
+    chat templates; what matters to us is checked here and recorded in the results), and its
+    environment probe runs ``git describe`` in the current folder, which prints ``fatal: not a
+    git repository`` outside one: the probe runs with git's stderr silenced, recording the same
+    hash or none.
+    """
+    import lm_eval.evaluator as lm_eval_evaluator
+    import lm_eval.loggers.utils as lm_eval_utils
+
+    def commit_hash() -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", "describe", "--always"], capture_output=True, check=True, text=True
+            )
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return out.stdout.strip() or None
+
+    root = logging.getLogger("lm_eval")
+    level = root.level
+    modules = (lm_eval_utils, lm_eval_evaluator)  # the evaluator imported the probe by name
+    probes = [module.get_git_commit_hash for module in modules]
+    root.setLevel(logging.ERROR)
+    for module in modules:
+        module.get_git_commit_hash = commit_hash
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        for module, probe in zip(modules, probes, strict=True):
+            module.get_git_commit_hash = probe
 
 
 def _task_manager(tasks: Sequence[ResolvedTask]) -> Any:
@@ -415,33 +447,31 @@ def evaluate_model(
     resolved = resolve_model_path(path, name)
     device = device or _default_device()
     model, tokenizer = load_model(resolved.checkpoint, device, dtype, routing)
-    # backend="causal": our config class is not in transformers' causal-LM mapping, which
-    # lm-eval otherwise uses to guess (and warns about).
-    lm = HFLM(
-        pretrained=model,
-        backend="causal",
-        tokenizer=tokenizer,
-        batch_size=batch_size,
-        device=device,
-    )
     start = time.perf_counter()
-    notice = _CustomDatasetNotice()
-    task_logger = logging.getLogger("lm_eval.api.task")
-    task_logger.addFilter(notice)
     try:
-        out = simple_evaluate(
-            model=lm,
-            tasks=[t.lm_eval_name for t in resolved_tasks],
-            num_fewshot=num_fewshot,
-            limit=limit,
-            task_manager=_task_manager(resolved_tasks),
-            log_samples=log_samples,
-            bootstrap_iters=bootstrap_iters,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+        with _quiet_lm_eval():
+            # backend="causal": our config class is not in transformers' causal-LM mapping,
+            # which lm-eval otherwise uses to guess (and warns about).
+            lm = HFLM(
+                pretrained=model,
+                backend="causal",
+                tokenizer=tokenizer,
+                batch_size=batch_size,
+                device=device,
+            )
+            out = simple_evaluate(
+                model=lm,
+                tasks=[t.lm_eval_name for t in resolved_tasks],
+                num_fewshot=num_fewshot,
+                limit=limit,
+                task_manager=_task_manager(resolved_tasks),
+                log_samples=log_samples,
+                bootstrap_iters=bootstrap_iters,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
     except EvaluationError:
         raise
     except (EvalDataUnavailableError, OSError, ConnectionError, FileNotFoundError) as err:
@@ -452,8 +482,6 @@ def evaluate_model(
         if module.startswith(("datasets", "huggingface_hub", "requests", "urllib3", "httpx")):
             raise _wrap_data_errors(err, resolved_tasks) from err
         raise
-    finally:
-        task_logger.removeFilter(notice)
     seconds = time.perf_counter() - start
     if out is None:  # non-zero ranks under accelerate return None
         raise EvaluationError("lm-eval returned no results (not rank 0?)")
