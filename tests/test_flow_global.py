@@ -9,6 +9,7 @@ on a GPU in the ``gpu``-marked tests.
 from __future__ import annotations
 
 import math
+import subprocess
 from functools import partial
 from pathlib import Path
 
@@ -487,24 +488,60 @@ def test_kernel_emulated_cycle_check_starts_from_phase_2_potentials(family: str)
         assert np.median(gaps) <= fh.MEDIAN_GAP and gaps.max() <= fh.WORST_GAP, gaps
 
 
-def test_emulator_runs_the_kernel_file_it_is_given(tmp_path) -> None:
-    """Comparisons against an earlier kernel rest on this: a kernel file passed to the emulator
-    is the one built and run (a build cached for the shipped file would make them vacuous)."""
+def test_emulator_builds_every_kernel_header() -> None:
+    """An emulated build is made again when any file it includes changes: its key covers the
+    kernel file and every header of kernels/ (a build cached for an earlier text would leave the
+    tests running old code)."""
     emu = _emulated()
-    shipped = Path(global_cuda.__file__).with_name("kernels") / "global_auction.cu"
-    text = shipped.read_text()
-    assert text.count("#define STALL_FILL 2") == 1
-    other = tmp_path / "global_auction.cu"
-    other.write_text(text.replace("#define STALL_FILL 2", "#define STALL_FILL 40"))
-    affinities = fh.near_tied(6, 1, 128, 16, 0.03)
-    capacity = torch.full((16,), 16)
-    # one auction from the mean affinities: its rounds show the stall rule plainly
-    one = GlobalBudget(epsilon_scales=(), price_iterations=0)
-    _, first = emu.solve_emulated(affinities, 2, capacity, one)
-    _, changed = emu.solve_emulated(affinities, 2, capacity, one, kernel=other)
-    _, again = emu.solve_emulated(affinities, 2, capacity, one)
-    # a stall rule that wants 40 slots filled every 8 rounds hands over much earlier
-    assert int(changed[0, 0]) < int(first[0, 0]) and torch.equal(first, again)
+    folder = Path(global_cuda.__file__).with_name("kernels")
+    headers = sorted(folder.glob("*.cuh"))
+    assert [name for name, _ in global_cuda.kernel_headers()] == [h.name for h in headers]
+    text = emu.kernel_texts()
+    assert all(h.read_text() in text for h in headers)
+    assert (folder / "global_auction.cu").read_text() in text
+
+
+@pytest.mark.parametrize(
+    ("n", "e", "k", "family", "capacity_factor"),
+    [
+        (64, 8, 2, "near-tied", 1.0),
+        (96, 12, 3, "skewed", 1.0),
+        (128, 40, 3, "random", 1.25),  # phase 2's paths from S, phase 3
+        (128, 64, 6, "near-tied", 1.0),
+    ],
+)
+def test_kernel_shipped_build_assigns_as_the_debug_build(
+    n: int, e: int, k: int, family: str, capacity_factor: float
+) -> None:
+    """The shipped build (no clocks, statistics or hooks) and the debug build the other tests
+    run give the same assignment, index for index: the debug code changes no result."""
+    emu = _emulated()
+    affinities = fh.family_instances(family, 17, 2, n, e)
+    capacity = torch.full((e,), math.ceil(capacity_factor * k * n / e))
+    shipped = emu.run_solver(affinities, k, capacity, debug=False)
+    debug = emu.run_solver(affinities, k, capacity, check_graph=True)
+    assert torch.equal(shipped.index, debug.index)
+    assert debug.counters[0] == 0 and int(debug.stats[:, 0].min()) >= 1
+    assert int(shipped.stats.abs().sum()) == 0  # the shipped build writes no statistics
+    fh.check_constraints(shipped.index, k, capacity, e)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_kernel_debug_code_only_in_the_debug_build(debug: bool) -> None:
+    """The solver kernel as the preprocessor leaves it: the shipped build has no clock read,
+    statistics or test hook, the debug build (MAXSCORE_FLOW_DEBUG) has them."""
+    _emulated()
+    defines = global_cuda.kernel_defines(512, 64, 6, 48, GlobalBudget())
+    if debug:
+        defines[global_cuda.DEBUG_DEFINE] = "1"
+    kernel = Path(global_cuda.__file__).with_name("kernels") / "global_auction.cu"
+    flags = [f"-D{name}={value}" for name, value in defines.items()]
+    done = subprocess.run(
+        ["g++", "-E", "-P", "-x", "c++", *flags, str(kernel)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    for debug_only in ("clock64", "prof[", "stats", "counters", "check_graph"):
+        assert (debug_only in done.stdout) == debug, debug_only
 
 
 def test_kernel_emulated_real_router_scores() -> None:
@@ -531,11 +568,11 @@ def test_kernel_emulated_phases_and_scratch() -> None:
     index, stats = emu.solve_emulated(affinities, 2, capacity, budget)
     assert int(stats[:, 1].max()) > 0 and int(stats[:, 2].max()) > 0  # slots left, paths used
     fh.check_constraints(index, 2, capacity, 8)
-    scratch, _ = emu.solve_emulated(affinities, 2, capacity, budget, use_scratch=True)
+    scratch, _ = emu.solve_emulated(affinities, 2, capacity, budget, state_in_scratch=True)
     assert torch.equal(index, scratch)
     # the dual prices' sums in the scratch buffer too
     dual, _ = emu.solve_emulated(affinities, 2, capacity)
-    dual_scratch, _ = emu.solve_emulated(affinities, 2, capacity, use_scratch=True)
+    dual_scratch, _ = emu.solve_emulated(affinities, 2, capacity, state_in_scratch=True)
     assert torch.equal(dual, dual_scratch)
     assert fh.optimality_gaps(affinities, index, 2, capacity).max() <= fh.WORST_GAP
 
@@ -607,14 +644,16 @@ def test_kernel_emulated_graph_placements_agree(placement: dict[str, str]) -> No
 
 def test_kernel_block_bytes_bound_the_struct() -> None:
     """global_cuda.block_bytes (which sizes the dynamic shared memory) covers the kernel's Block
-    struct, compiled, for small and large constants."""
+    struct, compiled, for small and large constants: the debug build's, so that both builds get
+    the same memory plan."""
     emu = _emulated()
     from maxscore.routing.flow import global_cuda
 
     for n, e, k, holders in [(64, 8, 2, 16), (512, 64, 6, 48), (4096, 256, 8, 128)]:
         defines = global_cuda.kernel_defines(n, e, k, holders, GlobalBudget())
-        size = emu.block_struct_bytes(defines)
+        size = emu.block_struct_bytes(defines)  # the debug build's, with its clocks
         assert size <= global_cuda.block_bytes(defines) <= size + 64, (n, e, k, size)
+        assert emu.block_struct_bytes(defines, debug=False) < size
 
 
 @pytest.mark.parametrize(("name", "n", "e", "k", "cap"), fh.ADVERSARIAL)
@@ -1105,8 +1144,8 @@ def test_kernel_emulated_first_bids_from_the_prices_kernel(
     assert torch.equal(stats[:, :4], stats_never[:, :4])
 
 
-@pytest.mark.parametrize("use_scratch", [False, True])
-def test_kernel_emulated_bid_list_changes_nothing(use_scratch: bool) -> None:
+@pytest.mark.parametrize("state_in_scratch", [False, True])
+def test_kernel_emulated_bid_list_changes_nothing(state_in_scratch: bool) -> None:
     """The overflowing experts' bids listed by expert before their selection (``COMPACT``) keep
     the same BUF bids as passes over every record of the round: the same assignments on inputs
     whose buffers overflow in most rounds (near-tied rows, exact ties), with the state in shared
@@ -1117,7 +1156,7 @@ def test_kernel_emulated_bid_list_changes_nothing(use_scratch: bool) -> None:
     capacity = torch.full((e,), -(-k * n // e))
     listed, plain = (
         emu.solve_emulated(
-            affinities, k, capacity, use_scratch=use_scratch, defines={"COMPACT": compact}
+            affinities, k, capacity, state_in_scratch=state_in_scratch, defines={"COMPACT": compact}
         )[0]
         for compact in ("1", "0")
     )
