@@ -191,8 +191,8 @@ def run(args: argparse.Namespace) -> None:
 def compare(first: Path, second: Path) -> int:
     """Print the comparison of two ``run`` files; the number of differing assignments."""
     a, b = (json.loads(path.read_text()) for path in (first, second))
-    print(f"A: {a['revision']} ({a['device']}, {a['date']})")
-    print(f"B: {b['revision']} ({b['device']}, {b['date']})")
+    for name, run in (("A", a), ("B", b)):
+        print(f"{name}: {run['revision'] or run['package']} ({run['device']}, {run['date']})")
     if a["device"] != b["device"]:
         print("warning: two devices; the assignments are reproducible per GPU type only")
     rows_b = {row["name"]: row for row in b["rows"]}
