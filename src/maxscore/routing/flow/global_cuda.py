@@ -136,7 +136,6 @@ def kernel_source(name: str = "global_auction.cu") -> str:
     return _kernels_folder().joinpath(name).read_text()
 
 
-@functools.cache
 def kernel_headers() -> tuple[tuple[str, str], ...]:
     """The headers the kernel files include (``kernels/*.cuh``), as (name, text) pairs: the
     solver's phases and state, which NVRTC gets by name."""
