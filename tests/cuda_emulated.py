@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,9 +21,21 @@ from maxscore.routing.flow import global_cuda
 from maxscore.routing.flow.global_reference import GlobalBudget
 
 HERE = Path(__file__).resolve().parent
-# Added to the runner where the kernel file has the radix select (earlier kernels, built to
-# compare assignments with, do not).
-_RADIX_RUNNER = """
+# The solver kernel's runner: its debug build (MAXSCORE_FLOW_DEBUG) takes the statistics, the
+# hooks' counters and the graph check's switch; the shipped build ignores them.
+_RUNNER = """
+#include "cuda_block_emulator.h"
+#include "{kernel}"
+extern "C" void run_solver(const float* a, const int* cap, long long* out, unsigned char* scratch,
+                           const unsigned char* mask, int has_mask, const float* prices,
+                           const int* first_experts, const float* first_values, int groups,
+                           int* stats, int* counters, int check_graph) {{
+  launch_blocks(groups, THREADS, [&] {{
+    global_auction_kernel(a, cap, out, scratch, mask, has_mask, prices, first_experts,
+                          first_values DEBUG_ONLY(, stats, counters, check_graph));
+  }});
+}}
+extern "C" int block_struct_bytes() {{ return (int)sizeof(Block); }}
 extern "C" void radix_select(const unsigned* values, const unsigned char* is_item, int items,
                              int need, int bits, int* out) {{
   launch_blocks(1, 32, [&] {{
@@ -38,26 +51,6 @@ extern "C" void radix_select(const unsigned* values, const unsigned char* is_ite
   }});
 }}
 """
-_RUNNER = """
-#include "cuda_block_emulator.h"
-#include "{kernel}"
-extern "C" void run_solver(const float* a, const int* cap, long long* out, int* stats,
-                           unsigned char* scratch, int use_scratch, const unsigned char* mask,
-                           int has_mask, const float* prices, const int* first_experts,
-                           const float* first_values, int groups) {{
-  launch_blocks(groups, THREADS, [&] {{
-    global_auction_kernel(a, cap, out, stats, scratch, use_scratch, 1, mask, has_mask, prices,
-                          first_experts, first_values);
-  }});
-}}
-extern "C" int block_struct_bytes() {{ return (int)sizeof(Block); }}
-#ifdef CHECK_GRAPH
-extern "C" int graph_mismatches() {{ return graph_check_mismatches; }}
-#endif
-#ifdef COUNT_RELAXATIONS
-extern "C" int relaxation_count(int i) {{ return relaxation_counts[i]; }}
-#endif
-"""
 # The starting prices' kernel, its clusters' blocks run together.
 _PRICES_RUNNER = """
 #include "cuda_block_emulator.h"
@@ -70,6 +63,8 @@ extern "C" void run_prices(const float* a, const int* cap, const unsigned char* 
   }});
 }}
 """
+#: The debug build's define (kernels/debug_hooks.cuh).
+DEBUG = (global_cuda.DEBUG_DEFINE, "1")
 
 
 @functools.cache
@@ -96,9 +91,14 @@ def _kernel_path(name: str = "global_auction.cu") -> Path:
     return Path(global_cuda.__file__).with_name("kernels") / name
 
 
-# Built libraries by the hash of their defines, kernel text and emulator: a kernel file that
-# changes, or another kernel file (an earlier version, compared against), gets its own build.
-# (The same text at another path builds the same library.)
+def kernel_texts(name: str = "global_auction.cu") -> str:
+    """The text a build of kernel file ``name`` depends on: the file and every header of
+    ``kernels/`` (any of them changed, the build is made again)."""
+    headers = "".join(text for _, text in global_cuda.kernel_headers())
+    return _kernel_path(name).read_text() + headers
+
+
+# Built libraries by the hash of their defines, kernel texts, emulator and runner.
 _LOADED: dict[str, ctypes.CDLL] = {}
 _FLAGS = ("-std=c++20", "-O1", "-fPIC")
 
@@ -138,11 +138,11 @@ def _precompiled_header_dir() -> Path | None:
 
 
 def _library(
-    defines: tuple[tuple[str, str], ...], kernel: Path | None = None, runner: str = _RUNNER
+    defines: tuple[tuple[str, str], ...], name: str = "global_auction.cu", runner: str = _RUNNER
 ) -> ctypes.CDLL:
-    kernel = (kernel or _kernel_path()).resolve()
+    kernel = _kernel_path(name).resolve()
     emulator = (HERE / "cuda_block_emulator.h").read_text()
-    text = repr(defines) + kernel.read_text() + emulator + runner
+    text = repr(defines) + kernel_texts(name) + emulator + runner
     key = hashlib.sha256(text.encode()).hexdigest()[:16]
     if key in _LOADED:
         return _LOADED[key]
@@ -150,10 +150,8 @@ def _library(
     lib = build / f"auction_{key}.so"
     if not lib.exists():
         src = build / f"runner_{key}.{os.getpid()}.cpp"
-        if runner == _RUNNER and "warp_radix_select" in kernel.read_text():
-            runner += _RADIX_RUNNER
         src.write_text(runner.format(kernel=kernel))
-        flags = [f"-D{name}={value}" for name, value in defines]
+        flags = [f"-D{define}={value}" for define, value in defines]
         header = _precompiled_header_dir()
         includes = [f"-I{header}"] if header is not None else []
         command = ["g++", *_FLAGS, "-shared", *includes, f"-I{HERE}", *flags, str(src)]
@@ -165,10 +163,11 @@ def _library(
     return _LOADED[key]
 
 
-def block_struct_bytes(defines: dict[str, str]) -> int:
+def block_struct_bytes(defines: dict[str, str], *, debug: bool = True) -> int:
     """``sizeof(Block)``, the kernel's static shared memory, as g++ lays it out (the same rules
-    as NVCC's for its int, float and 64-bit members)."""
-    return int(_library(tuple(defines.items())).block_struct_bytes())
+    as NVCC's for its int, float and 64-bit members), of the debug build or the shipped one."""
+    items = (*defines.items(), DEBUG) if debug else tuple(defines.items())
+    return int(_library(items).block_struct_bytes())
 
 
 def _defines(
@@ -176,34 +175,101 @@ def _defines(
     k: int,
     capacity: torch.Tensor,
     budget: GlobalBudget | None,
-    use_scratch: bool,
+    state_in_scratch: bool,
     overrides: dict[str, str] | None,
-) -> tuple[tuple[str, str], ...]:
-    """The kernel's constants for this input, as :func:`_library` takes them."""
+) -> dict[str, str]:
+    """The kernel's constants for this input."""
     n = affinities.shape[1]
     holders = int(capacity.clamp(max=n).max()) if capacity.numel() else 1
-    # The emulator's dynamic shared memory is 256 KiB; use_scratch puts the state in the scratch
-    # buffer (global memory on a GPU) and keeps the graph and affinities out of shared memory.
-    room = 0 if use_scratch else 200 * 1024
-    defines = global_cuda.kernel_defines(
+    # The emulator's dynamic shared memory is 256 KiB; state_in_scratch puts the state in the
+    # scratch buffer (global memory on a GPU) and keeps the graph and affinities out of shared
+    # memory.
+    room = 0 if state_in_scratch else 200 * 1024
+    return global_cuda.kernel_defines(
         n, affinities.shape[2], k, holders, budget or GlobalBudget(), shared_bytes=room,
         overrides=overrides,
     )  # fmt: skip
-    return tuple(defines.items())
 
 
-def library(
+class EmulatedRun(NamedTuple):
+    """One emulated solve: the assignment and, from the debug build, what it reports."""
+
+    index: torch.Tensor  # [G, n, k] long
+    stats: torch.Tensor  # [G, DEBUG_STATS] int32 (zeros from the shipped build)
+    # the graph check's mismatches, phase 3's relaxations, its rounds, the rounds stopped by
+    # the relaxation cap while distances still changed (summed over the groups)
+    counters: tuple[int, int, int, int]
+
+
+def run_solver(
     affinities: torch.Tensor,
     k: int,
     capacity: torch.Tensor,
     budget: GlobalBudget | None = None,
     *,
+    token_mask: torch.Tensor | None = None,
+    state_in_scratch: bool = False,
     defines: dict[str, str] | None = None,
-    kernel: Path | None = None,
-) -> ctypes.CDLL:
-    """The built library that :func:`solve_emulated` runs for these arguments (state in shared
-    memory): for reading a kernel's test hooks, e.g. counters, before and after a solve."""
-    return _library(_defines(affinities, k, capacity, budget, False, defines), kernel)
+    cluster: int | None = None,
+    first_bids: bool = True,
+    debug: bool = True,
+    check_graph: bool = False,
+) -> EmulatedRun:
+    """``global_cuda.solve_cuda`` on the CPU: the starting prices' kernel
+    (:func:`start_prices_emulated`, ``cluster`` blocks per group), then the solver kernel, its
+    debug build (``debug``; with ``check_graph`` its graph check) or the shipped one.
+    ``defines`` overrides the solver's compile-time constants (e.g. ``GRAPH_IN_WORK``);
+    ``first_bids=False``: none of the prices' kernel's first bids reaches the solver (every
+    entry -1), so that the auction selects every token's first bids itself."""
+    groups, n, e = affinities.shape
+    cap = capacity.to(torch.int32).expand(groups, e)
+    constants = _defines(affinities, k, cap, budget, state_in_scratch, defines)
+    lib = _library((*constants.items(), DEBUG) if debug else tuple(constants.items()))
+    a = np.ascontiguousarray(affinities.float().numpy())
+    cap_np = np.ascontiguousarray(cap.numpy())
+    out = np.zeros((groups, n, k), dtype=np.int64)
+    stats = np.zeros((groups, global_cuda.DEBUG_STATS), dtype=np.int32)
+    counters = np.zeros(4, dtype=np.int32)
+    _, scratch_bytes = global_cuda.shared_and_scratch_bytes(constants, groups)
+    scratch = np.zeros(max(1, scratch_bytes), dtype=np.uint8)
+    mask = np.ones((groups, n), dtype=np.uint8)
+    if token_mask is not None:
+        mask = np.ascontiguousarray(token_mask.expand(groups, n).numpy().astype(np.uint8))
+    prices = np.zeros((groups, e), dtype=np.float32)
+    first_experts = np.full((groups, n, k), -1, dtype=np.int32)
+    first_values = np.zeros((groups, n, k), dtype=np.float32)
+    if (budget or GlobalBudget()).price_iterations > 0:
+        start = start_prices_emulated(
+            affinities, k, cap, budget, token_mask=token_mask, cluster=cluster
+        )
+        prices = np.ascontiguousarray(start.prices.numpy())
+        if first_bids:
+            first_experts = np.ascontiguousarray(start.first_experts.numpy())
+            first_values = np.ascontiguousarray(start.first_values.numpy())
+    ptr = ctypes.c_void_p
+    lib.run_solver(
+        ptr(a.ctypes.data), ptr(cap_np.ctypes.data), ptr(out.ctypes.data),
+        ptr(scratch.ctypes.data), ptr(mask.ctypes.data),
+        ctypes.c_int(0 if token_mask is None else 1), ptr(prices.ctypes.data),
+        ptr(first_experts.ctypes.data), ptr(first_values.ctypes.data), ctypes.c_int(groups),
+        ptr(stats.ctypes.data), ptr(counters.ctypes.data), ctypes.c_int(int(check_graph)),
+    )  # fmt: skip
+    found = (int(counters[0]), int(counters[1]), int(counters[2]), int(counters[3]))
+    return EmulatedRun(torch.from_numpy(out), torch.from_numpy(stats), found)
+
+
+def solve_emulated(
+    affinities: torch.Tensor,
+    k: int,
+    capacity: torch.Tensor,
+    budget: GlobalBudget | None = None,
+    **options: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`run_solver`'s assignment and ``[G, DEBUG_STATS]`` statistics (the debug build's:
+    the auction's rounds, the slots open after it, the augmenting and cancelling rounds, then
+    the clocks, zeros here)."""
+    run = run_solver(affinities, k, capacity, budget, **options)
+    return run.index, run.stats
 
 
 def graph_mismatches(
@@ -213,17 +279,13 @@ def graph_mismatches(
     budget: GlobalBudget | None = None,
     *,
     defines: dict[str, str] | None = None,
-    kernel: Path | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """:func:`solve_emulated` with the kernel's ``CHECK_GRAPH`` hook: the assignment, and how
-    many times an entry of the expert graph (or an expert's worst holder), as the kernel keeps
-    it from round to round, differed from a computation from scratch (0: the kept graph is
-    exact in every round of phases 2 and 3). ``kernel``: as in :func:`solve_emulated`."""
-    checked = {**(defines or {}), "CHECK_GRAPH": "1"}
-    lib = library(affinities, k, capacity, budget, defines=checked, kernel=kernel)
-    before = int(lib.graph_mismatches())  # a library's counter lives as long as the process
-    index, _ = solve_emulated(affinities, k, capacity, budget, defines=checked, kernel=kernel)
-    return index, int(lib.graph_mismatches()) - before
+    """:func:`run_solver` with the debug build's graph check: the assignment, and how many times
+    an entry of the expert graph (or an expert's worst holder), as the kernel keeps it from
+    round to round, differed from a computation from scratch (0: the kept graph is exact in
+    every round of phases 2 and 3)."""
+    run = run_solver(affinities, k, capacity, budget, defines=defines, check_graph=True)
+    return run.index, run.counters[0]
 
 
 def phase3_relaxations(
@@ -231,19 +293,13 @@ def phase3_relaxations(
     k: int,
     capacity: torch.Tensor,
     budget: GlobalBudget | None = None,
-    *,
-    kernel: Path | None = None,
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """:func:`solve_emulated` with the kernel's ``COUNT_RELAXATIONS`` hook: the assignment, and
-    phase 3's Bellman-Ford relaxations, rounds, and rounds stopped by the relaxation cap while
-    distances still changed, summed over the groups. ``kernel``: as in :func:`solve_emulated`."""
-    counted = {"COUNT_RELAXATIONS": "1"}
-    lib = library(affinities, k, capacity, budget, defines=counted, kernel=kernel)
-    before = [int(lib.relaxation_count(i)) for i in range(3)]  # counters outlive a solve
-    index, _ = solve_emulated(affinities, k, capacity, budget, defines=counted, kernel=kernel)
-    after = [int(lib.relaxation_count(i)) for i in range(3)]
-    passes, rounds, capped = (b - a for a, b in zip(before, after, strict=True))
-    return index, (passes, rounds, capped)
+    """:func:`run_solver`'s assignment, and phase 3's Bellman-Ford relaxations, rounds, and
+    rounds stopped by the relaxation cap while distances still changed, summed over the
+    groups (the debug build's counters)."""
+    run = run_solver(affinities, k, capacity, budget)
+    _, relaxations, rounds, capped = run.counters
+    return run.index, (relaxations, rounds, capped)
 
 
 # The emulated prices' kernel runs one block per group of at most 128 threads unless a test
@@ -273,7 +329,7 @@ def start_prices_emulated(
     constants = global_cuda.price_defines(n, e, k, budget, cluster)
     threads = min(int(constants["THREADS"]), EMULATED_PRICE_THREADS)
     constants = {**constants, "THREADS": str(threads), **(defines or {})}
-    lib = _library(tuple(constants.items()), _kernel_path("dual_prices.cu"), _PRICES_RUNNER)
+    lib = _library(tuple(constants.items()), "dual_prices.cu", _PRICES_RUNNER)
     a = np.ascontiguousarray(affinities.float().numpy())
     cap = np.ascontiguousarray(capacity.to(torch.int32).expand(groups, e).numpy())
     mask = np.ones((groups, n), dtype=np.uint8)
@@ -295,77 +351,13 @@ def start_prices_emulated(
     )
 
 
-def solve_emulated(
-    affinities: torch.Tensor,
-    k: int,
-    capacity: torch.Tensor,
-    budget: GlobalBudget | None = None,
-    *,
-    token_mask: torch.Tensor | None = None,
-    use_scratch: bool = False,
-    defines: dict[str, str] | None = None,
-    kernel: Path | None = None,
-    cluster: int | None = None,
-    first_bids: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``global_cuda.solve_cuda``'s result on the CPU, and its ``[G, 20]`` statistics: the
-    starting prices' kernel (:func:`start_prices_emulated`, ``cluster`` blocks per group), then
-    the solver kernel. ``defines`` overrides the solver's compile-time constants (e.g.
-    ``GRAPH_IN_WORK``); ``kernel``: another solver kernel file than the shipped one (an earlier
-    version, to compare assignments with); ``first_bids=False``: none of the prices' kernel's
-    first bids reaches the solver (every entry -1), so that the auction selects every token's
-    first bids itself."""
-    groups, n, e = affinities.shape
-    cap = capacity.to(torch.int32).expand(groups, e)
-    items = _defines(affinities, k, cap, budget, use_scratch, defines)
-    lib = _library(items, kernel)
-    defines = dict(items)
-    a = np.ascontiguousarray(affinities.float().numpy())
-    cap_np = np.ascontiguousarray(cap.numpy())
-    out = np.zeros((groups, n, k), dtype=np.int64)
-    stats = np.zeros((groups, 20), dtype=np.int32)
-    _, scratch_bytes = global_cuda.shared_and_scratch_bytes(defines, groups)
-    scratch = np.zeros(max(1, scratch_bytes), dtype=np.uint8)
-    mask = np.ones((groups, n), dtype=np.uint8)
-    if token_mask is not None:
-        mask = np.ascontiguousarray(token_mask.expand(groups, n).numpy().astype(np.uint8))
-    prices = np.zeros((groups, e), dtype=np.float32)
-    first_experts = np.full((groups, n, k), -1, dtype=np.int32)
-    first_values = np.zeros((groups, n, k), dtype=np.float32)
-    if (budget or GlobalBudget()).price_iterations > 0:
-        start = start_prices_emulated(
-            affinities, k, cap, budget, token_mask=token_mask, cluster=cluster
-        )
-        prices = np.ascontiguousarray(start.prices.numpy())
-        if first_bids:
-            first_experts = np.ascontiguousarray(start.first_experts.numpy())
-            first_values = np.ascontiguousarray(start.first_values.numpy())
-    ptr = ctypes.c_void_p
-    lib.run_solver(
-        ptr(a.ctypes.data),
-        ptr(cap_np.ctypes.data),
-        ptr(out.ctypes.data),
-        ptr(stats.ctypes.data),
-        ptr(scratch.ctypes.data),
-        ctypes.c_int(0 if defines["STATE_SMEM"] == "1" else 1),
-        ptr(mask.ctypes.data),
-        ctypes.c_int(0 if token_mask is None else 1),
-        ptr(prices.ctypes.data),
-        ptr(first_experts.ctypes.data),
-        ptr(first_values.ctypes.data),
-        ctypes.c_int(groups),
-    )
-    return torch.from_numpy(out), torch.from_numpy(stats)
-
-
 def radix_select(
     values: np.ndarray, is_item: np.ndarray, need: int, bits: int
 ) -> tuple[int, int, int]:
     """The kernel's ``warp_radix_select`` (one warp) on ``values`` (uint32, below ``2**bits``) at
     the positions where ``is_item``: (the largest value U with at least ``need`` items >= U, the
     items still needed at U, the items equal to U)."""
-    defines = global_cuda.kernel_defines(64, 8, 2, 16, GlobalBudget())
-    lib = _library(tuple(defines.items()))
+    lib = _library(tuple(global_cuda.kernel_defines(64, 8, 2, 16, GlobalBudget()).items()))
     v = np.ascontiguousarray(values, dtype=np.uint32)
     m = np.ascontiguousarray(is_item, dtype=np.uint8)
     out = np.zeros(3, dtype=np.int32)

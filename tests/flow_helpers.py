@@ -6,14 +6,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
+import pytest
 import torch
 
 from maxscore.routing.flow import flow_objective
 from maxscore.routing.flow.exact import solve_exact
 from maxscore.routing.flow.global_cuda import StartPrices
+from maxscore.routing.flow.global_solver import solve_global
 
 # The global solver's targets: relative gap to the exact optimum, median and worst over a set of
 # instances (the slow tests check them over 100).
@@ -194,3 +197,24 @@ def graph_run(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Gr
     torch.cuda.synchronize()
     assert torch.equal(static_out, eager), "graph replay differs from the eager call"
     return GraphRun(eager, again, static_in, static_out, graph)
+
+
+def emulator() -> ModuleType:
+    """The CPU block emulator of the CUDA kernels (``cuda_emulated``); skips the test where g++
+    cannot build it."""
+    cuda_emulated = pytest.importorskip("cuda_emulated")
+    if not cuda_emulated.compiler_available():
+        pytest.skip("needs g++ with C++20 <barrier> for the CUDA block emulator")
+    return cuda_emulated
+
+
+def solve_reference(affinities: torch.Tensor, k: int, capacity: torch.Tensor, **kw) -> torch.Tensor:
+    """The global solver's NumPy backend."""
+    return solve_global(affinities, k, capacity, backend="reference", **kw)
+
+
+def overfilled_slots(a: np.ndarray, prices: np.ndarray, k: int, c: int) -> int:
+    """Slots by which each token's top-k experts at ``prices`` overfill capacity ``c``."""
+    top = np.argsort(-(a - prices), axis=1, kind="stable")[:, :k]
+    loads = np.bincount(top.ravel(), minlength=a.shape[1])
+    return int(np.maximum(loads - c, 0).sum())

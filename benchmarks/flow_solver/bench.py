@@ -17,8 +17,10 @@ Input families (``softmax`` of the logits, ``n`` tokens per routing group, capac
 ``--gaps``: ``(OPT - objective) / OPT`` per group against the exact solver (successive shortest
 paths, CPU; checked against OR-Tools in the tests), for the CUDA kernel when a GPU is present and
 for the reference (NumPy) backend with ``--reference``. ``--timing``: milliseconds per call of the
-CUDA kernel (32 groups of 512 tokens unless the shape says otherwise), replayed in a CUDA graph,
-median over ``--reps`` replays, on random and near-tied inputs, with the rounds each phase used.
+CUDA kernels (32 groups of 512 tokens unless the shape says otherwise), replayed in a CUDA graph,
+median over ``--reps`` replays, on random and near-tied inputs and on the routers' scores saved
+by ``real_scores.py --save-calls`` (``--scores``), with the rounds each phase used and its clocks
+(one more call of the kernel's debug build, ``MAXSCORE_FLOW_DEBUG``).
 
     PYTHONPATH=src python benchmarks/flow_solver/bench.py --gaps --timing --out OUT
 """
@@ -46,7 +48,7 @@ from maxscore.routing.flow.exact import solve_exact
 from maxscore.routing.flow.global_reference import GlobalBudget
 from maxscore.routing.flow.global_solver import solve_global
 
-#: (n, e, k): the shapes the solver must handle (the issue's grid and the paper's presets).
+#: (n, e, k): the shapes the solver must handle (the speed targets' grid and the paper's presets).
 SHAPES = [(512, 16, 2), (512, 32, 2), (512, 64, 2), (512, 64, 6), (512, 128, 8), (512, 256, 8)]
 LARGE_SHAPES = [(4096, 16, 2), (4096, 64, 6)]
 SYNTHETIC = [
@@ -187,9 +189,9 @@ def graph_time_ms(fn, reps: int) -> float:
 def kernel_stats(
     a: torch.Tensor, k: int, capacity: torch.Tensor, holders: int, budget: GlobalBudget
 ) -> dict[str, Any]:
-    """One solve's statistics (the kernel's ``stats``), the slowest group's: rounds of each
-    phase, and thousands of SM cycles of each phase and of their parts."""
-    stats = torch.zeros(a.shape[0], 20, dtype=torch.int32, device=a.device)
+    """One solve's statistics (the kernel's debug build, ``solve_cuda(stats=...)``), the slowest
+    group's: rounds of each phase, and thousands of SM cycles of each phase and of their parts."""
+    stats = torch.zeros(a.shape[0], global_cuda.DEBUG_STATS, dtype=torch.int32, device=a.device)
     global_cuda.solve_cuda(a, k, capacity, holders, budget, stats=stats)
     s = stats.cpu()
 
@@ -221,7 +223,7 @@ def time_and_stats(a: torch.Tensor, k: int, capacity: torch.Tensor, reps: int) -
 
 def save_scores(path: Path, a: torch.Tensor, k: int, capacity: torch.Tensor) -> None:
     """One solver call's scores (every group) as float16, with its ``k`` and capacities: the
-    file ``compare_kernels.py --scores`` times (:func:`load_scores`)."""
+    file ``--timing --scores`` times (:func:`load_scores`)."""
     np.savez_compressed(path, scores=a.half().cpu().numpy(), k=k, capacity=capacity.cpu().numpy())
 
 
@@ -316,6 +318,11 @@ def run_timing(args: argparse.Namespace, results: dict) -> None:
         # torch.topk on the same input: the floor a router pays anyway
         ms = graph_time_ms(partial(torch.topk, a, k, -1), args.reps)
         rows.append({"n": n, "e": e, "k": k, "groups": groups, "family": "topk-baseline", "ms": ms})
+    for path in args.scores:
+        a, k, capacity = load_scores(path)
+        row = {"scores": path.name, "groups": a.shape[0], "n": a.shape[1], "e": a.shape[2], "k": k}
+        rows.append(row | time_and_stats(a, k, capacity, args.reps))
+        print(f"time {path.name}: {rows[-1]['ms']:.3f} ms", flush=True)
 
 
 def main() -> None:
@@ -339,6 +346,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--families", default="", help="synthetic families for --gaps, e.g. one-hot,random"
+    )
+    parser.add_argument(
+        "--scores",
+        type=Path,
+        action="append",
+        default=[],
+        help="--timing also on a router's scores saved by real_scores.py --save-calls",
     )
     parser.add_argument(
         "--budget",

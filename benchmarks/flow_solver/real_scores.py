@@ -7,7 +7,9 @@ last solver call, and then times the CUDA kernel on exactly those scores (CUDA g
 ``--reps`` replays) with its phase statistics: the rounds of the auction and of phase 2 per group
 (median and maximum: a call lasts as long as its slowest group) and the kernel's clocks.
 ``--save-scores`` also writes two groups of each preset's scores to ``OUT/router_scores.npz``
-(keys ``e{e}_k{k}``; the tests' ``tests/data/router_scores.npz`` came from such a run).
+(keys ``e{e}_k{k}``; the tests' ``tests/data/router_scores.npz`` came from such a run), and
+``--save-calls`` every group of the call, as float16, to ``OUT/scores_<preset>.npz`` (the files
+``bench.py --timing --scores`` times).
 
     PYTHONPATH=src python benchmarks/flow_solver/real_scores.py --steps 200 --out OUT
 """
@@ -63,17 +65,23 @@ def train_and_record(
 
 
 def solver_on_real_scores(
-    preset: str, steps: int, reps: int, saved: dict[str, Any] | None = None
+    preset: str,
+    steps: int,
+    reps: int,
+    saved: dict[str, Any] | None = None,
+    call_file: Path | None = None,
 ) -> dict[str, Any]:
     """Train ``preset`` with maxscore, then time the kernel on its last call's scores (two
-    groups of which go into ``saved`` when given)."""
+    groups of which go into ``saved`` when given, every group into ``call_file``)."""
     timing = load_script(HERE / "bench.py", "flow_bench")
     solve = global_cuda.solve_cuda
     a, k, cap, holders, row = train_and_record(preset, steps)
     groups, n, e = a.shape
     if saved is not None:
         saved[f"e{e}_k{k}"] = a[:2].float().cpu().numpy()
-    stats = torch.zeros(groups, 20, dtype=torch.int32, device=a.device)
+    if call_file is not None:
+        timing.save_scores(call_file, a, k, cap)
+    stats = torch.zeros(groups, global_cuda.DEBUG_STATS, dtype=torch.int32, device=a.device)
     solve(a, k, cap, holders, GlobalBudget(), stats=stats)
     s = stats.cpu()
     ms = timing.graph_time_ms(lambda: solve(a, k, cap, holders, GlobalBudget()), reps)
@@ -113,13 +121,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--save-scores", action="store_true", help="two groups per preset")
+    parser.add_argument("--save-calls", action="store_true", help="every group, float16")
     args = parser.parse_args()
     saved: dict[str, Any] = {}
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "steps": args.steps, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     for preset in args.presets.split(","):
+        call_file = args.out / f"scores_{preset}.npz" if args.save_calls else None
         info = solver_on_real_scores(
-            preset, args.steps, args.reps, saved if args.save_scores else None
+            preset, args.steps, args.reps, saved if args.save_scores else None, call_file
         )
         print(json.dumps(info), flush=True)
         out["rows"].append(info)

@@ -7,11 +7,8 @@
 # (STEPS steps, the last STEPS - WARMUP timed); GPU 1 then times the solver on the scores of a
 # real router after 200 training steps (real_scores.py). Every part stops at DEADLINE seconds
 # (default 520); the results go to $OUT as flow_solver.tar.gz (unpack into
-# benchmarks/flow_solver/). BASELINE=FILE: GPU 0 first times the shipped kernel against that
-# earlier kernel file (compare_kernels.py; save one with
-# `git show REV:src/maxscore/routing/flow/kernels/global_auction.cu > FILE`); BASELINE_DEFINE=
-# "KEY=VALUE[@MIN_E] ..." adds compile-time constants to that baseline (e.g. the shipped kernel
-# file as BASELINE with THREADS=768@64 times larger blocks against the shipped ones).
+# benchmarks/flow_solver/). To compare the kernels with an earlier commit's, run
+# assignment_fingerprint.py against both checkouts (its docstring).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD/src:$PWD/tests PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true
@@ -31,11 +28,6 @@ train() {  # GPU, tag, runs
 solver() {
   export CUDA_VISIBLE_DEVICES=0
   timeout -k 10 "$DEADLINE" bash -c "
-    if [ -n '${BASELINE:-}' ]; then
-      python3 benchmarks/flow_solver/compare_kernels.py --baseline '${BASELINE:-}' --reps 20 \\
-        $(for d in ${BASELINE_DEFINE:-}; do printf -- '--baseline-define %s ' "$d"; done) \\
-        --out '$RES/compare' > '$RES/compare.log' 2>&1
-    fi
     python3 benchmarks/flow_solver/bench.py --timing --reps 20 --out '$RES/timing' > '$RES/timing.log' 2>&1
     python3 -m pytest -q -m gpu tests/test_flow_global.py > '$RES/gpu_tests.txt' 2>&1
     python3 benchmarks/flow_solver/bench.py --gaps --out '$RES/gaps' > '$RES/gaps.log' 2>&1

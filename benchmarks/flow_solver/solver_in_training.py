@@ -10,7 +10,7 @@ time, the solver's milliseconds a call (mean, median, 90th percentile, largest) 
 caching allocator's cudaMallocs and retries during the timed steps, and for the slowest and
 the median call the kernel's statistics and its time replayed alone in a CUDA graph (the
 scores are kept for that, and written to ``OUT/run<i>_<slowest|median>.npz`` as float16, the
-form ``compare_kernels.py --scores`` reads).
+form ``bench.py --timing --scores`` reads).
 
 An event pair spans the prices' kernel and the solver's kernel, so a call whose second launch
 the host issues late (the GPU having caught up with the host) reads longer than its replay: the

@@ -68,7 +68,7 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.config import RouterConfig
-from maxscore.routing.flow_assignment import (
+from maxscore.routing.flow.assignment import (
     assign_min_cost_flow,
     padding_sink_problem,
     resolve_flow_method,

@@ -1,6 +1,6 @@
 """Argument checks and padding helpers shared by every assignment strategy.
 
-The strategies of :mod:`maxscore.routing.strategies` and :mod:`maxscore.routing.flow_assignment`
+The strategies of :mod:`maxscore.routing.strategies` and :mod:`maxscore.routing.flow.assignment`
 check their common arguments here (scores ``[G, n, e]`` fp32, ``k``, a per-expert ``capacity``,
 a ``[G, n]`` token mask) with messages that name the strategy, and empty the slots of padded rows
 with :func:`without_padding`.

@@ -1,5 +1,6 @@
 """The global solver of Eq. (8) as CUDA kernels (``kernels/``): the starting prices
-(``dual_prices.cu``), then the solver (``global_auction.cu``).
+(``dual_prices.cu``), then the solver (``global_auction.cu``, its phases in the ``*.cuh``
+headers it includes).
 
 The solver kernel runs the three phases of :mod:`.global_reference` (auction, augmenting paths,
 cycle cancelling on the expert graph) with one thread block per routing group. Its starting
@@ -13,7 +14,9 @@ any group size works; groups of up to a few thousand tokens fit in shared memory
 The sources are compiled at first use for each shape and budget with NVRTC through PyTorch's
 runtime-compilation helpers (``torch.cuda._utils``, private; present since PyTorch 2.8) and
 launched on the current stream, so calls are capturable in CUDA graphs and need no host sync.
-Where NVRTC or those helpers are missing, :func:`available` is false.
+Where NVRTC or those helpers are missing, :func:`available` is false. The router's build has
+no profiling; :func:`solve_cuda` with ``stats`` compiles the debug build
+(``MAXSCORE_FLOW_DEBUG``: clocks, round counts and the tests' hooks; the same assignment).
 
 Determinism (what ``--deterministic`` relies on; torch's switch does not reach these kernels):
 the assignment is a function of the input on one GPU type. ``dual_prices.cu`` has no atomics
@@ -33,10 +36,9 @@ first free entry, whose position no later step depends on (a token's entries are
 set; the output is sorted by affinity, ties to the lower expert). Every choice breaks ties by
 index (warp argmax and Dijkstra's argmin to the lower index, an edge's token the lowest among
 equals), and the node-disjoint paths / cycles of a round never move two tokens into one
-expert. Measured: ``benchmarks/determinism/measure.py`` solves one input twice and compares
-the assignments index for index (H200, torch 2.11, 64 groups of 512 tokens x 16 experts,
-k = 2: identical), and same-seed maxscore runs with ``--deterministic`` end with equal
-validation losses there (``tests/test_deterministic.py``). Another GPU type can plan another
+expert. ``benchmarks/determinism/measure.py`` solves one input twice and compares the
+assignments index for index, and same-seed maxscore runs with ``--deterministic`` end with
+equal validation losses (``tests/test_deterministic.py``). Another GPU type can plan another
 launch (the prices' cluster size from the SM count and occupancy, the memory plan from the
 shared memory), whose float sums may round differently: reproducible per GPU type only.
 """
@@ -48,6 +50,7 @@ import functools
 import importlib.resources
 import math
 from collections.abc import Callable
+from importlib.resources.abc import Traversable
 from typing import NamedTuple
 
 import torch
@@ -56,6 +59,8 @@ from torch import Tensor
 from .global_reference import RELEASE_SLACK, GlobalBudget, stop_open_slots
 
 __all__ = [
+    "DEBUG_DEFINE",
+    "DEBUG_STATS",
     "MAX_EXPERTS",
     "MAX_K",
     "MAX_SLOTS",
@@ -65,6 +70,7 @@ __all__ = [
     "compiled_size",
     "disable",
     "kernel_defines",
+    "kernel_headers",
     "kernel_source",
     "launch_defines",
     "phase1_bytes",
@@ -83,31 +89,31 @@ MAX_K = 8  # a token's open entry is packed in 4 bits; 8 keeps the per-token loo
 MAX_SLOTS = 1 << 27  # n k below this: bid records pack (token << 4 | entry) in an int
 MIN_CAPABILITY = (8, 0)
 KERNEL_NAME = "global_auction_kernel"
+# The solver kernel's debug build (kernels/debug_hooks.cuh): statistics per group, of
+# DEBUG_STATS ints each.
+DEBUG_DEFINE, DEBUG_STATS = "MAXSCORE_FLOW_DEBUG", 20
 PRICES_KERNEL_NAME = "dual_prices_kernel"
 # The starting prices' kernel: a cluster of up to MAX_CLUSTER blocks per group (the portable
 # cluster size), each taking at least MIN_CLUSTER_ROWS tokens and MIN_CLUSTER_ENTRIES
-# affinities (below, the cluster's barriers cost more than the work they split: H100, 32 groups
-# of 512 x 16, 0.048 ms with one block a group, 0.056 with 2, 0.076 with 6); blocks of up to
-# PRICE_THREADS threads.
+# affinities (below, the cluster's barriers cost more than the work they split:
+# benchmarks/flow_solver/price_clusters.py); blocks of up to PRICE_THREADS threads.
 MAX_CLUSTER, MIN_CLUSTER_ROWS, MIN_CLUSTER_ENTRIES, PRICE_THREADS = 8, 64, 8192, 512
 MIN_CLUSTER_CAPABILITY = (9, 0)
 THREADS = 512
 # Larger blocks from this many experts: the expert rows and the auction's merges run a warp per
-# expert, so more warps shorten them (H200, 32 groups of 512 tokens: -6% at e = 64 random, -1 to
-# -5% at e = 128; H100 alike). Only where the larger Block struct leaves the memory plan as it is
-# (at e = 256, k = 8 the state would leave shared memory); 1,024 threads would spill registers.
+# expert, so more warps shorten them. Only where the larger Block struct leaves the memory plan
+# as it is (at e = 256, k = 8 the state would leave shared memory); 1,024 threads would spill
+# registers.
 WIDE_THREADS, WIDE_FROM_EXPERTS = 768, 64
 BID_BUFFER = 128  # bids an expert takes per auction round at most (more wait a round)
 # How an auction round bids: a warp per open token above SMALL_E experts whatever the number of
-# open tokens; up to SMALL_E, a warp per token in rounds with at most SMALL_E_WARP_BID_TOKENS
-# open tokens (the tail) and a thread per token in the others (H200, 32 groups of 512 tokens:
-# e = 32, k = 2 random 0.414 -> 0.292 ms, e = 16 0.224 -> 0.203; above 32 experts a thread
-# per token was slower in every round tried: e = 128, k = 8 2.13 -> 2.23 ms at 64 tokens).
+# open tokens (a thread per token reads a long row alone); up to SMALL_E, a warp per token in
+# rounds with at most SMALL_E_WARP_BID_TOKENS open tokens (the tail) and a thread per token in
+# the others (the warps would take many short rows one after another).
 SMALL_E, SMALL_E_WARP_BID_TOKENS = 32, 64
 # Phase 2's search: the frontier search (every warp) from this many experts, Dijkstra in one warp
-# below (H200, 32 groups of 512 tokens, random: e = 256, k = 8 7.23 -> 3.92 ms, e = 128, k = 8
-# 2.11 -> 1.68; at e = 64 within 4% either way, a router's base-2x64 scores 1.5% slower; e <= 32
-# 2-7% slower).
+# below (Dijkstra's V dependent steps each wait for a row, the frontier search's passes each
+# cost a block barrier: the passes win on large graphs, the steps on small ones).
 FRONTIER_FROM_EXPERTS = 128
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
@@ -127,8 +133,19 @@ def disable(reason: str) -> None:
 def kernel_source(name: str = "global_auction.cu") -> str:
     """The CUDA C++ source of a kernel file (shipped with the package): the solver's, or
     ``dual_prices.cu``."""
-    kernels = importlib.resources.files(__package__).joinpath("kernels")
-    return kernels.joinpath(name).read_text()
+    return _kernels_folder().joinpath(name).read_text()
+
+
+def kernel_headers() -> tuple[tuple[str, str], ...]:
+    """The headers the kernel files include (``kernels/*.cuh``), as (name, text) pairs: the
+    solver's phases and state, which NVRTC gets by name."""
+    folder = _kernels_folder()
+    names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".cuh"))
+    return tuple((name, folder.joinpath(name).read_text()) for name in names)
+
+
+def _kernels_folder() -> Traversable:
+    return importlib.resources.files(__package__).joinpath("kernels")
 
 
 def compiled_size(n: int) -> int:
@@ -226,7 +243,8 @@ def phase1_bytes(defines: dict[str, str]) -> int:
 
 
 def block_bytes(defines: dict[str, str]) -> int:
-    """The kernel's static shared memory (its ``Block`` struct) for these constants."""
+    """The kernel's static shared memory (its ``Block`` struct) for these constants, the debug
+    build's clocks included: both builds get the same memory plan."""
     e, buf = int(defines["E"]), int(defines["BUF"])
     warps, v = int(defines["THREADS"]) // 32, e + 2
     words = (
@@ -243,7 +261,7 @@ def block_bytes(defines: dict[str, str]) -> int:
         + 4  # open_count, open_tokens, moves, overflowed
         + 1  # spare
     )
-    return 4 * words + 8 * 12 + 16  # prof; alignment padding
+    return 4 * words + 8 * 12 + 16  # the debug build's prof; alignment padding
 
 
 def shared_and_scratch_bytes(defines: dict[str, str], groups: int) -> tuple[int, int]:
@@ -282,8 +300,8 @@ def price_cluster(
     most ``MAX_CLUSTER``) that leaves at least ``MIN_CLUSTER_ROWS`` tokens and
     ``MIN_CLUSTER_ENTRIES`` affinities (``n x e``) a block and lets all
     ``groups`` clusters run at once: ``resident(c)``, the clusters of ``c`` blocks the GPU holds
-    at once (the driver's occupancy query: a cluster's blocks share a GPC, so on an H100 only 30
-    clusters of four 512-thread blocks fit, not 33), where it answers, else ``c * groups <=
+    at once (the driver's occupancy query: a cluster's blocks share a GPC, so a GPU may hold
+    fewer clusters than its SM count suggests), where it answers, else ``c * groups <=
     sm_count``; 1 below compute capability 9.0 (no thread-block clusters)."""
     cluster = 1
     if capability < MIN_CLUSTER_CAPABILITY:
@@ -415,10 +433,14 @@ def supported(affinities: Tensor, k: int) -> bool:
 
 
 def _nvrtc_cubin(source: str, arch: str, kernel_name: str = KERNEL_NAME) -> bytes:
-    """Compile ``source`` to a cubin for ``sm_<arch>`` with NVRTC (no headers needed)."""
+    """Compile ``source`` to a cubin for ``sm_<arch>`` with NVRTC, the kernels' headers
+    (:func:`kernel_headers`) given to it by name (no file system needed)."""
     lib = _rtc_library()
     prog = ctypes.c_void_p()
     name = f"{kernel_name}.cu".encode()
+    headers = kernel_headers()
+    texts = (ctypes.c_char_p * len(headers))(*(text.encode() for _, text in headers))
+    names = (ctypes.c_char_p * len(headers))(*(header.encode() for header, _ in headers))
 
     def check(result: int, what: str) -> None:
         if result != 0:
@@ -428,7 +450,10 @@ def _nvrtc_cubin(source: str, arch: str, kernel_name: str = KERNEL_NAME) -> byte
             raise KernelCompileError(f"NVRTC {what} failed: {message}")
 
     check(
-        lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name, 0, None, None), "create"
+        lib.nvrtcCreateProgram(
+            ctypes.byref(prog), source.encode(), name, len(headers), texts, names
+        ),
+        "create",
     )
     options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
     array = (ctypes.c_char_p * len(options))(*options)
@@ -559,13 +584,12 @@ def solve_cuda(
     holders``; larger values are clamped to it, so ``holders`` must bound them).
 
     Returns ``[G, n, k]`` long expert indices, each token's experts by decreasing affinity (ties:
-    lower expert), ``-1`` last. ``stats`` (``[G, 20]`` int32), if given, receives per group the
-    auction rounds used, the slots open after the auction, the augmenting and cancelling rounds,
-    then thousands of SM cycles: setup, auction, phase 2, phase 3, the auction's parts (open
-    list, bids, merges), each graph phase's parts (graph, search, moves), phase 2's path
-    selection, and the expert rows' share of each graph phase's graph part (D's row apart).
-    ``token_mask`` (``[G, n]`` bool), if given, marks the real tokens; padded ones
-    take no expert.
+    lower expert), ``-1`` last. ``token_mask`` (``[G, n]`` bool), if given, marks the real
+    tokens; padded ones take no expert. ``stats`` (``[G, DEBUG_STATS]`` int32), if given, runs
+    the kernel's debug build (``MAXSCORE_FLOW_DEBUG``, ``kernels/debug_hooks.cuh``: the same
+    assignment, with SM-cycle clocks and extra barriers) and receives per group the rounds of
+    each phase and the clocks of its parts; for the benchmarks' profiles, never the router's
+    path.
     """
     if not supported(affinities, k):
         raise ValueError(
@@ -583,7 +607,6 @@ def solve_cuda(
     items = launch_defines(device_index, n, e, k, holders, budget)
     defines = dict(items)
     dynamic, scratch_bytes = shared_and_scratch_bytes(defines, groups)
-    kernel = _compiled(device_index, items, dynamic)
     scratch = torch.empty(max(1, scratch_bytes), dtype=torch.uint8, device=a.device)
     mask = None
     if token_mask is not None:
@@ -594,24 +617,26 @@ def solve_cuda(
         if start is not None
         else (scratch, scratch, scratch)
     )
+    args = [
+        a,
+        cap,
+        out,
+        scratch,
+        mask if mask is not None else scratch,
+        0 if mask is None else 1,
+        prices,
+        first_experts,
+        first_values,
+    ]
+    if stats is not None:  # the debug build: its statistics, its hooks' counters (unused), off
+        items = (*items, (DEBUG_DEFINE, "1"))
+        args += [stats, torch.zeros(4, dtype=torch.int32, device=a.device), 0]
+    kernel = _compiled(device_index, items, dynamic)
     with torch.cuda.device(device_index):
         kernel(
             grid=(groups, 1, 1),
             block=(int(defines["THREADS"]), 1, 1),
-            args=[
-                a,
-                cap,
-                out,
-                stats if stats is not None else cap,
-                scratch,
-                0 if defines["STATE_SMEM"] == "1" else 1,
-                1 if stats is not None else 0,
-                mask if mask is not None else scratch,
-                0 if mask is None else 1,
-                prices,
-                first_experts,
-                first_values,
-            ],
+            args=args,
             shared_mem=dynamic,
         )
     return out

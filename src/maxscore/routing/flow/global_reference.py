@@ -1,8 +1,9 @@
 """The global solver of Eq. (7)–(8), reference implementation (NumPy, one routing group at a time).
 
 Eq. (8) asks for the 0/1 matrix ``P`` (``n x e``) that maximises ``sum_ij P_ij A_ij`` subject to
-Eq. (7): each token takes ``k`` distinct experts, expert ``j`` takes at most ``c_j`` tokens. The
-solver has three phases:
+Eq. (7): each token takes ``k`` distinct experts, expert ``j`` takes at most ``c_j`` tokens (the
+paper's min-cost max-flow network: source -> token of capacity ``k``, token -> expert of capacity
+1 and cost ``-A_ij``, expert -> sink of capacity ``c_j``). The solver has three phases:
 
 1. **Auction** (a Jacobi forward auction, Bertsekas; tokens bid, experts are the objects, each
    with ``c_j`` slots). Every token missing ``m`` slots looks at the reduced values
@@ -11,24 +12,18 @@ solver has three phases:
    ``c_j`` highest offers among its slots' prices and the new bids, and its price ``p_j`` is its
    cheapest slot's. A slot won this way is within ``eps`` of the token's best alternative
    (eps-complementary slackness), and a finished auction is within ``n k eps`` of the optimum.
-   The prices start near the optimal duals (:func:`dual_prices`: block coordinate ascent of the
-   LP's entropy-regularised dual, about 30 vectorised passes over the affinities): from zero
+   The prices start near the optimal duals of Eq. (8)'s LP (:func:`dual_prices`): from zero
    prices the auction would spend thousands of rounds raising the popular experts' prices by
-   ``eps`` at a time (a router early in training gives every token nearly the same row), and
-   from the experts' mean affinities 13-169 rounds over three eps-scaled auctions, where from
-   these prices 1-9 remain (the CUDA kernel, the slowest of 8-64 groups of 512 or 4,096 tokens
-   of random, near-tied and trained routers' scores). The auction stops after
-   ``auction_rounds`` rounds, once at most ``stop_open`` of the slots are open, or once its last
-   ``STALL_ROUNDS`` rounds filled fewer than ``STALL_FILL`` slots: its tail fills slowly, and
-   phase 2 fills those slots in far fewer steps. A token evicted from one expert may then
-   prefer it to a slot it still holds by more than ``eps`` (that slot was won against other
-   prices); such slots are given up, so eps-complementary slackness holds for every held slot
-   when phase 2 starts. With eps-scaling
-   (``epsilon_scales``, Bertsekas; in groups of at most ``epsilon_scale_max_tokens``; only
-   where the prices do not start at the duals: with spare capacity, or without
+   ``eps`` at a time (a router early in training gives every token nearly the same row). The
+   auction stops after ``auction_rounds`` rounds, once at most ``stop_open`` of the slots are
+   open, or once its last ``STALL_ROUNDS`` rounds filled fewer than ``STALL_FILL`` slots: its
+   tail fills slowly, and phase 2 fills those slots in far fewer steps. A token evicted from
+   one expert may then prefer it to a slot it still holds by more than ``eps`` (that slot was
+   won against other prices); such slots are given up, so eps-complementary slackness holds
+   for every held slot when phase 2 starts. With eps-scaling (``epsilon_scales``, Bertsekas;
+   only where the prices do not start at the duals: with spare capacity, or without
    ``price_iterations``) earlier auctions bid those many times the eps and settle the contested
-   prices in large steps; each next auction, and last the one above, starts again from the
-   previous one's prices (shifted so the lowest is 0).
+   prices in large steps; each next auction starts again from the previous one's prices.
 2. **Augmenting paths** on the *expert graph*: ``e + 2`` nodes (the experts, a node ``S`` for
    spare capacity and a node ``D`` for open slots). Edge ``a -> b`` carries the best move
    "a token on ``a`` that is not on ``b`` leaves ``a`` for ``b``", of gain ``A_tb - A_ta``;
@@ -39,31 +34,25 @@ solver has three phases:
    network with its token nodes contracted: it gives every token ``k`` experts whenever
    ``sum_j min(c_j, n) >= n k`` (a maximum flow otherwise), and keeps the assignment optimal
    for its loads. Here the paths come from Bellman-Ford with every edge charged ``tol + eps``
-   (the auction leaves no cycle above that); the CUDA kernel runs Dijkstra (below 128 experts,
-   until every expert with spare capacity is settled) or a frontier search over every warp
-   (from 128) on reduced costs whose potentials start at the auction's prices (the same paths),
-   and takes each subtree of ``D``'s best target at once (paths that share no node are exactly
-   those in different subtrees). Where the capacities exceed the demand, phase 2 then goes on
-   from ``S`` (:func:`_to_sink`): a free slot must end at the lowest price, which eps-scaling's
-   restarts do not leave, and each path of positive gain from ``S`` to an expert with a free
-   slot is a positive cycle through ``S``; a round applies every node-disjoint one of its tree
-   (phase 3 would find them one a round, since they share ``S``).
+   (the auction leaves no cycle above that); the CUDA kernel finds the same paths with
+   Dijkstra or a frontier search on reduced costs (``kernels/phase2_paths.cuh``). Where the
+   capacities exceed the demand, phase 2 then goes on from ``S`` (:func:`_to_sink`): a free slot
+   must end at the lowest price, which eps-scaling's restarts do not leave, and each path of
+   positive gain from ``S`` to an expert with a free slot is a positive cycle through ``S``; a
+   round applies every node-disjoint one of its tree (phase 3 would find them one a round).
 3. **Cycle cancelling** on the same graph, now also with ``b -> S`` (``b`` has spare capacity),
    ``S -> a`` (any expert may lose a token) and ``a -> D`` (a token gives up its slot at ``a``
    when the flow is not full, gain ``-A_ta``): a feasible assignment is optimal iff this graph
    has no cycle of positive gain (the residual graph of the flow network with the token nodes
    contracted). Each round finds, by Bellman-Ford from a virtual source joined to every node,
    the cycles of its predecessor graph (they are node-disjoint, so their moves are compatible)
-   and applies them, at most ``cancel_rounds`` rounds. Phases 1-2 leave little for it (measured:
-   0-1 rounds without spare capacity; with a quarter more capacity than demand 0 on the NumPy
-   reference's groups, 0-1 on the GPU's, where the float32 search may leave one); capacity
-   short of ``n k`` needs it. Every edge is charged ``tol`` (a relative 1e-6 of the
-   affinities' spread, about 16 float32 rounding steps) so rounding cannot create a cycle.
+   and applies them, at most ``cancel_rounds`` rounds. Phases 1-2 leave little for it; capacity
+   short of ``n k`` needs it. Every edge is charged ``tol`` (a relative 1e-6 of the affinities'
+   spread, about 16 float32 rounding steps) so rounding cannot create a cycle.
 
-The CUDA kernel (:mod:`.global_cuda`, ``kernels/global_auction.cu``) runs the same three phases
-on the GPU. This module computes on the host in float64, one group after another; it is the
-solver's CPU path and its reference in the tests. Measured gaps and times:
-``benchmarks/flow_solver/README.md``.
+The CUDA kernels (:mod:`.global_cuda`, ``kernels/``) run the same three phases on the GPU. This
+module computes on the host in float64, one group after another; it is the solver's CPU path
+and its reference in the tests. Measured gaps and times: ``benchmarks/flow_solver/README.md``.
 """
 
 from __future__ import annotations
@@ -104,11 +93,9 @@ class GlobalBudget:
             not start from the dual prices (:func:`uses_dual_prices`): with spare capacity, or
             without ``price_iterations``.
         epsilon_scale_max_tokens: eps-scaling only in groups of at most this many tokens
-            (``None``: every group; 0: one auction everywhere). Since the kernel lists the
-            overflowing bids by expert, the later auctions' first rounds (every slot bids again)
-            are cheap in large groups too (H200, 8 groups of 4,096 tokens, the CUDA kernel:
-            e = 64, k = 6 random 13.6 -> 10.8 ms a call with three auctions instead of one,
-            near-tied 43.9 -> 20.7; e = 16, k = 2 random 3.14 -> 2.29, near-tied 4.50 -> 4.59).
+            (``None``: every group; 0: one auction everywhere). The kernel lists the overflowing
+            bids by expert, so the later auctions' first rounds (every slot bids again) are
+            cheap in large groups too.
         price_iterations: iterations of :func:`dual_prices`, the auction's starting prices
             where the capacities do not exceed the demand (0: the experts' mean affinities).
             Each is one Newton step for every token's and then every expert's dual variable.
@@ -117,13 +104,11 @@ class GlobalBudget:
         sink_rounds: rounds of paths through the sink (phase 2's last part, with spare capacity
             only) at most (``None``: ``n k``, phase 2's own bound); each round applies every
             node-disjoint positive path of its tree, so paths into one expert take a round each
-            (NumPy reference, capacities 1.25 k n / e: 2-86 rounds in groups of 256-512 tokens;
-            640 where every one of 4,096 tokens prefers expert 0 of 16, which 256 rounds left
-            19% short of the optimum).
-        cancel_rounds: cycle-cancelling rounds (phase 3) at most. Phases 1-2 leave it 0-1 rounds
-            without spare capacity; with it the paths from ``S`` leave little (H200, capacities
-            1.25 k n / e, groups of 512 and 4,096 tokens: 0 rounds, 1 at e = 128 near-tied).
-            A round moves one token through each expert at most.
+            (where every token prefers one expert, as many rounds as that expert has slots to
+            give up: a smaller bound can stop far from the optimum).
+        cancel_rounds: cycle-cancelling rounds (phase 3) at most. Phases 1-2 leave it few
+            rounds, with spare capacity too (the paths from ``S``). A round moves one token
+            through each expert at most.
         relaxations: Bellman-Ford relaxations per cycle-cancelling round (phase 3) and per first
             try of a phase-2 round. Positive cycles are short, so their predecessor cycles show up
             within a few relaxations; a phase-2 round that finds no path this way searches fully
@@ -324,13 +309,10 @@ def dual_prices(a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget) ->
     ``p_j`` (column sum ``c_j``), each step clipped to ``2 T`` (the sums are steep where few
     entries are fractional). ``T`` falls geometrically (:func:`price_temperature`), so early
     iterations move the prices in large steps and late ones settle them within a few ``T`` of
-    the optimal duals. An auction started from them has little left to do: 1-9 rounds instead
-    of 13-169 over three eps-scaled auctions from :func:`warm_prices` (the CUDA kernel, which
-    computes the same iterations in float32; groups of 512 and 4,096 tokens, e = 16-256, random,
-    near-tied and trained routers' scores). Starts from :func:`warm_prices` and each token's
-    mean reduced affinity. Temperatures are relative to the mean row maximum (the spread, or 1,
-    where that is not positive). Experts without capacity keep price 0 (the auction never
-    offers them)."""
+    the optimal duals, where an auction has a few rounds left (the CUDA kernel computes the
+    same iterations in float32). Starts from :func:`warm_prices` and each token's mean reduced
+    affinity. Temperatures are relative to the mean row maximum (the spread, or 1, where that
+    is not positive). Experts without capacity keep price 0 (the auction never offers them)."""
     n, e = a.shape
     live = cap > 0
     p = warm_prices(a)
@@ -375,9 +357,7 @@ def starting_prices(a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget
     :func:`warm_prices` without its iterations, or 0 for every expert when the capacities exceed
     the demand ``n k``. Then the experts left with a free slot must end at the
     lowest price (complementary slackness of the edges to the sink); from warm prices they stay
-    above it and keep tokens away, more than cycle cancelling undoes in its rounds (two
-    near-tied groups of 256 x 64, k = 2, capacities 1.25 k n / e, 16 cancelling rounds: 4.6% of
-    the objective lost from warm prices, none from equal ones)."""
+    above it and keep tokens away, more than cycle cancelling undoes in its rounds."""
     if int(cap.sum()) > a.shape[0] * k:
         return np.zeros(a.shape[1])
     return dual_prices(a, k, cap, budget)
@@ -387,14 +367,8 @@ def _auction(
     a: np.ndarray, k: int, cap: np.ndarray, budget: GlobalBudget
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Phase 1: ``[n, e]`` bool holdings, the experts' final prices (their cheapest slots') and
-    the rounds of all its auctions.
-
-    With eps-scaling (``budget.epsilon_scales``, groups of at most
-    ``epsilon_scale_max_tokens``) earlier auctions bid those many times the eps: they settle
-    the contested prices in large steps. Each next auction starts again, every slot open, from
-    the previous one's prices (Bertsekas' eps-scaling), and the last one, with the eps, has a
-    much shorter tail, so it leaves phase 2 fewer slots.
-    """
+    the rounds of all its auctions (eps-scaling's, then the last one's, whose eps is the
+    smallest: its tail is shorter, so it leaves phase 2 fewer slots)."""
     closed = cap == 0  # an expert without capacity is never offered
     eps = auction_epsilon(a, budget)
     start = starting_prices(a, k, cap, budget)
@@ -477,7 +451,6 @@ def _bids(
     """Every token missing ``m`` slots bids for its best ``m`` experts: ``{expert: (tokens,
     bids)}``, a bid being ``A_ij - w + eps`` with ``w`` the token's ``(m+1)``-th best reduced
     value (so the token stays within ``eps`` of its next best choice at the new price)."""
-    _n, _e = a.shape
     bidders = np.flatnonzero(missing > 0)
     reduced = np.where(held[bidders] | closed, -np.inf, a[bidders] - price)
     order = np.argsort(-reduced, axis=1, kind="stable")[:, : k + 1]
@@ -662,11 +635,8 @@ def _to_sink(graph: _Graph, held: np.ndarray, tol: float) -> int:
     many (0: none is left).
 
     Cycle cancelling (phase 3) finds these cycles too, but at most one a round (they all pass
-    through ``S``): where an auction's restart left free slots priced above the rest, it needed
-    up to its whole budget (NumPy reference, two groups of 256-512 tokens, capacities 1.25 k n
-    / e, at most 16 cancelling rounds: every token preferring expert 0 lost 55% of the objective
-    at e = 16 and 1-2% at e = 128-256, near-tied groups 0.2-0.4%; with this part first: <= 6e-7
-    everywhere, in 2-86 rounds, then 0-15 cancelling rounds).
+    through ``S``): where an auction's restart left free slots priced above the rest, its budget
+    runs out far from the optimum.
     """
     e = held.shape[1]
     sink = e

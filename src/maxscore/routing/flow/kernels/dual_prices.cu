@@ -19,16 +19,14 @@
 // Layout: a token's row spreads over SEG lanes (a power of two up to 32; each lane takes the
 // experts lane + SEG c, c < LANE_E), a warp takes 32 / SEG tokens side by side and BATCH such
 // rows at once. A row's sums take log2(SEG) shuffle steps, the columns' log2(32 / SEG) per
-// iteration: the host picks the SEG with the fewest shuffles (at e = 64, 32 lanes a row took 3x
-// the shuffles of 8). Each entry costs two tanh values an iteration (batch_step: the plan's
-// entries and slopes from tanh alone): one at the old u_t for the row's Newton step, one at the
-// new u_t for the column sums. An iteration is latency-bound at few entries per warp (H100, e =
-// 64: about 3 us) and nears the issue and tanh units' throughput from e = 128 (2,048 entries per
-// warp in base-8x128's 64 groups: about 5 us; counting sigmoid and its slope from tanh in two
-// instructions where the logistic values took five, 0.162 -> 0.150 ms a call there, 0.251 ->
-// 0.227 at 256 experts; computing the tanh pairs in half precision, tanh.approx.f16x2, was not
-// faster), so the affinities stay in registers where they fit (IN_REGS) and each iteration has
-// two block barriers and one cluster barrier.
+// iteration: the host picks the SEG with the fewest shuffles. Each entry costs two tanh values
+// an iteration (batch_step: the plan's entries and slopes from tanh alone, two instructions an
+// entry where the logistic values took five): one at the old u_t for the row's Newton step,
+// one at the new u_t for the column sums. An iteration is latency-bound at few entries per warp
+// and nears the issue and tanh units' throughput from e = 128, so the affinities stay in
+// registers where they fit (IN_REGS) and each iteration has two block barriers and one cluster
+// barrier. The kernel's phases: the capacities' totals, warm_prices (the mean affinities, the
+// scale), the starting u_t, PRICE_ITERS iterations, then write_first_bids and the prices.
 //
 // Compile-time constants (prepended by maxscore.routing.flow.global_cuda): N, E, K, THREADS,
 // CLUSTER, SEG, PRICE_ITERS, PRICE_T0, PRICE_T1.
@@ -179,8 +177,8 @@ __device__ __forceinline__ void load_batch(const float* a, int first, const unsi
   }
 }
 
-// Batch nb's entries and real rows as `val` and `row` inside the kernel's loops over the batches:
-// the registers' copy (av, real_row) where IN_REGS, else loaded afresh.
+// Batch nb's entries and real rows as `val` and `row` inside the loops over the batches: the
+// registers' copy (av, real_row) where IN_REGS, else loaded afresh (the block's place: pb).
 #if IN_REGS
 #define BATCH_VALUES(nb, val, row)           \
   const float(&val)[BATCH][LANE_E] = av[nb]; \
@@ -189,7 +187,7 @@ __device__ __forceinline__ void load_batch(const float* a, int first, const unsi
 #define BATCH_VALUES(nb, val, row) \
   float val[BATCH][LANE_E];        \
   bool row[BATCH];                 \
-  load_batch(a, first, real, warp, nb, slot, sub, val, row)
+  load_batch(pb.a, pb.first, pb.real, pb.warp, nb, pb.slot, pb.sub, val, row)
 #endif
 
 // One batch's part of an iteration: each row's Newton step on u_t (row sum K), then its entries
@@ -237,57 +235,48 @@ __device__ __forceinline__ void batch_step(const float (&val)[BATCH][LANE_E], fl
     }
   }
 }
+// A block's shared arrays (SH_*) and this thread's place among the group's rows.
+struct PriceBlock {
+  float* price;
+  float* target;
+  float* warp_f;
+  float* warp_d;
+  float* block_sums;
+  float* scal;
+  float* block_scal;
+  const float* a;             // the group's affinities
+  const unsigned char* real;  // its token mask row (nullptr: every token real)
+  int g, tid, lane, warp, slot, sub;
+  int first;  // this block's first token
+  unsigned rank;
+};
 
-// One block an SM at least (without it, ptxas held 8-block clusters to 64 registers and spilled
-// the affinities kept in registers).
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-#if CLUSTER > 1
-    __cluster_dims__(CLUSTER, 1, 1)
-#endif
-    dual_prices_kernel(const float* __restrict__ affinities, const int* __restrict__ capacity,
-                       const unsigned char* __restrict__ token_mask, int has_mask,
-                       float* __restrict__ prices, float* __restrict__ duals,
-                       int* __restrict__ first_experts, float* __restrict__ first_values) {
-  DYNAMIC_SHARED(dyn);
-  float* sh = (float*)dyn;
-  float* price = sh + SH_PRICE;
-  float* target = sh + SH_TARGET;
-  float* warp_f = sh + SH_WARP;
-  float* warp_d = warp_f + WARPS * E;
-  float* block_sums = sh + SH_BLOCK;  // setup: column sums in the first E
-  float* scal = sh + SH_SCALAR;
-  float* block_scal = scal + 4 * WARPS;
-  const int g = blockIdx.x / CLUSTER;
-  const unsigned rank = cluster_rank();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int slot = lane / SEG, sub = lane % SEG;
-  const int first = (int)rank * ROWS;  // this block's first token
-  const float* a = affinities + (long long)g * N * E;
-  const unsigned char* real = has_mask ? token_mask + (long long)g * N : nullptr;
-#if !IN_REGS
-  float* u = duals + (long long)g * N + first;  // this block's u_t
-#endif
+// The lane's rows in registers where they fit (IN_REGS: the entries, the rows that are real
+// tokens, their u_t); without IN_REGS these arrays go unused and the rows are loaded afresh.
+typedef float LaneValues[NB][BATCH][LANE_E];
+typedef bool LaneRows[NB][BATCH];
+typedef float LaneDuals[NB][BATCH];
 
-  // The capacities' totals, in every warp alike: the demand they cover, the experts with any.
-  long long cap_total = 0;
-  int live = 0;
-#pragma unroll
-  for (int c = 0; c < (E + 31) / 32; ++c) {
-    const int j = lane + 32 * c;
-    const int cap = j < E ? clamped_capacity(capacity, g, j) : 0;
-    cap_total += __reduce_add_sync(FULL_MASK, cap);
-    live += __popc(__ballot_sync(FULL_MASK, cap > 0));
-  }
+// The group's totals the iterations start from.
+struct WarmStart {
+  bool spare;   // the capacities exceed the demand: the auction starts from equal prices
+  float scale;  // the mean row maximum (the temperatures' unit)
+};
 
-  // ---- setup: the warm prices (mean affinities, the lowest at 0) and the scale, as the auction
-  // kernel computes them; the sums of every block of the cluster added in rank order ----
-#if IN_REGS
-  float av[NB][BATCH][LANE_E];
-  bool real_row[NB][BATCH];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb)
-    load_batch(a, first, real, warp, nb, slot, sub, av[nb], real_row[nb]);
-#endif
+// The warm prices (mean affinities, the lowest at 0, CLOSED without capacity) into `price`,
+// the column targets into `target`, and the scale, as the auction kernel computes them; the
+// sums of every block of the cluster added in rank order. Every thread calls it.
+__device__ __forceinline__ WarmStart warm_prices(const PriceBlock& pb, const int* capacity,
+                                                 long long cap_total, const LaneValues& av,
+                                                 const LaneRows& real_row) {
+  float* price = pb.price;
+  float* target = pb.target;
+  float* warp_f = pb.warp_f;
+  float* block_sums = pb.block_sums;
+  float* scal = pb.scal;
+  float* block_scal = pb.block_scal;
+  const int g = pb.g, tid = pb.tid, lane = pb.lane, warp = pb.warp;
+  const int slot = pb.slot, sub = pb.sub;
   {
     float col[LANE_E];
 #pragma unroll
@@ -391,7 +380,139 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     for (int j = 0; j < E; ++j) price[j] = target[j] < 0.0f ? CLOSED : price[j] - lowest;
   }
   __syncthreads();
-  if (!spare && PRICE_ITERS > 0) {
+  return {spare, scale};
+}
+
+// Each token's u_t in the frame of the prices written below (the lowest at 0), into `duals`;
+// and the auction's first bids (global_auction.cu's first round from these prices): at the
+// optimal duals a token takes the experts whose reduced affinity A_tj - p_j is above u_t, so
+// where exactly K are (most tokens), those in ascending order into first_experts and A_tj - w
+// for each into first_values, w the best reduced affinity of the rest (a strict threshold
+// cannot split equal values: the experts and bid levels the auction's selection finds); -1 in
+// every entry of the other tokens, which the auction selects one by one. The same float
+// operations as the auction's on the written prices and duals, so the same bids to the bit.
+// Done here, where the affinities are at hand in registers over CLUSTER blocks, the auction's
+// first round posts its bids without reading a row. Every thread calls it.
+__device__ __forceinline__ void write_first_bids(const PriceBlock& pb, float* duals,
+                                                 int* first_experts, float* first_values,
+                                                 const LaneValues& av, const LaneRows& real_row,
+                                                 const LaneDuals& xv, const float* u) {
+  float* price = pb.price;
+  float* target = pb.target;
+  float* scal = pb.scal;
+  const int g = pb.g, tid = pb.tid, warp = pb.warp;
+  const int slot = pb.slot, sub = pb.sub, first = pb.first;
+  if (tid == 0) scal[0] = lowest_price(price, target);
+  __syncthreads();
+  const float lowest = scal[0];
+  float written[LANE_E];  // the written prices, CLOSED for an expert without capacity
+#pragma unroll
+  for (int c = 0; c < LANE_E; ++c) {
+    const int j = sub + SEG * c;
+    written[c] = j < E && target[j] >= 0.0f ? price[j] - lowest : CLOSED;
+  }
+  constexpr unsigned SEG_BITS = SEG == 32 ? FULL_MASK : (1u << SEG) - 1u;
+#if IN_REGS
+#pragma unroll  // (the registers' copies are indexed by nb: a loop would put them in memory)
+#endif
+  for (int nb = 0; nb < NB; ++nb) {
+    BATCH_VALUES(nb, val, row);
+#pragma unroll
+    for (int r = 0; r < BATCH; ++r) {
+      const int q = row_of(warp, nb, r, slot);
+#if IN_REGS
+      const float dual = xv[nb][r] + lowest;
+#else
+      const float dual = (row[r] ? u[q] : 0.0f) + lowest;
+      __syncwarp();  // every lane of the segment has read u_t before its first lane writes
+#endif
+      if (row[r] && sub == 0) duals[(long long)g * N + first + q] = dual;
+      unsigned picked[LANE_E];  // the segment's experts above u_t, a bit per lane, by column
+      int count = 0;
+      float rest = -3.0e38f;
+#pragma unroll
+      for (int c = 0; c < LANE_E; ++c) {
+        const bool open = row[r] && written[c] < CLOSED;
+        const float reduced = val[r][c] - written[c];
+        const bool above = open && reduced > dual;
+        if (open && !above) rest = fmaxf(rest, reduced);
+        picked[c] = (__ballot_sync(FULL_MASK, above) >> (slot * SEG)) & SEG_BITS;
+        count += __popc(picked[c]);
+      }
+      rest = segment_max(rest);
+      if (!row[r]) continue;
+      const long long at = ((long long)g * N + first + q) * K;
+      if (count == K && rest > -3.0e38f) {
+        int before = 0;  // the picks of earlier columns (lower experts)
+#pragma unroll
+        for (int c = 0; c < LANE_E; ++c) {
+          if ((picked[c] >> sub) & 1u) {
+            const int s = before + __popc(picked[c] & ((1u << sub) - 1u));
+            first_experts[at + s] = sub + SEG * c;
+            first_values[at + s] = val[r][c] - rest;
+          }
+          before += __popc(picked[c]);
+        }
+      } else {
+        for (int s = sub; s < K; s += SEG) first_experts[at + s] = -1;
+      }
+    }
+  }
+}
+
+// One block an SM at least (without it, ptxas held 8-block clusters to 64 registers and spilled
+// the affinities kept in registers).
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+#if CLUSTER > 1
+    __cluster_dims__(CLUSTER, 1, 1)
+#endif
+    dual_prices_kernel(const float* __restrict__ affinities, const int* __restrict__ capacity,
+                       const unsigned char* __restrict__ token_mask, int has_mask,
+                       float* __restrict__ prices, float* __restrict__ duals,
+                       int* __restrict__ first_experts, float* __restrict__ first_values) {
+  DYNAMIC_SHARED(dyn);
+  float* sh = (float*)dyn;
+  float* price = sh + SH_PRICE;
+  float* target = sh + SH_TARGET;
+  float* warp_f = sh + SH_WARP;
+  float* warp_d = warp_f + WARPS * E;
+  float* block_sums = sh + SH_BLOCK;  // setup: column sums in the first E
+  float* scal = sh + SH_SCALAR;
+  float* block_scal = scal + 4 * WARPS;
+  const int g = blockIdx.x / CLUSTER;
+  const unsigned rank = cluster_rank();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int slot = lane / SEG, sub = lane % SEG;
+  const int first = (int)rank * ROWS;  // this block's first token
+  const float* a = affinities + (long long)g * N * E;
+  const unsigned char* real = has_mask ? token_mask + (long long)g * N : nullptr;
+  float* u = duals + (long long)g * N + first;  // this block's u_t (where not in registers)
+  const PriceBlock pb = {price, target, warp_f, warp_d, block_sums, scal, block_scal, a,
+                         real,  g,      tid,    lane,   warp,       slot, sub,        first,
+                         rank};
+
+  // The capacities' totals, in every warp alike: the demand they cover, the experts with any.
+  long long cap_total = 0;
+  int live = 0;
+#pragma unroll
+  for (int c = 0; c < (E + 31) / 32; ++c) {
+    const int j = lane + 32 * c;
+    const int cap = j < E ? clamped_capacity(capacity, g, j) : 0;
+    cap_total += __reduce_add_sync(FULL_MASK, cap);
+    live += __popc(__ballot_sync(FULL_MASK, cap > 0));
+  }
+
+  // ---- setup ----
+  LaneValues av;  // (unused without IN_REGS, like real_row and xv)
+  LaneRows real_row;
+#if IN_REGS
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+    load_batch(a, first, real, warp, nb, slot, sub, av[nb], real_row[nb]);
+#endif
+  const WarmStart start = warm_prices(pb, capacity, cap_total, av, real_row);
+  const float scale = start.scale;
+  if (!start.spare && PRICE_ITERS > 0) {
     // Rows start at their mean reduced affinity over the experts with capacity.
     float p[LANE_E];
 #pragma unroll
@@ -399,8 +520,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       const int j = sub + SEG * c;
       p[c] = j < E ? price[j] : CLOSED;
     }
+    LaneDuals xv;
 #if IN_REGS
-    float xv[NB][BATCH];
 #pragma unroll
 #endif
     for (int nb = 0; nb < NB; ++nb) {
@@ -495,73 +616,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       }
       __syncthreads();
     }
-    // Each token's u_t in the frame of the prices written below (the lowest at 0), into
-    // `duals`; and the auction's first bids (global_auction.cu's first round from these
-    // prices): at the optimal duals a token takes the experts whose reduced affinity
-    // A_tj - p_j is above u_t, so where exactly K are (most tokens), those in ascending order
-    // into first_experts and A_tj - w for each into first_values, w the best reduced affinity
-    // of the rest (a strict threshold cannot split equal values: the experts and bid levels
-    // the auction's selection finds); -1 in every entry of the other tokens, which the auction
-    // selects one by one. The same float operations as the auction's on the written prices
-    // and duals, so the same bids to the bit. Done here, where the affinities are at hand in
-    // registers over CLUSTER blocks, the auction's first round posts its bids without reading
-    // a row.
-    if (tid == 0) scal[0] = lowest_price(price, target);
-    __syncthreads();
-    const float lowest = scal[0];
-    float written[LANE_E];  // the written prices, CLOSED for an expert without capacity
-#pragma unroll
-    for (int c = 0; c < LANE_E; ++c) {
-      const int j = sub + SEG * c;
-      written[c] = j < E && target[j] >= 0.0f ? price[j] - lowest : CLOSED;
-    }
-    constexpr unsigned SEG_BITS = SEG == 32 ? FULL_MASK : (1u << SEG) - 1u;
-#if IN_REGS
-#pragma unroll  // (the registers' copies are indexed by nb: a loop would put them in memory)
-#endif
-    for (int nb = 0; nb < NB; ++nb) {
-      BATCH_VALUES(nb, val, row);
-#pragma unroll
-      for (int r = 0; r < BATCH; ++r) {
-        const int q = row_of(warp, nb, r, slot);
-#if IN_REGS
-        const float dual = xv[nb][r] + lowest;
-#else
-        const float dual = (row[r] ? u[q] : 0.0f) + lowest;
-        __syncwarp();  // every lane of the segment has read u_t before its first lane writes
-#endif
-        if (row[r] && sub == 0) duals[(long long)g * N + first + q] = dual;
-        unsigned picked[LANE_E];  // the segment's experts above u_t, a bit per lane, by column
-        int count = 0;
-        float rest = -3.0e38f;
-#pragma unroll
-        for (int c = 0; c < LANE_E; ++c) {
-          const bool open = row[r] && written[c] < CLOSED;
-          const float reduced = val[r][c] - written[c];
-          const bool above = open && reduced > dual;
-          if (open && !above) rest = fmaxf(rest, reduced);
-          picked[c] = (__ballot_sync(FULL_MASK, above) >> (slot * SEG)) & SEG_BITS;
-          count += __popc(picked[c]);
-        }
-        rest = segment_max(rest);
-        if (!row[r]) continue;
-        const long long at = ((long long)g * N + first + q) * K;
-        if (count == K && rest > -3.0e38f) {
-          int before = 0;  // the picks of earlier columns (lower experts)
-#pragma unroll
-          for (int c = 0; c < LANE_E; ++c) {
-            if ((picked[c] >> sub) & 1u) {
-              const int s = before + __popc(picked[c] & ((1u << sub) - 1u));
-              first_experts[at + s] = sub + SEG * c;
-              first_values[at + s] = val[r][c] - rest;
-            }
-            before += __popc(picked[c]);
-          }
-        } else {
-          for (int s = sub; s < K; s += SEG) first_experts[at + s] = -1;
-        }
-      }
-    }
+    write_first_bids(pb, duals, first_experts, first_values, av, real_row, xv, u);
   }
   if (rank == 0 && tid == 0) {
     const float lowest = lowest_price(price, target);

@@ -16,6 +16,8 @@ from maxscore.routing.config import RouterConfig
 from maxscore.routing.strategy_inputs import check_inputs, check_token_mask, without_padding
 from maxscore.routing.types import DROPPED
 
+from .registry import FLOW_SOLVERS
+
 __all__ = ["assign_min_cost_flow", "padding_sink_problem", "resolve_flow_method"]
 
 
@@ -65,21 +67,13 @@ def assign_min_cost_flow(
     assert cap is not None
     mask = check_token_mask("min-cost-flow", scores, token_mask)
     e = scores.shape[-1]
-    # Imported here: flow/ imports routing modules, and the solvers are only needed on use.
-    try:
-        from maxscore.routing.flow import FLOW_SOLVERS
-    except ImportError as exc:
-        raise ImportError(
-            f"min-cost-flow: the flow solvers (maxscore.routing.flow) are not importable: {exc}"
-        ) from exc
-
     method = resolve_flow_method(config.flow_method, scores.device)
     if method not in FLOW_SOLVERS:
         raise ValueError(
             f"min-cost-flow: unknown flow_method {config.flow_method!r}; "
             f"registered solvers: {sorted(FLOW_SOLVERS)} or 'auto'"
         )
-    from maxscore.routing.flow.compiled_call import solve_flow
+    from .compiled_call import solve_flow  # (defines its custom operator on first use)
 
     solver_mask = mask if "token_mask" in FLOW_SOLVERS[method].keywords else None
     if mask is not None and solver_mask is None:
