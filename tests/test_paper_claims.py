@@ -210,7 +210,8 @@ def test_summary_block_in_another_readme_is_regenerated_and_nothing_else_changes
     assert plain.read_text() == "no block\n"
 
 
-def test_main_readme_summary_matches_the_committed_results() -> None:
+@pytest.mark.parametrize("readme", ["README.md", "benchmarks/README.md"])
+def test_readme_summaries_match_the_committed_results(readme: str) -> None:
     payload = json.loads((STUDY_DIR / "results" / "results.json").read_text())
-    main = (STUDY_DIR.parents[1] / "README.md").read_text()
-    assert "\n".join(report.headline_lines(payload)) in main
+    text = (STUDY_DIR.parents[1] / readme).read_text()
+    assert "\n".join(report.headline_lines(payload)) in text

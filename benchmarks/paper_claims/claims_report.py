@@ -632,7 +632,7 @@ def readme_lines(
     lines += headline_lines(payload)
     lines += [""]
     dates = sorted({d for a in payload["arms"] for d in a.get("dates", [])})
-    lines += method_lines(config, runs, devices, MARGIN, dates)
+    lines += method_lines(config, runs, devices, MARGIN, dates, len(claims))
     lines += ["", "## Claims", ""]
     lines += claim_table(claims)
     noise = payload["same_seed_noise"]
@@ -660,12 +660,20 @@ def readme_lines(
                 f"{row['ms_per_micro_batch']:.2f} |"
             )
         whole = timing["rows"][-1]["ms_per_micro_batch"]
+        trained = {a["arm"] for a in payload["arms"]}
+
+        def state(arm: str) -> str:
+            return "run" if arm in trained else "planned"
+
         lines += [
             "",
             f"One group of the whole micro-batch costs {whole:.0f} ms per MoE layer and "
             f"micro-batch ({whole * STUDY_LAYERS / 1e3:.2f} s a step for the study's "
             f"{STUDY_LAYERS} layers, one block of the GPU working alone), so the common groups "
-            "are one sequence (`@seq`, run) and 8 sequences (`@8seq`, planned).",
+            f"are one sequence (`@seq`, {state('maxscore')}) and 8 sequences (`@8seq`, "
+            f"{state('maxscore@8seq')}). In groups of 8 sequences, a validation batch that does "
+            "not fill whole groups (the split's last) is routed with masked padding sequences in "
+            "its last group, which keeps a full group's capacity.",
         ]
     lines += ["", "## Arms", ""]
     lines += arm_table(payload["arms"])

@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--summary-in",
         type=Path,
-        default=HERE.parents[1] / "README.md",
-        help="a README whose generated paper-claims summary block `report` refreshes",
+        nargs="*",
+        help="READMEs whose generated paper-claims summary block `report` refreshes (default: "
+        "the repository's and benchmarks/ README when reporting the study's own results)",
     )
     parser.add_argument("--devices", default="cpu", help="cuda:0,cuda:1 or cpu")
     parser.add_argument("--per-device", type=int, default=1, help="workers per device")
@@ -281,8 +282,13 @@ def main(argv: list[str] | None = None) -> int:
 
         payload = write_report(config, args.results_dir, args.readme)
         print(f"wrote {args.results_dir / 'results.json'} and {args.readme}")
-        if args.summary_in.is_file() and update_summary_block(args.summary_in, payload):
-            print(f"refreshed the summary in {args.summary_in}")
+        summaries = args.summary_in
+        if summaries is None:  # only the study's own results may speak for it in the READMEs
+            own = args.results_dir.resolve() == (HERE / "results").resolve()
+            summaries = [HERE.parents[1] / "README.md", HERE.parent / "README.md"] if own else []
+        for other in summaries:
+            if other.is_file() and update_summary_block(other, payload):
+                print(f"refreshed the summary in {other}")
         return 0
     left = pending(config, args.results_dir)
     total = len(jobs(config))

@@ -13,7 +13,12 @@ HEADER = [
 
 
 def method_lines(
-    config: StudyConfig, runs: int, devices: list[str], margin: float, dates: list[str]
+    config: StudyConfig,
+    runs: int,
+    devices: list[str],
+    margin: float,
+    dates: list[str],
+    claims: int = 0,
 ) -> list[str]:
     tokens = config.tokens
     model = ", ".join(f"{k} {v}" for k, v in STUDY_MODEL.items())
@@ -45,6 +50,10 @@ def method_lines(
         "within the margin where the paper claims a gain; *inconclusive* otherwise. *Seeds "
         "needed*: paired seeds for the observed mean and spread to exclude 0 with 80% power. The "
         "verdict logic is tested on constructed data (`tests/test_paper_claims.py`).",
+        f"- **Many claims**: {claims} intervals at 95% each; were no effect real, about "
+        f"{0.05 * claims:.1f} of them would still exclude 0 by chance. MaxScore against GShard "
+        "(both routing groups) is the study's primary claim, set before its runs; read a "
+        "secondary claim resolved with 2-4 seeds as a lead to confirm, not a finding.",
         f"- **Runs**: {runs} trained on {', '.join(devices) or '-'}, one card type per study"
         + (f", {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") if dates else "")
         + ".",
