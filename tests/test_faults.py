@@ -22,6 +22,7 @@ import textwrap
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -483,3 +484,35 @@ def test_compare_overwrite_keeps_the_old_comparison_until_a_router_has_trained(
 
 def _fail(*args: object) -> None:
     raise RuntimeError("injected failure before the first step")
+
+
+def test_compare_overwrite_stopped_in_its_first_router_keeps_the_old_comparison(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stop signal during the first router (its run saved a stop checkpoint) must not delete
+    # the previous comparison; the next --overwrite replaces the stopped one.
+    from types import SimpleNamespace
+
+    import maxscore.training.run as run_module
+    from maxscore.training.compare import ComparisonStopped, compare
+    from maxscore.training.run_dir import previous_run_path
+
+    out = tmp_path / "cmp"
+    (out / "gshard").mkdir(parents=True)
+    (out / "comparison.md").write_text("old\n")
+
+    def stopped(cfg: Any, prepared: object = None) -> SimpleNamespace:
+        (Path(cfg.output_dir) / "checkpoint-1").mkdir(parents=True)
+        return SimpleNamespace(interrupted=True, exit_status=143)
+
+    monkeypatch.setattr(run_module, "train", stopped)
+    cfg = small_config(tmp_path, max_steps=2, save_steps=2)
+    with pytest.raises(ComparisonStopped) as stop:
+        compare(["gshard", "maxscore"], cfg, out, overwrite=True)
+    assert stop.value.exit_status == 143
+    kept = previous_run_path(out)
+    assert (kept / "comparison.md").read_text() == "old\n"  # the old comparison is kept aside
+    monkeypatch.undo()
+    compare(["gshard"], cfg, out, overwrite=True)  # finishes: now it replaces the old one
+    assert not kept.exists()
+    assert (out / "comparison.md").read_text() != "old\n" and not leftovers(out)

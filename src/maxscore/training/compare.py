@@ -170,12 +170,16 @@ def compare(
             if main:
                 directory.close(failed=index == 0)
             raise
-        if main:
-            directory.checkpoint_written()
         if result.interrupted:
             # A signal (Ctrl-C, SIGTERM, SIGUSR1) stopped this run at a checkpoint: the
-            # comparison stops with it instead of training the next router.
+            # comparison stops with it instead of training the next router. A stop does not
+            # replace a previous comparison (--overwrite): it stays aside, and the next
+            # --overwrite replaces this stopped one (RunDirectory.open).
+            if main:
+                directory.close(failed=False, interrupted=True)
             raise ComparisonStopped(cfg.router, cfg.seed, run.run_dir, result.exit_status)
+        if main:
+            directory.checkpoint_written()
         row: dict[str, Any] = {
             "router": cfg.router,
             "seed": cfg.seed,
