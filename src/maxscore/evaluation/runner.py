@@ -14,10 +14,11 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from maxscore.config_types import choices_of
 from maxscore.evaluation.data import EvalDataUnavailableError
 from maxscore.evaluation.registry import (
     ResolvedTask,
@@ -27,6 +28,7 @@ from maxscore.evaluation.registry import (
     resolve_tasks,
 )
 from maxscore.evaluation.results import checkpoint_validation
+from maxscore.routing.config import EvalRouting, RouterConfig
 from maxscore.training.integrity import (
     describe_damage,
     is_training_state,
@@ -37,7 +39,8 @@ from maxscore.training.run_dir import pending_previous_run
 
 logger = logging.getLogger(__name__)
 
-EVAL_ROUTING_MODES: tuple[str, ...] = ("causal", "train")
+#: The evaluation routings (``RouterConfig.eval_routing``'s choices).
+EVAL_ROUTING_MODES: tuple[str, ...] = choices_of(EvalRouting) or ()
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
@@ -163,8 +166,6 @@ def check_finite_weights(model: Any, checkpoint: Path) -> None:
 
 def _router_configs(model: Any) -> list[Any]:
     """Every RouterConfig held by the model's router modules."""
-    from maxscore.routing.config import RouterConfig
-
     found = []
     for module in model.modules():
         config = getattr(module, "config", None)
@@ -187,7 +188,7 @@ def set_eval_routing(model: Any, mode: str) -> None:
         setter(mode)
         return
     for module, config in _router_configs(model):
-        module.config = config.with_overrides(eval_routing=mode)
+        module.config = replace(config, eval_routing=mode)
     # Keep the model config consistent with the routers (it is what gets recorded / saved).
     if hasattr(model.config, "eval_routing"):
         model.config.eval_routing = mode

@@ -201,18 +201,14 @@ def pretrained_model_config(config: TrainConfig) -> Any:
     (:func:`check_model_name`).
     """
     check_model_name(config.model)
+    # Here, not at the top: `maxscore train --model <typo>` is refused (check_model_name)
+    # before transformers and torch load.
     from transformers import AutoConfig
 
     from maxscore.models import LlamaMoEConfig
     from maxscore.models.convert import NATIVE_ROUTER, ConversionError, maxscore_config_from_family
-    from maxscore.models.convert.load import _unsupported_message
-    from maxscore.routing.presets import ROUTER_PRESETS
+    from maxscore.models.convert.load import unsupported_message
 
-    if config.router not in ROUTER_PRESETS and config.router != NATIVE_ROUTER:
-        raise ConfigError(
-            f"unknown router preset {config.router!r}; available: {sorted(ROUTER_PRESETS)} "
-            f"(or {NATIVE_ROUTER!r} for a converted model's own routing)"
-        )
     try:
         hf_config = AutoConfig.from_pretrained(config.model)
     except Exception as err:  # OSError, ValueError, the hub client's own errors offline
@@ -235,7 +231,7 @@ def pretrained_model_config(config: TrainConfig) -> Any:
         raise ConfigError(str(err)) from err
     except (TypeError, ValueError) as err:
         if getattr(hf_config, "model_type", None) is None:
-            raise ConfigError(_unsupported_message(None)) from err
+            raise ConfigError(unsupported_message(None)) from err
         raise ConfigError(f"invalid model/router settings for {config.model!r}: {err}") from err
 
 
@@ -247,7 +243,7 @@ def load_pretrained_model(
     ``temperature``: the run's resolved SoftTopk ``t`` schedule (start, end, steps, shape;
     :mod:`maxscore.training.temperature`), which replaces the checkpoint's.
     """
-    import torch
+    import torch  # as in pretrained_model_config: this module loads before torch
 
     from maxscore.models.convert import ConversionError, load_pretrained
 

@@ -54,7 +54,7 @@ from maxscore.training.callbacks import (
     RunDirectoryCallback,
     tensorboard_callback,
 )
-from maxscore.training.config import PAPER_GLOBAL_BATCH, ConfigError, TrainConfig
+from maxscore.training.config import ConfigError, TrainConfig
 from maxscore.training.continue_command import how_to_continue
 from maxscore.training.data import TrainingData, build_training_data, collate_blocks, load_tokenizer
 from maxscore.training.distributed import (
@@ -76,6 +76,7 @@ from maxscore.training.metrics import (
 from maxscore.training.model_build import build_model, build_model_config
 from maxscore.training.option_checks import check_parallel_options
 from maxscore.training.precision import resolve_precision
+from maxscore.training.recipes import PAPER_GLOBAL_BATCH
 from maxscore.training.reporting import check_report_to, trainer_report_to
 from maxscore.training.run_dir import (
     CONFIG_FILE,
@@ -174,7 +175,6 @@ def prepare(config: TrainConfig) -> PreparedRun:
     lock (:func:`~maxscore.training.run_lock.lock_run_dir`, taken before the directory is looked
     at) until :func:`train` ends; a refusal here releases it.
     """
-    config.validate()
     check_report_to(config.report_to)
     ws = world_size()
     precision = resolve_precision(config.precision)
@@ -220,7 +220,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         total_steps = config.total_steps(ws)
         # The SoftTopk t schedule follows the run (or a resumed run's stored length); resolved once.
         temperature = resolve_temperature(
-            config, model_config.get_router_config(), total_steps, plan.resume_from
+            config, model_config.router_config, total_steps, plan.resume_from
         )
         apply_temperature(model_config, temperature)
         global_batch = config.batch_size * config.grad_accum * ws

@@ -25,6 +25,7 @@ __all__ = [
     "convert_model",
     "load_pretrained",
     "maxscore_config_from_family",
+    "unsupported_message",
 ]
 
 #: Router name meaning "route as the checkpoint's own family does" (converted models only).
@@ -74,7 +75,7 @@ def maxscore_config_from_family(
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in FAMILIES:
-        raise ConversionError(_unsupported_message(model_type))
+        raise ConversionError(unsupported_message(model_type))
     spec = FAMILIES[model_type]
     spec.check(hf_config)
     fields = {
@@ -119,7 +120,7 @@ def convert_model(
     return model
 
 
-def _unsupported_message(model_type: str | None) -> str:
+def unsupported_message(model_type: str | None) -> str:
     supported = ", ".join(sorted(FAMILIES))
     if model_type in UNSUPPORTED_FAMILIES:
         return (
@@ -163,7 +164,7 @@ def load_pretrained(
             kwargs["router_config"] = router_config
         return LlamaMoEForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     if model_type not in FAMILIES:
-        raise ConversionError(_unsupported_message(model_type))
+        raise ConversionError(unsupported_message(model_type))
     model_class = getattr(transformers, FAMILIES[model_type].model_class)
     hf_model = model_class.from_pretrained(source, dtype=dtype)
     model = convert_model(hf_model, router, router_config, **overrides)
