@@ -54,11 +54,15 @@ router (per router and seed with --seeds).
 """
 
 
+#: The sections of ``maxscore train --help``, in order (each TrainConfig field names its own).
+_TRAIN_SECTIONS = ("model", "data", "optimisation", "run directory")
+
+
 def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -> None:
     """One flag per :class:`TrainConfig` field (generated from the fields: name, type, choices,
     help), then ``--config``. ``compare`` sets the router of each run itself and never resumes."""
     exclude = frozenset({"router", "resume"}) if compare else frozenset()
-    add_dataclass_options(parser, TrainConfig, exclude)
+    add_dataclass_options(parser, TrainConfig, exclude, _TRAIN_SECTIONS)
     parser.add_argument("--config", help="a JSON/YAML TrainConfig file (flags override it)")
 
 

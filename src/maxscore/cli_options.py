@@ -21,11 +21,11 @@ import argparse
 import json
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import MISSING, Field, fields
 from typing import Any, Union
 
-from maxscore.config_types import annotations_of, choices_of
-from maxscore.training.errors import ConfigError
+from maxscore.config_types import ConfigError, annotations_of, choices_of
 
 __all__ = ["add_dataclass_options", "given_options", "parse_options"]
 
@@ -67,20 +67,31 @@ def _default(f: Field[Any]) -> Any:
 
 
 def add_dataclass_options(
-    parser: argparse.ArgumentParser, cls: type, exclude: frozenset[str] = frozenset()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    exclude: frozenset[str] = frozenset(),
+    sections: Sequence[str] = (),
 ) -> None:
     """Add a flag for every field of dataclass ``cls`` that has ``help`` (module docstring),
-    except the fields named in ``exclude``. Every flag defaults to ``None``: not given."""
+    except the fields named in ``exclude``. Every flag defaults to ``None``: not given.
+    ``sections``: the ``--help`` sections to show first, in this order."""
     hints = annotations_of(cls)
-    sections: dict[str, Any] = {}
-    for f in fields(cls):
+    groups: dict[str, Any] = {name: parser.add_argument_group(name) for name in sections}
+
+    def place(f: Field[Any]) -> int:  # listed sections first, the parser's own options last
+        group = f.metadata.get("group")
+        if group is None:
+            return len(sections) + 1
+        return sections.index(group) if group in sections else len(sections)
+
+    for f in sorted(fields(cls), key=place):
         meta = f.metadata
         if f.name in exclude or "help" not in meta:
             continue
         group = meta["group"]
-        target = parser if group is None else sections.get(group)
+        target = parser if group is None else groups.get(group)
         if target is None:
-            target = sections[group] = parser.add_argument_group(group)
+            target = groups[group] = parser.add_argument_group(group)
         options: dict[str, Any] = {"dest": f.name, "default": None}
         options["help"] = meta["help"].format(default=_default(f))
         kind = _value_type(hints[f.name])

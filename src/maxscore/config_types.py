@@ -6,7 +6,8 @@ or annotated classes (``LlamaMoEConfig``); values reach them from JSON/YAML file
 checks each field against its type annotation (``Literal`` choices included, so a field's
 choices are written once, in its type) and then against the :class:`Rule` objects in its
 ``field(metadata={"rules": ...})``, and says in one sentence what is wrong before the value can
-fail later as an unrelated ``TypeError`` (or not at all).
+fail later as an unrelated ``TypeError`` (or not at all). :func:`option` builds the metadata of a
+field that is also a command-line option (:mod:`maxscore.cli_options` reads it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 __all__ = [
+    "ConfigError",
     "Rule",
     "annotations_of",
     "at_least",
@@ -28,9 +30,15 @@ __all__ = [
     "check_value",
     "choices_of",
     "greater_than",
+    "option",
     "type_name",
     "within",
 ]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; raised before anything runs (a command line prints it
+    as one line)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,29 @@ def within(low: float, high: float, *, label: str | None = None, open_high: bool
     return Rule(
         lambda value: low <= value <= high, f"{{name}} must be in {interval}, got {{value}}"
     )
+
+
+def option(
+    *,
+    help: str,
+    group: str | None,
+    rules: tuple[Rule, ...] = (),
+    runtime: bool = False,
+    **flag: Any,
+) -> dict[str, Any]:
+    """The ``metadata`` of a config field that is also a command-line option.
+
+    Args:
+        help: the command-line help; ``{default}`` is replaced by the default value.
+        group: the ``--help`` section of its flag (``None``: the parser's own options).
+        rules: conditions the value must meet (:func:`check_fields`).
+        runtime: the field says where or how to run, not what is trained (a ``--resume`` may
+            change it: ``maxscore.training.config.RUNTIME_FIELDS``).
+        flag: how the flag differs from the generated one (``flag="--model-option"``,
+            ``metavar="N"``, ``choices=...``, ``switch=True`` for an on-only flag; see
+            :func:`maxscore.cli_options.add_dataclass_options`).
+    """
+    return {"help": help, "group": group, "rules": rules, "runtime": runtime, **flag}
 
 
 def annotations_of(cls: type, own_only: bool = False) -> dict[str, Any]:

@@ -34,7 +34,7 @@ def _copy_tokenizer(source: str, output: Path) -> None:
     src = Path(source)
     if not src.is_dir():
         return
-    from maxscore.models.convert.export import TOKENIZER_FILES
+    from maxscore.models.convert.export import TOKENIZER_FILES  # on use (module docstring)
 
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -63,6 +63,7 @@ def add_upcycle_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_upcycle(args: argparse.Namespace) -> int:
+    # On use (module docstring).
     from maxscore.models.convert import ConversionError
     from maxscore.models.upcycle import upcycle
 
@@ -112,7 +113,7 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from maxscore.models.convert import ConversionError, export_pretrained
+    from maxscore.models.convert import ConversionError, export_pretrained  # on use, as above
 
     try:
         out = export_pretrained(args.checkpoint, args.output, args.allow_routing_change)

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from transformers import PreTrainedConfig
 
+from maxscore.config_types import check_value
 from maxscore.routing.config import EvalRouting, RouterConfig
 from maxscore.routing.presets import ROUTER_PRESETS
 from maxscore.routing.resolve import RouterSizes, ineffective_options, resolve_router
+
+QkNorm = Literal["head", "full"]
 
 #: Router settings that also have a top-level name, and the RouterConfig field each one is:
 #: transformers' MoE configs call the aux-loss coefficient ``router_aux_loss_coef``. The
@@ -166,7 +169,7 @@ class LlamaMoEConfig(PreTrainedConfig):
     dense_layers: list[int] | None = None
     attention_qkv_bias: bool = False
     attention_output_bias: bool = False
-    qk_norm: str | None = None
+    qk_norm: QkNorm | None = None
     clip_qkv: float | None = None
     sliding_window: int | None = None
     shared_expert_gate: bool = False
@@ -321,8 +324,9 @@ class LlamaMoEConfig(PreTrainedConfig):
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
 
     def _validate_architecture(self) -> None:
-        if self.qk_norm not in (None, "head", "full"):
-            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
+        problem = check_value("qk_norm", self.qk_norm, QkNorm | None)
+        if problem is not None:
+            raise ValueError(problem)
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise ValueError(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
         if self.sliding_window is not None and (

@@ -20,8 +20,18 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from maxscore.config_types import Rule, at_least, check_fields, greater_than, within
-from maxscore.training.errors import ConfigError
+import yaml
+
+from maxscore.config_types import (
+    ConfigError,
+    Rule,
+    at_least,
+    check_fields,
+    greater_than,
+    option,
+    within,
+)
+from maxscore.data.config import DataConfig
 from maxscore.training.recipes import RECIPES
 from maxscore.training.reporting import parse_report_to
 
@@ -31,7 +41,6 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]
 LRSchedule = Literal["wsd", "cosine", "linear", "constant"]
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
 CompileMode = Literal["default", "max-autotune-no-cudagraphs"]
-TxtDocuments = Literal["paragraphs", "lines"]
 
 _POSITIVE = (at_least(1),)
 _COUNT = (at_least(0),)
@@ -41,32 +50,10 @@ _KNOWN_RECIPE = Rule(
 )
 
 
-def meta(
-    *,
-    help: str,
-    group: str | None,
-    rules: tuple[Rule, ...] = (),
-    runtime: bool = False,
-    **flag: Any,
-) -> dict[str, Any]:
-    """The ``metadata`` of a :class:`TrainConfig` field.
-
-    Args:
-        help: the command-line help; ``{default}`` is replaced by the default value.
-        group: the ``--help`` section of its flag (``None``: the parser's own options).
-        rules: conditions the value must meet (:func:`maxscore.config_types.check_fields`).
-        runtime: the field says where or how to run, not what is trained: a ``--resume`` may
-            change it without a warning (:data:`RUNTIME_FIELDS`).
-        flag: how the flag differs from the generated one (``flag="--model-option"``,
-            ``metavar="N"``, ``switch=True`` for an on-only flag; see
-            :func:`maxscore.cli_options.add_dataclass_options`).
-    """
-    return {"help": help, "group": group, "rules": rules, "runtime": runtime, **flag}
-
-
 @dataclass
-class TrainConfig:
-    """Everything that defines a training run.
+class TrainConfig(DataConfig):
+    """Everything that defines a training run: its data (the :class:`DataConfig` fields:
+    ``dataset``, ``tokenizer``, ``seq_len``, ``seed``, ...) and the fields below.
 
     Each field's ``metadata`` holds its command-line help (``maxscore train --flag``, generated
     from the fields by :func:`maxscore.cli_options.add_dataclass_options`), its flag group and the
@@ -80,28 +67,11 @@ class TrainConfig:
         router: router preset name (``maxscore.routing.presets.ROUTER_PRESETS``); for a
             converted checkpoint also ``"native"`` (the family's own routing).
         router_overrides: fields of the router config to replace (``{"capacity_factor": 1.25}``).
-        dataset: ``"default"`` (the embedded corpus), a Hugging Face dataset name (``"c4"`` is
-            ``allenai/c4``, config ``en``), or a local ``.txt`` / ``.jsonl`` file or folder.
-        dataset_config: Hugging Face dataset config name (``"en"`` for C4).
-        text_field: the text column of a HF dataset or a JSONL record.
-        streaming: stream a HF dataset instead of downloading it (``None``: only for C4).
-        txt_documents: how a local ``.txt`` file is cut into documents: ``"paragraphs"``
-            (default): documents are separated by blank lines (lines that are empty or only white
-            space); ``"lines"``: every non-blank line is a document. Refused for a source
-            without ``.txt`` files (:mod:`maxscore.training.data`).
-        validation_fraction: share of documents held out when the source has no validation split.
-        max_train_documents: use only the first N (seed-shuffled) training documents.
-        max_eval_blocks: validation blocks per evaluation, evenly spaced over the split so every
-            source keeps its share; ``None`` (default): the whole split, up to 2^20 tokens
-            (:mod:`maxscore.training.validation_set`).
         temperature_steps: optimizer steps over which the SoftTopk ``t`` goes from its start to
             its end value; ``None``: ``temperature_fraction`` of the run's steps
             (:mod:`maxscore.training.temperature`).
         temperature_fraction: share of the run's optimizer steps over which ``t`` anneals when
             ``temperature_steps`` is not given (default 1/6: the paper's 30k of 180k).
-        tokenizer: ``"default"`` (the embedded 32k LLaMA-style tokenizer), or a HF tokenizer name
-            or local path.
-        seq_len: tokens per training sequence (documents are packed into blocks of this length).
         batch_size: sequences per device per micro-batch.
         grad_accum: micro-batches per optimizer step.
         max_steps: optimizer steps to train for (ignored when ``max_tokens`` is given).
@@ -113,7 +83,6 @@ class TrainConfig:
         decay_steps / decay_ratio: WSD decay length at the end of training (steps win when > 0).
         decay_shape: shape of the WSD decay.
         min_lr_ratio: learning rate at the end of the decay, as a fraction of ``lr``.
-        seed: seeds model initialisation, document order and batch order.
         precision: ``"auto"`` is bf16 on a CUDA GPU that supports it, fp32 otherwise.
         gradient_checkpointing: recompute activations in the backward pass.
         compile: ``torch.compile`` every decoder layer and the LM loss
@@ -158,7 +127,7 @@ class TrainConfig:
 
     model: str = field(
         default="tiny",
-        metadata=meta(
+        metadata=option(
             group="model",
             help="model preset (default {default}; see `maxscore presets`), or a checkpoint "
             "directory / hub name (maxscore, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; a hub name is "
@@ -167,7 +136,7 @@ class TrainConfig:
     )
     model_overrides: dict[str, Any] = field(
         default_factory=dict,
-        metadata=meta(
+        metadata=option(
             group="model",
             flag="--model-option",
             metavar="KEY=VALUE",
@@ -176,72 +145,23 @@ class TrainConfig:
     )
     router: str = field(
         default="maxscore",
-        metadata=meta(
+        metadata=option(
             group="model",
             help="router preset (default {default}); 'native' keeps a converted model's own",
         ),
     )
     router_overrides: dict[str, Any] = field(
         default_factory=dict,
-        metadata=meta(
+        metadata=option(
             group="model",
             flag="--router-option",
             metavar="KEY=VALUE",
             help="override a router config field, e.g. capacity_factor=1.25 (repeatable)",
         ),
     )
-    dataset: str = field(
-        default="default",
-        metadata=meta(
-            group="data",
-            help="'default' (embedded corpus), a HF dataset name ('c4' = allenai/c4 en, streamed) "
-            "or a local .txt/.jsonl file or folder. Documents: one JSON object per .jsonl line; "
-            "in a .txt file, text separated by blank lines (see --txt-documents); 1%% of them "
-            "(at least one; --validation-fraction) is held out for validation",
-        ),
-    )
-    dataset_config: str | None = field(
-        default=None, metadata=meta(group="data", help="HF dataset config name (e.g. en)")
-    )
-    text_field: str = field(
-        default="text",
-        metadata=meta(group="data", help="text column / JSON field (default {default})"),
-    )
-    streaming: bool | None = field(
-        default=None,
-        metadata=meta(group="data", help="stream the HF dataset (default: only for c4)"),
-    )
-    txt_documents: TxtDocuments = field(
-        default="paragraphs",
-        metadata=meta(
-            group="data",
-            help="how a .txt file is cut into documents: paragraphs = separated by blank lines "
-            "(lines empty or only white space), lines = every non-blank line (default {default})",
-        ),
-    )
-    validation_fraction: float = field(
-        default=0.01,
-        metadata=meta(
-            group="data",
-            rules=_SHARE,
-            help="share of the documents held out for validation when the source has no "
-            "validation split (default {default}; at least one document)",
-        ),
-    )
-    max_train_documents: int | None = field(
-        default=None, metadata=meta(group="data", help="use only the first N documents")
-    )
-    max_eval_blocks: int | None = field(
-        default=None,
-        metadata=meta(
-            group="data",
-            rules=_POSITIVE,
-            help="validation blocks, evenly spaced over the split (default: the whole split)",
-        ),
-    )
     temperature_steps: int | None = field(
         default=None,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             rules=_COUNT,
             help="optimizer steps over which the SoftTopk t anneals (default: "
@@ -250,51 +170,40 @@ class TrainConfig:
     )
     temperature_fraction: float = field(
         default=1 / 6,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             rules=_SHARE,
             help="share of the run's optimizer steps over which t anneals when --temperature-steps "
             "is not given (default 1/6: the paper's 30k of 180k)",
         ),
     )
-    tokenizer: str = field(
-        default="default",
-        metadata=meta(
-            group="data", help="'default' (embedded 32k LLaMA-style) or a HF name / local path"
-        ),
-    )
-    seq_len: int = field(
-        default=128,
-        metadata=meta(
-            group="data", rules=_POSITIVE, help="tokens per sequence (default {default})"
-        ),
-    )
     batch_size: int = field(
         default=8,
-        metadata=meta(
+        metadata=option(
             group="optimisation", rules=_POSITIVE, help="sequences per device (default {default})"
         ),
     )
     grad_accum: int = field(
         default=1,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             rules=_POSITIVE,
             help="micro-batches per optimizer step (default {default})",
         ),
     )
     max_steps: int = field(
-        default=250, metadata=meta(group="optimisation", help="optimizer steps (default {default})")
+        default=250,
+        metadata=option(group="optimisation", help="optimizer steps (default {default})"),
     )
     max_tokens: int | None = field(
         default=None,
-        metadata=meta(
+        metadata=option(
             group="optimisation", rules=_POSITIVE, help="token budget instead of --max-steps"
         ),
     )
     lr: float = field(
         default=2e-3,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             rules=(greater_than(0),),
             help="peak learning rate (default {default})",
@@ -302,85 +211,77 @@ class TrainConfig:
     )
     weight_decay: float = field(
         default=0.1,
-        metadata=meta(group="optimisation", help="AdamW weight decay (default {default})"),
+        metadata=option(group="optimisation", help="AdamW weight decay (default {default})"),
     )
     adam_beta1: float = field(
         default=0.9,
-        metadata=meta(
+        metadata=option(
             group="optimisation", rules=(within(0, 1, open_high=True),), help="(default {default})"
         ),
     )
     adam_beta2: float = field(
         default=0.95,
-        metadata=meta(
+        metadata=option(
             group="optimisation", rules=(within(0, 1, open_high=True),), help="(default {default})"
         ),
     )
     adam_eps: float = field(
-        default=1e-6, metadata=meta(group="optimisation", help="(default {default})")
+        default=1e-6, metadata=option(group="optimisation", help="(default {default})")
     )
     max_grad_norm: float = field(
-        default=1.0, metadata=meta(group="optimisation", help="clipping (default {default})")
+        default=1.0, metadata=option(group="optimisation", help="clipping (default {default})")
     )
     lr_schedule: LRSchedule = field(
         default="wsd",
-        metadata=meta(
+        metadata=option(
             group="optimisation", help="learning-rate schedule (default wsd: warmup-stable-decay)"
         ),
     )
     warmup_steps: int = field(
         default=0,
-        metadata=meta(
+        metadata=option(
             group="optimisation", rules=_COUNT, help="warmup steps (default: --warmup-ratio)"
         ),
     )
     warmup_ratio: float = field(
-        default=0.05, metadata=meta(group="optimisation", rules=_SHARE, help="(default {default})")
+        default=0.05,
+        metadata=option(group="optimisation", rules=_SHARE, help="(default {default})"),
     )
     decay_steps: int = field(
         default=0,
-        metadata=meta(
+        metadata=option(
             group="optimisation", rules=_COUNT, help="WSD decay steps at the end (default: ratio)"
         ),
     )
     decay_ratio: float = field(
-        default=0.2, metadata=meta(group="optimisation", rules=_SHARE, help="(default {default})")
+        default=0.2, metadata=option(group="optimisation", rules=_SHARE, help="(default {default})")
     )
     decay_shape: DecayShape = field(
         default="linear",
-        metadata=meta(group="optimisation", help="shape of the WSD decay (default {default})"),
+        metadata=option(group="optimisation", help="shape of the WSD decay (default {default})"),
     )
     min_lr_ratio: float = field(
         default=0.0,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             rules=_SHARE,
             help="learning rate at the end of the decay, as a share of --lr (default {default})",
         ),
     )
-    # numpy's seeding range (a negative seed fails there)
-    seed: int = field(
-        default=42,
-        metadata=meta(
-            group="optimisation",
-            rules=(within(0, 2**32 - 1, label="[0, 2^32 - 1]"),),
-            help="(default {default})",
-        ),
-    )
     precision: Precision = field(
         default="auto",
-        metadata=meta(group="optimisation", help="auto = bf16 on a GPU, fp32 on CPU"),
+        metadata=option(group="optimisation", help="auto = bf16 on a GPU, fp32 on CPU"),
     )
     gradient_checkpointing: bool = field(
         default=False,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             help="recompute activations in backward (activation checkpointing)",
         ),
     )
     compile: bool = field(
         default=False,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             runtime=True,
             help="torch.compile each decoder layer and the loss (GPU speed; ~1 min warm-up)",
@@ -388,11 +289,13 @@ class TrainConfig:
     )
     compile_mode: CompileMode = field(
         default="default",
-        metadata=meta(group="optimisation", runtime=True, help="torch.compile mode for --compile"),
+        metadata=option(
+            group="optimisation", runtime=True, help="torch.compile mode for --compile"
+        ),
     )
     deterministic: bool = field(
         default=False,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             help="same-seed reruns agree bit for bit on one GPU type: torch's deterministic "
             "algorithms (an op without one fails), cuDNN deterministic, CUBLAS_WORKSPACE_CONFIG="
@@ -401,7 +304,7 @@ class TrainConfig:
     )
     output_dir: str | None = field(
         default=None,
-        metadata=meta(
+        metadata=option(
             group="run directory",
             runtime=True,
             help="run directory (default runs/<model>-<router>)",
@@ -411,36 +314,37 @@ class TrainConfig:
     # sixth of the default 250-step CPU run, so the default run evaluates once, at its end.
     eval_steps: int = field(
         default=250,
-        metadata=meta(
+        metadata=option(
             group="run directory", rules=_COUNT, help="evaluate every N steps (default {default})"
         ),
     )
     save_steps: int = field(
         default=125,
-        metadata=meta(
+        metadata=option(
             group="run directory", rules=_COUNT, help="checkpoint every N steps (default {default})"
         ),
     )
     logging_steps: int = field(
         default=10,
-        metadata=meta(
+        metadata=option(
             group="run directory", rules=_COUNT, help="log every N steps (default {default})"
         ),
     )
     save_total_limit: int = field(
-        default=2, metadata=meta(group="run directory", help="checkpoints kept (default {default})")
+        default=2,
+        metadata=option(group="run directory", help="checkpoints kept (default {default})"),
     )
     save_final: bool = field(
         default=True,
-        metadata=meta(group="run directory", help="checkpoint at the last step (default on)"),
+        metadata=option(group="run directory", help="checkpoint at the last step (default on)"),
     )
     resume: bool = field(
         default=False,
-        metadata=meta(group="run directory", runtime=True, switch=True, help="continue the run"),
+        metadata=option(group="run directory", runtime=True, switch=True, help="continue the run"),
     )
     overwrite: bool = field(
         default=False,
-        metadata=meta(
+        metadata=option(
             group="run directory",
             runtime=True,
             switch=True,
@@ -449,7 +353,7 @@ class TrainConfig:
     )
     deepspeed: str | None = field(
         default=None,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             runtime=True,
             help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path",
@@ -457,7 +361,7 @@ class TrainConfig:
     )
     expert_parallel: int = field(
         default=1,
-        metadata=meta(
+        metadata=option(
             group="optimisation",
             rules=_POSITIVE,
             runtime=True,
@@ -468,13 +372,13 @@ class TrainConfig:
     )
     num_workers: int = field(
         default=0,
-        metadata=meta(
+        metadata=option(
             group="run directory", runtime=True, help="DataLoader workers (default {default})"
         ),
     )
     gc_interval: int = field(
         default=50,
-        metadata=meta(
+        metadata=option(
             group="run directory",
             rules=(at_least(0, " (0: Python's automatic collection)"),),
             runtime=True,
@@ -485,7 +389,7 @@ class TrainConfig:
     )
     report_to: str = field(
         default="auto",
-        metadata=meta(
+        metadata=option(
             group="run directory",
             runtime=True,
             help="auto (TensorBoard if installed), none, or comma-separated trackers: tensorboard, "
@@ -494,11 +398,11 @@ class TrainConfig:
     )
     quiet: bool = field(
         default=False,
-        metadata=meta(group="run directory", runtime=True, switch=True, help="no progress bar"),
+        metadata=option(group="run directory", runtime=True, switch=True, help="no progress bar"),
     )
     recipe: str | None = field(
         default=None,
-        metadata=meta(
+        metadata=option(
             group=None,
             rules=(_KNOWN_RECIPE,),
             choices=tuple(RECIPES),
@@ -563,12 +467,8 @@ class TrainConfig:
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
+        yaml_file = path.suffix in (".yaml", ".yml")
+        data = (yaml.safe_load(text) or {}) if yaml_file else json.loads(text)
         # A run directory's config.json nests the training config next to derived values.
         data = data.get("train", data)
         return cls.from_dict(data)

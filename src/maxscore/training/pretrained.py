@@ -12,7 +12,8 @@ model preset, then an existing folder; a name close to a preset (a typo such as 
 refused at once with the preset it resembles; a Hub name is looked up only when the Hub can be
 reached (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` unset and a TCP connection to its host
 within :data:`HUB_PROBE_TIMEOUT_S`), else it must be in the local Hugging Face cache. This module
-imports neither torch nor transformers at import time.
+imports neither torch, transformers nor huggingface_hub at import time (the functions that need
+them do): the command line checks ``--model`` with it before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _offline_variable() -> str | None:
 def _hub_address() -> tuple[str, int]:
     """Host and port a Hub request connects to first: the HTTPS proxy's, when one is set for
     the Hub's host, else the Hub's (``HF_ENDPOINT``, default huggingface.co)."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # on use (module docstring)
 
     endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
     host = endpoint.hostname or "huggingface.co"
@@ -125,7 +126,7 @@ def _hub_unreachable_reason() -> str | None:
 
 def _in_hub_cache(name: str) -> bool:
     """Whether the Hugging Face cache holds ``name``'s ``config.json`` (no network)."""
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # on use (module docstring)
 
     try:
         found = try_to_load_from_cache(name, "config.json")
@@ -173,7 +174,7 @@ def check_model_name(name: str) -> None:
             f"({reason}); pass a model preset or a checkpoint folder, or download it first"
         )
     if _offline_variable() is None:
-        from huggingface_hub import constants
+        from huggingface_hub import constants  # on use (module docstring)
 
         # No route to the Hub: read the cached copy without the Hub client's retries.
         constants.HF_HUB_OFFLINE = True
@@ -201,8 +202,7 @@ def pretrained_model_config(config: TrainConfig) -> Any:
     (:func:`check_model_name`).
     """
     check_model_name(config.model)
-    # Here, not at the top: `maxscore train --model <typo>` is refused (check_model_name)
-    # before transformers and torch load.
+    # On use (module docstring).
     from transformers import AutoConfig
 
     from maxscore.models import LlamaMoEConfig
@@ -243,7 +243,7 @@ def load_pretrained_model(
     ``temperature``: the run's resolved SoftTopk ``t`` schedule (start, end, steps, shape;
     :mod:`maxscore.training.temperature`), which replaces the checkpoint's.
     """
-    import torch  # as in pretrained_model_config: this module loads before torch
+    import torch  # on use (module docstring)
 
     from maxscore.models.convert import ConversionError, load_pretrained
 

@@ -36,7 +36,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,15 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from maxscore.training import checkpoint as ckpt
+from maxscore.checkpoints.integrity import newest_intact
+from maxscore.checkpoints.layout import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    last_checkpoint,
+    list_checkpoints,
+    pending_previous_run,
+)
+from maxscore.data.packing import collate_blocks
 from maxscore.training.callbacks import (
     CompactProgressCallback,
     DeterministicAlgorithms,
@@ -56,7 +64,7 @@ from maxscore.training.callbacks import (
 )
 from maxscore.training.config import ConfigError, TrainConfig
 from maxscore.training.continue_command import how_to_continue
-from maxscore.training.data import TrainingData, build_training_data, collate_blocks, load_tokenizer
+from maxscore.training.data import TrainingData, build_training_data, load_tokenizer
 from maxscore.training.distributed import (
     deepspeed_config_path,
     is_main_process,
@@ -65,9 +73,7 @@ from maxscore.training.distributed import (
     world_size,
     zero_stage,
 )
-from maxscore.training.integrity import newest_intact
 from maxscore.training.metrics import (
-    METRICS_FILE,
     MetricsJsonlCallback,
     peak_memory_gb,
     summarize_routing,
@@ -75,16 +81,17 @@ from maxscore.training.metrics import (
 )
 from maxscore.training.model_build import build_model, build_model_config
 from maxscore.training.option_checks import check_parallel_options
+from maxscore.training.parallel import trainer_for
 from maxscore.training.precision import resolve_precision
+from maxscore.training.pretrained import (
+    is_pretrained_model,
+    load_pretrained_model,
+    pretrained_model_config,
+    pretrained_tokenizer,
+)
 from maxscore.training.recipes import PAPER_GLOBAL_BATCH
 from maxscore.training.reporting import check_report_to, trainer_report_to
-from maxscore.training.run_dir import (
-    CONFIG_FILE,
-    RunDirectory,
-    RunDirPlan,
-    check_run_dir,
-    pending_previous_run,
-)
+from maxscore.training.run_dir import RunDirectory, RunDirPlan, check_run_dir
 from maxscore.training.run_lock import lock_run_dir
 from maxscore.training.temperature import (
     ResolvedTemperature,
@@ -187,12 +194,6 @@ def prepare(config: TrainConfig) -> PreparedRun:
                 "--compile is not supported with ZeRO-3 (DeepSpeed partitions parameters with "
                 "hooks that compiled layers bypass); pass --no-compile, or use --deepspeed zero2"
             )
-    from maxscore.training.pretrained import (
-        is_pretrained_model,
-        pretrained_model_config,
-        pretrained_tokenizer,
-    )
-
     pretrained = is_pretrained_model(config.model)
     if pretrained:
         pretrained_model_config(config)  # a bad --model is reported before its tokenizer
@@ -260,7 +261,7 @@ def _follower_plan(config: TrainConfig) -> RunDirPlan:
     (it may be moving a replaced run aside); the others only read where to resume from."""
     plan = RunDirPlan(config.run_dir)
     if config.resume:
-        plan.resume_from, plan.damaged = newest_intact(ckpt.list_checkpoints(config.run_dir))
+        plan.resume_from, plan.damaged = newest_intact(list_checkpoints(config.run_dir))
     return plan
 
 
@@ -352,8 +353,6 @@ def _activation_checkpointing_argument(enabled: bool) -> dict[str, bool]:
     (FutureWarning) whenever the old name is passed, even as False; the supported transformers
     range has both spellings.
     """
-    from dataclasses import fields
-
     names = {f.name for f in fields(TrainingArguments)}
     key = (
         "activation_checkpointing"
@@ -459,8 +458,6 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     cfg = run.config
     write_resolved_config(run)
     # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
-    from maxscore.training.pretrained import is_pretrained_model, load_pretrained_model
-
     if is_pretrained_model(cfg.model):
         schedule = None if run.temperature is None else run.temperature.schedule()
         model = load_pretrained_model(cfg, on_gpu=cfg.deepspeed is None, temperature=schedule)
@@ -473,8 +470,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
         model.compile_layers(mode=cfg.compile_mode)
 
     args = training_arguments(run)
-    from maxscore.training.parallel import trainer_for  # shards the experts (--expert-parallel)
-
+    # trainer_for shards the experts for --expert-parallel.
     trainer_class, parallel_kwargs = trainer_for(model, cfg, args, run.resume_from)
     final_cb = FinalCheckpointCallback(save_final=cfg.save_final)
     gc_cb = GarbageCollectionCallback(cfg.gc_interval)
@@ -527,7 +523,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     routing = trainer.metrics.last_routing
     result = TrainResult(
         run_dir=run.run_dir,
-        final_checkpoint=ckpt.last_checkpoint(run.run_dir),
+        final_checkpoint=last_checkpoint(run.run_dir),
         steps=trainer.state.global_step,
         tokens=trainer.state.global_step * cfg.tokens_per_step(run.world_size),
         eval_loss=eval_loss,
