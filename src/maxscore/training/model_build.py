@@ -42,10 +42,14 @@ def run_router(config: TrainConfig) -> RouterConfig | None:
 
 
 def build_model_config(
-    config: TrainConfig, vocab_size: int, special_tokens: dict[str, int | None] | None = None
+    config: TrainConfig,
+    vocab_size: int | None = None,
+    special_tokens: dict[str, int | None] | None = None,
 ) -> LlamaMoEConfig:
-    """The :class:`LlamaMoEConfig` of a model preset + the run's router + overrides.
+    """The :class:`LlamaMoEConfig` of a model preset + the run's router + overrides, or of the
+    checkpoint ``config.model`` names (which has its own vocabulary and special tokens).
 
+    ``vocab_size`` and ``special_tokens`` come from the run's tokenizer (a preset's model).
     Raises ConfigError for unknown presets or invalid options, router sizes included (before
     any training).
     """
@@ -55,7 +59,8 @@ def build_model_config(
         return check_seq_len(config, pretrained_model_config(config))
     validate_model_options(config.model_overrides)
     overrides = dict(config.model_overrides)
-    overrides.setdefault("vocab_size", vocab_size)
+    if vocab_size is not None:
+        overrides.setdefault("vocab_size", vocab_size)
     # The tokenizer's BOS/EOS/PAD ids go into the model (and generation) config, so checkpoints
     # generate and pad correctly.
     for key, value in (special_tokens or {}).items():

@@ -186,13 +186,6 @@ def check_model_name(name: str) -> None:
         )
 
 
-def _router_kwargs(config: TrainConfig) -> dict[str, Any]:
-    return {
-        "router": config.router,
-        "router_config": dict(config.router_overrides) or None,
-    }
-
-
 def pretrained_model_config(config: TrainConfig) -> Any:
     """The :class:`LlamaMoEConfig` the checkpoint ``config.model`` loads as (no weights read).
 
@@ -216,16 +209,15 @@ def pretrained_model_config(config: TrainConfig) -> Any:
             f"unknown model preset {config.model!r} (presets: {sorted(MODEL_PRESETS)}), and not "
             f"a readable checkpoint directory or hub name either: {type(err).__name__}: {err}"
         ) from err
-    kwargs = _router_kwargs(config)
+    # The checkpoint's saved router, with --router (unless 'native') and --router-option.
+    kwargs: dict[str, Any] = {"router": config.router}
+    if config.router_overrides:
+        kwargs["router_config"] = dict(config.router_overrides)
     try:
         if hf_config.model_type == LlamaMoEConfig.model_type:
             if kwargs["router"] == NATIVE_ROUTER:
                 kwargs.pop("router")
-            return LlamaMoEConfig.from_pretrained(
-                config.model,
-                **{k: v for k, v in kwargs.items() if v is not None},
-                **config.model_overrides,
-            )
+            return LlamaMoEConfig.from_pretrained(config.model, **kwargs, **config.model_overrides)
         return maxscore_config_from_family(hf_config, **kwargs, **config.model_overrides)
     except ConversionError as err:
         raise ConfigError(str(err)) from err
@@ -235,23 +227,15 @@ def pretrained_model_config(config: TrainConfig) -> Any:
         raise ConfigError(f"invalid model/router settings for {config.model!r}: {err}") from err
 
 
-def load_pretrained_model(
-    config: TrainConfig, on_gpu: bool = False, temperature: dict[str, Any] | None = None
-) -> Any:
-    """The checkpoint's weights in the model :func:`pretrained_model_config` describes.
-
-    ``temperature``: the run's resolved SoftTopk ``t`` schedule (start, end, steps, shape;
-    :mod:`maxscore.training.temperature`), which replaces the checkpoint's.
-    """
+def load_pretrained_model(config: TrainConfig, model_config: Any, on_gpu: bool = False) -> Any:
+    """The checkpoint's weights in ``model_config``, the run's model config
+    (:func:`pretrained_model_config`'s, with the run's SoftTopk ``t`` schedule)."""
     import torch  # on use (module docstring)
 
     from maxscore.models.convert import ConversionError, load_pretrained
 
-    kwargs = _router_kwargs(config)
-    if temperature is not None:
-        kwargs["router_config"] = {**(kwargs["router_config"] or {}), "temperature": temperature}
     try:
-        model = load_pretrained(config.model, **kwargs, **config.model_overrides)
+        model = load_pretrained(config.model, config=model_config)
     except ConversionError as err:
         raise ConfigError(str(err)) from err
     if on_gpu and torch.cuda.is_available():

@@ -86,7 +86,6 @@ from maxscore.training.precision import resolve_precision
 from maxscore.training.pretrained import (
     is_pretrained_model,
     load_pretrained_model,
-    pretrained_model_config,
     pretrained_tokenizer,
 )
 from maxscore.training.recipes import PAPER_GLOBAL_BATCH
@@ -195,20 +194,21 @@ def prepare(config: TrainConfig) -> PreparedRun:
                 "hooks that compiled layers bypass); pass --no-compile, or use --deepspeed zero2"
             )
     pretrained = is_pretrained_model(config.model)
-    if pretrained:
-        pretrained_model_config(config)  # a bad --model is reported before its tokenizer
+    # A checkpoint's config first: a bad --model is reported before its tokenizer is read.
+    model_config = build_model_config(config) if pretrained else None
     tokenizer = load_tokenizer(pretrained_tokenizer(config) if pretrained else config.tokenizer)
-    model_config = build_model_config(
-        config,
-        vocab_size=len(tokenizer),
-        special_tokens={
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else tokenizer.eos_token_id,
-        },
-    )
+    if model_config is None:
+        model_config = build_model_config(
+            config,
+            vocab_size=len(tokenizer),
+            special_tokens={
+                "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id
+                if tokenizer.pad_token_id is not None
+                else tokenizer.eos_token_id,
+            },
+        )
     if len(tokenizer) > model_config.vocab_size:
         raise ConfigError(
             f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's "
@@ -459,8 +459,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     write_resolved_config(run)
     # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
     if is_pretrained_model(cfg.model):
-        schedule = None if run.temperature is None else run.temperature.schedule()
-        model = load_pretrained_model(cfg, on_gpu=cfg.deepspeed is None, temperature=schedule)
+        model = load_pretrained_model(cfg, run.model_config, on_gpu=cfg.deepspeed is None)
     else:
         model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):

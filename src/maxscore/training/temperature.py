@@ -66,10 +66,6 @@ class ResolvedTemperature:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def schedule(self) -> dict[str, Any]:
-        """The router config's ``temperature`` entry of this schedule."""
-        return {"start": self.start, "end": self.end, "steps": self.steps, "shape": self.shape}
-
 
 def _stored_steps(run_dir: Path) -> int | None:
     """The schedule length of the run stored in ``run_dir`` (its model's router config), if any.
