@@ -29,7 +29,12 @@ from transformers import PreTrainedConfig
 from maxscore.config_types import check_value
 from maxscore.routing.config import EvalRouting, RouterConfig
 from maxscore.routing.presets import ROUTER_PRESETS
-from maxscore.routing.resolve import RouterSizes, ineffective_options, resolve_router
+from maxscore.routing.resolve import (
+    RouterSizes,
+    ineffective_options,
+    preset_config,
+    resolve_router,
+)
 
 QkNorm = Literal["head", "full"]
 
@@ -71,7 +76,7 @@ def _router_setting(alias: str) -> property:
 
     def set_(self: LlamaMoEConfig, value: Any) -> None:
         if value is None:
-            value = getattr(resolve_router(self.router), field)
+            value = getattr(preset_config(self.router), field)
         overrides = _setting_overrides({alias: value})
         self.router_config = resolve_router(self.router_config, overrides, self.router_sizes())
 
@@ -239,10 +244,9 @@ class LlamaMoEConfig(PreTrainedConfig):
             saved, changes = changes, None
         legacy = {alias: data.pop(alias) for alias in ROUTER_SETTING_ALIASES if alias in data}
         given = {alias: kwargs.pop(alias) for alias in ROUTER_SETTING_ALIASES if alias in kwargs}
-        preset = resolve_router(name) if None in given.values() else None
         for alias, value in given.items():
-            if value is None and preset is not None:
-                given[alias] = getattr(preset, ROUTER_SETTING_ALIASES[alias])
+            if value is None:  # the preset's value
+                given[alias] = getattr(preset_config(name), ROUTER_SETTING_ALIASES[alias])
         overrides = {
             **dict(changes or {}),
             **_setting_overrides(legacy),
@@ -362,11 +366,12 @@ class LlamaMoEConfig(PreTrainedConfig):
 
 def _saved_router(name: str, saved: Any) -> RouterConfig:
     """The router a saved config was built with: its fields over its preset's (older files
-    lack newer fields); a RouterConfig as it is."""
+    lack newer fields); a RouterConfig as it is. (:meth:`LlamaMoEConfig.from_dict` resolves
+    it.)"""
     if isinstance(saved, RouterConfig):
         return saved
     preset = ROUTER_PRESETS[name].config.to_dict() if name in ROUTER_PRESETS else {}
-    return resolve_router({**preset, **dict(saved or {})})
+    return RouterConfig.from_dict({**preset, **dict(saved or {})})
 
 
 def _switched_router(saved: RouterConfig, old: str, new: str) -> RouterConfig:
@@ -374,8 +379,10 @@ def _switched_router(saved: RouterConfig, old: str, new: str) -> RouterConfig:
     own settings), except those the new router would not use."""
     before = ROUTER_PRESETS[old].config.to_dict() if old in ROUTER_PRESETS else {}
     own = {key: value for key, value in saved.to_dict().items() if before.get(key) != value}
-    unused = ineffective_options(replace(resolve_router(new), **own))
-    return resolve_router(new, {key: value for key, value in own.items() if key not in unused})
+    unused = ineffective_options(replace(preset_config(new), **own))
+    return replace(
+        preset_config(new), **{key: value for key, value in own.items() if key not in unused}
+    )
 
 
 # Saved configs carry `auto_map` and a copy of this file (see modeling_llama_moe.py).

@@ -33,6 +33,7 @@ __all__ = [
     "RouterSizes",
     "RouterSource",
     "ineffective_options",
+    "preset_config",
     "resolve_router",
     "strategy_options",
 ]
@@ -84,16 +85,21 @@ def ineffective_options(config: RouterConfig) -> dict[str, str]:
     return out
 
 
+def preset_config(name: str) -> RouterConfig:
+    """The config of router preset ``name`` (shared, frozen), or a ValueError listing them."""
+    try:
+        return ROUTER_PRESETS[name].config
+    except KeyError:
+        raise ValueError(
+            f"unknown router preset {name!r}; known presets: {sorted(ROUTER_PRESETS)}"
+        ) from None
+
+
 def _base(router: RouterSource) -> RouterConfig:
     if isinstance(router, RouterConfig):
         return router
     if isinstance(router, str):
-        try:
-            return ROUTER_PRESETS[router].config
-        except KeyError:
-            raise ValueError(
-                f"unknown router preset {router!r}; known presets: {sorted(ROUTER_PRESETS)}"
-            ) from None
+        return preset_config(router)
     if isinstance(router, Mapping):
         return RouterConfig.from_dict(dict(router))
     raise TypeError(
