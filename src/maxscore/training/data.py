@@ -107,8 +107,8 @@ def build_training_data(
             )
         raise DataError(
             f"{which} {'give' if n_val != 1 else 'gives'} no block of seq_len={config.seq_len} "
-            "tokens; use more or longer documents, a larger validation_fraction (a --config "
-            "field), or a shorter --seq-len"
+            "tokens; use more or longer documents, a larger --validation-fraction, or a shorter "
+            "--seq-len"
         )
     if splits.stream_factory is not None:
         train: PackedDataset | PackedStream = PackedStream(
