@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -294,7 +295,7 @@ def test_checkpoint_statistics_equal_the_models_own(tmp_path: Path) -> None:
     )
     model.eval()
     for router_module in (m for m in model.modules() if hasattr(m, "strategy_for_mode")):
-        router_module.config = router_module.config.with_overrides(eval_routing="train")
+        router_module.config = replace(router_module.config, eval_routing="train")
     with torch.no_grad():
         model(input_ids=blocks)
     reference = [s for s in model.routing_statistics() if s]

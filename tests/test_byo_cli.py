@@ -107,8 +107,8 @@ def test_export_writes_the_family_format(finetuned: Path, tmp_path: Path) -> Non
 
 
 def test_export_refusal_is_a_clear_error(finetuned: Path, tmp_path: Path, capsys) -> None:
-    model = LlamaMoEForCausalLM.from_pretrained(finetuned / "checkpoint-3")
-    model.config.router = "deepseek-v3"  # sigmoid routing: Mixtral cannot express it
+    # sigmoid routing: Mixtral cannot express it
+    model = LlamaMoEForCausalLM.from_pretrained(finetuned / "checkpoint-3", router="deepseek-v3")
     model.save_pretrained(tmp_path / "ckpt")
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
     assert "sigmoid" in capsys.readouterr().err

@@ -9,13 +9,9 @@ from pathlib import Path
 import pytest
 
 from maxscore.cli import build_parser, config_from_args, main
+from maxscore.data.sources import load_text_splits, split_txt_documents
 from maxscore.training import ConfigError, DataError, TrainConfig, prepare, train
-from maxscore.training.data import (
-    build_training_data,
-    load_text_splits,
-    load_tokenizer,
-    split_txt_documents,
-)
+from maxscore.training.data import build_training_data, load_tokenizer
 from test_training import SMALL_MODEL, small_config
 
 #: ``small_config``'s model and sizes as ``maxscore train`` flags.

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import torch
 
+from maxscore.checkpoints.integrity import verify_checkpoint
 from maxscore.cli import main
 from maxscore.training import write_errors
-from maxscore.training.integrity import verify_checkpoint
 from maxscore.training.write_errors import FULL_DISK, describe_write_failure
 from test_faults import SMALL_FLAGS, checkpoint_names, leftovers
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed_helpers import free_port
-from maxscore.training.checkpoint import list_checkpoints
+from maxscore.checkpoints.layout import list_checkpoints
 
 #: The smallest useful model: one MoE layer, 4 experts, 32 wide (as in test_training.py).
 SMALL_MODEL = {

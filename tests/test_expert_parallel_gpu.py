@@ -159,7 +159,7 @@ def _kill_after_checkpoint(launch: Launch, checkpoint: Path, timeout: float) -> 
     else:
         launch.kill()
     launch.returncode = launch.proc.returncode
-    from maxscore.training.checkpoint import list_checkpoints
+    from maxscore.checkpoints.layout import list_checkpoints
 
     step = int(checkpoint.name.split("-")[-1])
     for later in list_checkpoints(checkpoint.parent):
@@ -282,7 +282,7 @@ def test_expert_parallel_resumes_after_kill(launches: Launches) -> None:
     with whole experts."""
     from safetensors.torch import load_file
 
-    from maxscore.training.integrity import verify_checkpoint
+    from maxscore.checkpoints.integrity import verify_checkpoint
 
     launches.check("ep2")
     run = launches.root / "killed" / "maxscore"

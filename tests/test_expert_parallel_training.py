@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed_helpers import free_port, spawn_launched
-from maxscore.training.checkpoint import list_checkpoints
+from maxscore.checkpoints.layout import list_checkpoints
 
 SMALL_MODEL = {
     "hidden_size": 32,
@@ -102,8 +102,8 @@ def test_expert_parallel_training_matches_one_process(runs: tuple[Path, Path]) -
 def test_expert_parallel_checkpoint_loads_on_one_process(runs: tuple[Path, Path]) -> None:
     """model.safetensors holds the whole experts; `maxscore eval`'s loader and `generate` use
     it on one process."""
+    from maxscore.checkpoints.integrity import verify_checkpoint
     from maxscore.evaluation.runner import load_model, resolve_model_path
-    from maxscore.training.integrity import verify_checkpoint
 
     ep, one = runs
     checkpoint = ep / "checkpoint-4"

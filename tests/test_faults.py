@@ -29,11 +29,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from maxscore.checkpoints.integrity import INTEGRITY_FILE, verify_checkpoint
+from maxscore.checkpoints.layout import list_checkpoints, previous_run_path
 from maxscore.cli import main
 from maxscore.training import ConfigError, prepare, train
-from maxscore.training.checkpoint import list_checkpoints
-from maxscore.training.integrity import INTEGRITY_FILE, verify_checkpoint
-from maxscore.training.run_dir import previous_run_path
 from test_training import SMALL_MODEL, small_config
 
 #: ``small_config``'s model and sizes as ``maxscore train`` flags.
@@ -397,7 +396,7 @@ def test_bad_data_files_name_the_file_and_line(
 def test_a_mostly_text_file_with_a_few_bad_bytes_is_warned_about(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from maxscore.training.data import _read_local
+    from maxscore.data.sources import _read_local
 
     path = tmp_path / "notes.txt"
     path.write_bytes(b"plain English text here. " * 200 + b"\n\ncaf\xe9 au lait\n")

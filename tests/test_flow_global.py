@@ -22,8 +22,9 @@ from maxscore.routing.flow import (
     global_cuda,
     min_cost_flow_assignment,
 )
+from maxscore.routing.flow.choice import choose_flow_solver
 from maxscore.routing.flow.global_reference import GlobalBudget
-from maxscore.routing.flow.global_solver import GLOBAL_BACKENDS, pick_backend, solve_global
+from maxscore.routing.flow.global_solver import GLOBAL_BACKENDS, solve_global
 
 
 def test_registered() -> None:
@@ -41,7 +42,7 @@ def test_registered() -> None:
 def test_backend_table() -> None:
     """The reference comes first and applies everywhere; on the CPU it is the one picked."""
     assert next(iter(GLOBAL_BACKENDS)) == "reference"
-    assert pick_backend(torch.rand(2, 8, 4), 2) == "reference"
+    assert choose_flow_solver("global", torch.rand(2, 8, 4), 2).backend == "reference"
     assert not GLOBAL_BACKENDS["cuda"].supported(torch.rand(2, 8, 4), 2)  # CPU tensor
     with pytest.raises(ValueError, match="unknown global-solver backend"):
         solve_global(torch.rand(2, 8, 4), 2, torch.full((4,), 4), backend="triton")
@@ -440,7 +441,7 @@ def test_cuda_kernel_gaps(n: int, e: int, k: int) -> None:
         else:
             affinities = fh.instances(11, 4, n, e, 1.0)
         capacity = torch.full((e,), -(-k * n // e))
-        assert pick_backend(affinities.cuda(), k) == "cuda"
+        assert choose_flow_solver("auto", affinities.cuda(), k).backend == "cuda"
         index = solve_global(affinities.cuda(), k, capacity.cuda(), capacity_bound=int(capacity[0]))
         fh.check_constraints(index.cpu(), k, capacity, e)
         gaps = fh.optimality_gaps(affinities, index.cpu(), k, capacity)

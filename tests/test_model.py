@@ -87,13 +87,13 @@ def test_config_resolves_router_and_round_trips() -> None:
         router_config={"capacity_factor": 1.5, "aux_loss_coef": 0.9},
     )
     # The explicit HF-style coefficient wins; the preset is resolved into a full, saved dict.
-    assert config.router_config["aux_loss_coef"] == 0.05
-    assert config.router_config["capacity_factor"] == 1.5
-    assert config.router_config["strategy"] == "topk"
+    assert config.router_config.aux_loss_coef == 0.05
+    assert config.router_config.capacity_factor == 1.5
+    assert config.router_config.strategy == "topk"
     assert config.moe_intermediate_size == 4 * 128 // 2
     again = LlamaMoEConfig.from_dict(config.to_dict())
     assert again.router_config == config.router_config
-    assert again.get_router_config() == config.get_router_config()
+    assert isinstance(config.to_dict()["router_config"], dict)
     dense = get_model_config("tiny", router="dense", vocab_size=VOCAB)
     assert dense.is_dense and not any(dense.is_moe_layer(i) for i in range(4))
 
@@ -107,19 +107,21 @@ def test_router_settings_live_in_router_config_alone() -> None:
     saved = config.to_dict()
     assert not {"eval_routing", "router_aux_loss_coef", "router_z_loss_coef"} & set(saved)
     config.router_aux_loss_coef = 0.2
-    assert config.router_config["aux_loss_coef"] == 0.2 == config.get_router_config().aux_loss_coef
+    assert config.router_config.aux_loss_coef == 0.2
     config.router_aux_loss_coef = None  # back to the preset's
     assert config.router_aux_loss_coef == 1e-2
-    before = dict(config.router_config)
-    config.get_router_config()
-    assert config.router_config == before  # the getter changes nothing
+    before = config.router_config
+    assert config.router_aux_loss_coef == 1e-2
+    assert config.router_config is before  # the getter changes nothing
     with pytest.raises(ValueError, match="eval_routing"):
         config.eval_routing = "sometimes"
+    with pytest.raises(AttributeError, match="from_pretrained"):  # resolved once, when made
+        config.router = "dropless"
     # A config written with the settings at the top level as well still loads, the top level
     # winning as it did then.
     legacy = {**saved, "eval_routing": "causal", "router_aux_loss_coef": 0.03}
     old = LlamaMoEConfig.from_dict(legacy)
-    assert (old.eval_routing, old.router_config["aux_loss_coef"]) == ("causal", 0.03)
+    assert (old.eval_routing, old.router_config.aux_loss_coef) == ("causal", 0.03)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,7 +304,7 @@ def test_from_pretrained_can_request_train_routing(
     path, _, _ = saved
     model = LlamaMoEForCausalLM.from_pretrained(path, eval_routing="train")
     assert model.model.layers[0].mlp.router.config.eval_routing == "train"
-    assert model.config.router_config["eval_routing"] == "train"
+    assert model.config.router_config.eval_routing == "train"
 
 
 def test_trust_remote_code_in_fresh_process(saved: tuple[Path, torch.Tensor, torch.Tensor]) -> None:

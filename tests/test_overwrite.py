@@ -21,11 +21,11 @@ import torch
 from transformers import TrainerCallback
 
 import maxscore.training.run as run_module
+from maxscore.checkpoints.layout import REPLACING_MARKER, pending_previous_run, previous_run_path
 from maxscore.cli import main
 from maxscore.evaluation.runner import resolve_model_path
 from maxscore.training import train
 from maxscore.training.continue_command import continue_command, overwrite_command
-from maxscore.training.run_dir import REPLACING_MARKER, pending_previous_run, previous_run_path
 from test_faults import SMALL_FLAGS, checkpoint_names, leftovers
 from test_training import small_config
 

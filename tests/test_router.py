@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import FrozenInstanceError, replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,11 +17,12 @@ from maxscore.routing import (
     RouterConfig,
     advance_routers,
     build_router,
-    get_router_config,
     load_balancing_loss,
     register_router_step_hook,
+    resolve_router,
     router_z_loss,
 )
+from maxscore.routing.flow.choice import FlowChoice, choose_flow_solver
 from maxscore.routing.router import LOGIT_BOUND
 from maxscore.routing.statistics import STAT_KEYS, LazyRoutingStatistics, routing_statistics
 from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES
@@ -139,25 +142,32 @@ def test_preset_table_matches_paper() -> None:
     names = {"dense", "gshard", "gshard-i", "gshard-s", "gshard-m", "sbase", "expert-choice"}
     names |= {"dropless", "deepseek", "maxscore-i", "maxscore", "deepseek-v3"}
     assert names <= set(ROUTER_PRESETS)
-    ms = get_router_config("maxscore")
+    ms = resolve_router("maxscore")
     assert (ms.operator, ms.strategy, ms.group) == ("softtopk", "min-cost-flow", "sequence")
-    assert get_router_config("gshard").group == "batch"
-    from maxscore.routing.strategies import resolve_flow_method
-
+    assert resolve_router("gshard").group == "batch"
     for name in ("maxscore", "gshard-m"):
-        assert get_router_config(name).flow_method == "auto"
-    assert resolve_flow_method("auto", torch.device("cpu")) == "exact"
-    assert resolve_flow_method("auto", torch.device("cuda")) == "global"
-    assert resolve_flow_method("two-stage-sinkhorn", torch.device("cuda")) == "two-stage-sinkhorn"
-    assert get_router_config("deepseek").aux_loss_coef == 1e-3
-    assert get_router_config("gshard").aux_loss_coef == 1e-2
-    v3 = get_router_config("deepseek-v3")
+        assert resolve_router(name).flow_method == "auto"
+    assert resolve_router("deepseek").aux_loss_coef == 1e-3
+    assert resolve_router("gshard").aux_loss_coef == 1e-2
+    v3 = resolve_router("deepseek-v3")
     assert v3.operator == "sigmoid" and v3.normalize_weights and v3.bias_update_rate > 0
-    # get_router_config returns independent copies
-    c = get_router_config("maxscore", capacity_factor=2.0)
-    c.temperature.start = 99.0
-    assert get_router_config("maxscore").temperature.start == 3.0
+    # resolved configs are frozen: an override makes a new one, the preset stays as it was
+    c = resolve_router("maxscore", {"capacity_factor": 2.0})
+    with pytest.raises(FrozenInstanceError):
+        c.temperature.start = 99.0  # type: ignore[misc]
+    assert resolve_router("maxscore").capacity_factor == 1.0
     assert c.capacity_factor == 2.0
+
+
+def test_flow_method_auto_is_chosen_in_one_place() -> None:
+    """flow_method="auto": the exact solver on the CPU; on a GPU the global solver, with its CUDA
+    kernel when the kernel takes the shape, else its host reference (a stand-in GPU tensor)."""
+    cpu = torch.rand(2, 8, 4)
+    assert choose_flow_solver("auto", cpu, 2) == FlowChoice("exact")
+    assert choose_flow_solver("global", cpu, 2) == FlowChoice("global", "reference")
+    assert choose_flow_solver("two-stage-sinkhorn", cpu, 2) == FlowChoice("two-stage-sinkhorn")
+    gpu = SimpleNamespace(is_cuda=True, dim=lambda: 3, shape=(2, 8, 4))
+    assert choose_flow_solver("auto", gpu, 2).method == "global"  # type: ignore[arg-type]
 
 
 def test_dense_preset_has_no_router() -> None:
@@ -468,7 +478,7 @@ def test_cached_temperature_follows_the_schedule() -> None:
     torch.testing.assert_close(router(h).affinities, expected(), rtol=0, atol=0)
     router.schedule.step.fill_(0)
     torch.testing.assert_close(router(h).affinities, expected(), rtol=0, atol=0)
-    router.schedule.config.start = 5.0  # settings are part of the cache key
+    router.schedule.config = replace(router.schedule.config, start=5.0)  # part of the cache key
     torch.testing.assert_close(router(h).affinities, expected(), rtol=0, atol=0)
     router.to(torch.float64)  # new buffers after a cast
     torch.testing.assert_close(
@@ -553,7 +563,7 @@ def test_deepseek_v3_bias_update_sums_loads_over_data_parallel_ranks(tmp_path) -
 
     out = str(tmp_path / "bias")
     mp.spawn(_bias_update_on_rank, args=(str(tmp_path / "store"), out), nprocs=2, join=True)
-    rate = get_router_config("deepseek-v3").bias_update_rate
+    rate = resolve_router("deepseek-v3").bias_update_rate
     expected = torch.tensor([-rate, rate, rate, -rate])  # global load [5, 2, 2, 7], mean 4
     for rank in range(2):
         torch.testing.assert_close(torch.load(f"{out}.{rank}"), expected)

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from maxscore.checkpoints.layout import list_checkpoints, previous_run_path
 from maxscore.cli import main
 from maxscore.training import ConfigError, prepare, train
-from maxscore.training.checkpoint import list_checkpoints
-from maxscore.training.run_dir import previous_run_path
 from maxscore.training.run_lock import RunDirInUseError, lock_file_path
 from test_faults import SMALL_FLAGS, FailAtStep
 from test_training import small_config

@@ -24,10 +24,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from maxscore.checkpoints.layout import list_checkpoints, previous_run_path
 from maxscore.training import train
 from maxscore.training.callbacks import STOP_SIGNALS
-from maxscore.training.checkpoint import list_checkpoints
-from maxscore.training.run_dir import previous_run_path
 from maxscore.training.run_lock import lock_file_path
 from test_faults import SMALL_FLAGS, leftovers
 from test_training import small_config
@@ -259,15 +258,15 @@ def test_a_signal_stops_compare_with_its_status(
 ) -> None:
     """SIGTERM during the first router's run of ``maxscore compare``: that run saves a
     checkpoint, the next router does not train, and compare exits with 143."""
-    import maxscore.training.run as run_module
+    import maxscore.training.compare as compare_module
     from maxscore.cli import main
 
-    real_train = run_module.train
+    real_train = compare_module.train
 
     def train_with_signal(config, callbacks=None, prepared=None):  # type: ignore[no-untyped-def]
         return real_train(config, [SignalAt({1: [signal.SIGTERM]})], prepared)
 
-    monkeypatch.setattr(run_module, "train", train_with_signal)
+    monkeypatch.setattr(compare_module, "train", train_with_signal)
     out = tmp_path / "cmp"
     argv = ["compare", "--routers", "gshard,maxscore", "--output-dir", str(out),
             "--max-steps", "6", "--save-steps", "0", *SMALL_FLAGS]  # fmt: skip

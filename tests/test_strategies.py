@@ -380,9 +380,11 @@ def _objective(scores, idx):
 
 @pytest.mark.skipif(not HAS_FLOW, reason="maxscore.routing.flow not present yet")
 def test_min_cost_flow_unknown_method() -> None:
-    scores = torch.randn(1, 4, 3)
+    """An unknown solver name is refused where the router is resolved, before any call."""
+    from maxscore.routing.resolve import resolve_router
+
     with pytest.raises(ValueError, match="unknown flow_method"):
-        _assign("min-cost-flow", scores, 1, torch.tensor([2, 2, 2]), flow_method="nope")
+        resolve_router(RouterConfig(strategy="min-cost-flow", flow_method="nope"))
 
 
 @pytest.mark.skipif(not HAS_FLOW, reason="maxscore.routing.flow not present yet")

@@ -12,6 +12,7 @@ strategies), determinism for equal inputs. "min-cost-flow" is checked with every
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -217,7 +218,7 @@ def test_expert_choice_fills_each_expert_to_capacity(case: dict) -> None:
 
 def _run_flow(method: str, case: dict) -> torch.Tensor:
     spec = ASSIGNMENT_STRATEGIES["min-cost-flow"]
-    cfg = case["config"].with_overrides(flow_method=method)
+    cfg = replace(case["config"], flow_method=method)
     try:
         out = spec.assign(case["scores"].clone(), case["k"], case["capacity"], cfg)
     except NotImplementedError as exc:  # e.g. a GPU-only solver on CPU

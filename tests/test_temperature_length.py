@@ -10,7 +10,7 @@ import pytest
 
 from maxscore.cli import build_parser, config_from_args
 from maxscore.routing.config import TemperatureScheduleConfig
-from maxscore.routing.presets import get_router_config
+from maxscore.routing.resolve import resolve_router
 from maxscore.training import TrainConfig, apply_recipe, prepare, train
 from maxscore.training.config import ConfigError
 from maxscore.training.temperature import PAPER_TEMPERATURE_FRACTION, resolve_temperature
@@ -18,7 +18,7 @@ from test_training import small_config
 
 
 def resolved(config: TrainConfig, total: int) -> tuple[int, str]:
-    r = resolve_temperature(config, get_router_config(config.router), total, None)
+    r = resolve_temperature(config, resolve_router(config.router), total, None)
     return r.steps, r.source
 
 
@@ -28,7 +28,7 @@ def test_length_follows_the_run_unless_given() -> None:
     assert resolved(TrainConfig(temperature_fraction=0.5), 400) == (200, "fraction")
     assert resolved(TrainConfig(temperature_steps=123), 400) == (123, "explicit")
     overridden = TrainConfig(router_overrides={"temperature": {"start": 4.0, "steps": 9}})
-    router = get_router_config("maxscore", temperature={"start": 4.0, "steps": 9})
+    router = resolve_router("maxscore", {"temperature": {"start": 4.0, "steps": 9}})
     r = resolve_temperature(overridden, router, 400, None)
     assert (r.steps, r.source, r.start) == (9, "explicit", 4.0)
     # The layer used alone keeps the documented default.
@@ -69,7 +69,7 @@ def test_resume_keeps_the_stored_length(tmp_path: Path) -> None:
     run = prepare(longer)
     assert run.resume_from is not None
     assert (run.temperature.steps, run.temperature.source) == (2, "stored")
-    assert run.model_config.get_router_config().temperature.steps == 2
+    assert run.model_config.router_config.temperature.steps == 2
     # A fresh run of 24 steps would anneal over 4.
     fresh = prepare(
         TrainConfig(**{**cfg.to_dict(), "max_steps": 24, "output_dir": str(tmp_path / "b")})

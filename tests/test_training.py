@@ -22,9 +22,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
+from maxscore.checkpoints.layout import list_checkpoints
+from maxscore.data.packing import PackedDataset, pack_documents, pack_token_stream
 from maxscore.training import ConfigError, DataError, TrainConfig, apply_recipe, prepare, train
-from maxscore.training.checkpoint import CheckpointSaveError, list_checkpoints
-from maxscore.training.data import PackedDataset, pack_documents, pack_token_stream
+from maxscore.training.checkpoint import CheckpointSaveError
 
 #: The smallest useful model: one MoE layer, 4 experts, 32 wide.
 SMALL_MODEL = {
@@ -83,7 +84,7 @@ def test_compile_with_zero3_is_refused_before_training(tmp_path: Path) -> None:
 
 def test_collate_blocks_stacks_without_padding_machinery() -> None:
     """The Trainer's collator: a plain stack of the packed blocks (no tokenizer.pad walk)."""
-    from maxscore.training.data import collate_blocks
+    from maxscore.data.packing import collate_blocks
 
     blocks = torch.arange(24).view(4, 6)
     batch = collate_blocks([PackedDataset(blocks)[i] for i in (2, 0)])
@@ -129,8 +130,8 @@ def test_training_batches_are_full_and_evaluation_keeps_every_block(tmp_path: Pa
     compiled layers); the evaluation loader still yields every block."""
     from transformers import TrainingArguments
 
+    from maxscore.data.packing import collate_blocks
     from maxscore.models import LlamaMoEForCausalLM, get_model_config
-    from maxscore.training.data import collate_blocks
     from maxscore.training.trainer import MaxScoreTrainer
 
     blocks = [{"input_ids": torch.arange(8), "labels": torch.arange(8)} for _ in range(5)]
@@ -190,7 +191,7 @@ def test_pack_documents_is_deterministic_and_uses_the_tokenizer_eos() -> None:
 
 
 def test_local_jsonl_and_txt_sources(tmp_path: Path) -> None:
-    from maxscore.training.data import load_text_splits
+    from maxscore.data.sources import load_text_splits
 
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"body": f"document {i}"}) + "\n" for i in range(50)))
@@ -529,7 +530,8 @@ def test_sigint_saves_a_checkpoint_and_stops(tmp_path: Path) -> None:
 # streaming, HF datasets, DeepSpeed
 # ------------------------------------------------------------------------------------------------
 def test_packed_stream_is_deterministic_and_restorable() -> None:
-    from maxscore.training.data import PackedStream, load_tokenizer
+    from maxscore.data.packing import PackedStream
+    from maxscore.training.data import load_tokenizer
 
     tok = load_tokenizer("default")
 
@@ -554,7 +556,7 @@ def test_packed_stream_is_deterministic_and_restorable() -> None:
 def test_unknown_hf_dataset_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 
-    from maxscore.training.data import load_text_splits
+    from maxscore.data.sources import load_text_splits
 
     def offline(*args: object, **kwargs: object) -> None:
         raise ConnectionError("Couldn't reach 'nobody/nothing' on the Hub")
@@ -567,7 +569,7 @@ def test_unknown_hf_dataset_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) ->
 def test_c4_alias_streams_allenai_c4_en(monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 
-    from maxscore.training.data import load_text_splits
+    from maxscore.data.sources import load_text_splits
 
     calls: list[tuple] = []
 

@@ -89,7 +89,8 @@ def train_runs(router: str, workdir: Path, smoke: bool) -> dict[str, Any]:
 
 def flow_solver_twice(smoke: bool) -> dict[str, Any]:
     """The global solver on one random input of maxscore's shape (a group per sequence), twice."""
-    from maxscore.routing.flow.global_solver import pick_backend, solve_global
+    from maxscore.routing.flow.choice import choose_flow_solver
+    from maxscore.routing.flow.global_solver import solve_global
     from maxscore.routing.groups import expert_capacity
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,7 +113,7 @@ def flow_solver_twice(smoke: bool) -> dict[str, Any]:
     (first, ms_first), (second, ms_second) = solve(), solve()
     return {
         "shape": {"groups": groups, "tokens": n, "experts": e, "k": k, "capacity": capacity},
-        "backend": pick_backend(scores, k),
+        "backend": choose_flow_solver("global", scores, k).backend,
         "ms": [ms_first, ms_second],
         "identical": bool(torch.equal(first, second)),
         "differing_slots": int((first != second).sum()),

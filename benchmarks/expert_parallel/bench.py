@@ -96,7 +96,7 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
     step_ms = [1000 * (b - a) for a, b in zip([timer.t0, *timer.step_ends], timer.step_ends)]
     tokens = timer.steps * batch * args.seq_len * gpus
     tps = tokens / seconds
-    rc = dict(getattr(prepared.model_config, "router_config", None) or {})
+    rc = prepared.model_config.router_config.to_dict()
     return {
         "preset": preset,
         "router": router,

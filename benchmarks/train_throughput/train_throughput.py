@@ -177,7 +177,7 @@ def run_throughput(args: argparse.Namespace) -> None:
         tokens = timer.steps * args.batch_size * args.grad_accum * args.seq_len
         seconds = timer.t1 - timer.t0
         tps = tokens / seconds
-        rc = dict(getattr(timer.model.config, "router_config", None) or {})
+        rc = timer.model.config.router_config.to_dict()
         row = {
             "router": router,
             "router_setup": {

@@ -8,15 +8,17 @@ routing summary. ``maxscore <command> --help`` shows each command's options and 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any
 
-from maxscore.cli_options import parse_options
+from maxscore.cli_options import add_dataclass_options, given_options
 from maxscore.host_memory import reuse_freed_host_memory
+from maxscore.preset_tables import MODEL_PRESETS, ROUTER_PRESET_TABLE
 from maxscore.training.checkpoint import CheckpointSaveError
-from maxscore.training.config import RECIPES, ConfigError, TrainConfig, apply_recipe
+from maxscore.training.config import ConfigError, TrainConfig, apply_recipe
+from maxscore.training.pretrained import check_model_name
 from maxscore.training.write_errors import RunWriteError
 
 #: Failures that end a command with one line (what happened, what to do), not a traceback: a
@@ -52,184 +54,16 @@ router (per router and seed with --seeds).
 """
 
 
+#: The sections of ``maxscore train --help``, in order (each TrainConfig field names its own).
+_TRAIN_SECTIONS = ("model", "data", "optimisation", "run directory")
+
+
 def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -> None:
-    """Flags that map onto :class:`TrainConfig` fields (defaults: ``None`` = not given)."""
-    d = TrainConfig()
-    g = parser.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        help=f"model preset (default {d.model}; see `maxscore presets`), or a checkpoint directory "
-        "/ hub name (maxscore, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; a hub name is read from the "
-        "HF cache when the Hub is offline or unreachable)",
-    )
-    g.add_argument(
-        "--model-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a model config field, e.g. num_hidden_layers=2 (repeatable)",
-    )
-    if not compare:
-        g.add_argument(
-            "--router",
-            help=f"router preset (default {d.router}); 'native' keeps a converted model's own",
-        )
-    g.add_argument(
-        "--router-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a router config field, e.g. capacity_factor=1.25 (repeatable)",
-    )
-    g = parser.add_argument_group("data")
-    g.add_argument(
-        "--dataset",
-        help="'default' (embedded corpus), a HF dataset name ('c4' = allenai/c4 en, streamed) "
-        "or a local .txt/.jsonl file or folder. Documents: one JSON object per .jsonl line; in a "
-        ".txt file, text separated by blank lines (see --txt-documents); 1%% of them (at least "
-        "one; validation_fraction in a --config file) is held out for validation",
-    )
-    g.add_argument("--dataset-config", help="HF dataset config name (e.g. en)")
-    g.add_argument("--text-field", help=f"text column / JSON field (default {d.text_field})")
-    g.add_argument(
-        "--txt-documents",
-        choices=["paragraphs", "lines"],
-        help="how a .txt file is cut into documents: paragraphs = separated by blank lines "
-        f"(lines empty or only white space), lines = every non-blank line (default {d.txt_documents})",
-    )
-    g.add_argument(
-        "--streaming",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="stream the HF dataset (default: only for c4)",
-    )
-    g.add_argument("--max-train-documents", type=int, help="use only the first N documents")
-    g.add_argument(
-        "--max-eval-blocks",
-        type=int,
-        help="validation blocks, evenly spaced over the split (default: the whole split)",
-    )
-    g.add_argument(
-        "--tokenizer", help="'default' (embedded 32k LLaMA-style) or a HF name / local path"
-    )
-    g.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len})")
-    g = parser.add_argument_group("optimisation")
-    g.add_argument("--batch-size", type=int, help=f"sequences per device (default {d.batch_size})")
-    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step (default 1)")
-    g.add_argument("--max-steps", type=int, help=f"optimizer steps (default {d.max_steps})")
-    g.add_argument("--max-tokens", type=int, help="token budget instead of --max-steps")
-    g.add_argument("--lr", type=float, help=f"peak learning rate (default {d.lr})")
-    g.add_argument(
-        "--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay})"
-    )
-    g.add_argument("--adam-beta1", type=float, help=f"(default {d.adam_beta1})")
-    g.add_argument("--adam-beta2", type=float, help=f"(default {d.adam_beta2})")
-    g.add_argument("--adam-eps", type=float, help=f"(default {d.adam_eps})")
-    g.add_argument("--max-grad-norm", type=float, help=f"clipping (default {d.max_grad_norm})")
-    g.add_argument(
-        "--lr-schedule",
-        choices=["wsd", "cosine", "linear", "constant"],
-        help="learning-rate schedule (default wsd: warmup-stable-decay)",
-    )
-    g.add_argument("--warmup-steps", type=int, help="warmup steps (default: --warmup-ratio)")
-    g.add_argument("--warmup-ratio", type=float, help=f"(default {d.warmup_ratio})")
-    g.add_argument("--decay-steps", type=int, help="WSD decay steps at the end (default: ratio)")
-    g.add_argument("--decay-ratio", type=float, help=f"(default {d.decay_ratio})")
-    g.add_argument("--decay-shape", choices=["linear", "cosine", "1-sqrt"])
-    g.add_argument("--min-lr-ratio", type=float)
-    g.add_argument(
-        "--temperature-steps",
-        type=int,
-        help="optimizer steps over which the SoftTopk t anneals (default: "
-        "--temperature-fraction of the run; the paper recipe: 30000)",
-    )
-    g.add_argument(
-        "--temperature-fraction",
-        type=float,
-        help="share of the run's optimizer steps over which t anneals when --temperature-steps "
-        "is not given (default 1/6: the paper's 30k of 180k)",
-    )
-    g.add_argument("--seed", type=int, help=f"(default {d.seed})")
-    g.add_argument(
-        "--precision",
-        choices=["auto", "bf16", "fp16", "fp32"],
-        help="auto = bf16 on a GPU, fp32 on CPU",
-    )
-    g.add_argument(
-        "--gradient-checkpointing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="recompute activations in backward (activation checkpointing)",
-    )
-    g.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="torch.compile each decoder layer and the loss (GPU speed; ~1 min warm-up)",
-    )
-    g.add_argument(
-        "--compile-mode",
-        choices=["default", "max-autotune-no-cudagraphs"],
-        help="torch.compile mode for --compile",
-    )
-    g.add_argument(
-        "--deterministic",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="same-seed reruns agree bit for bit on one GPU type: torch's deterministic "
-        "algorithms (an op without one fails), cuDNN deterministic, CUBLAS_WORKSPACE_CONFIG="
-        ":4096:8, inductor's deterministic mode with --compile (slower; default off)",
-    )
-    g.add_argument("--deepspeed", help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path")
-    g.add_argument(
-        "--expert-parallel",
-        type=int,
-        metavar="N",
-        help="spread each MoE layer's experts over N processes (torchrun; N divides the "
-        "processes and the experts; default 1)",
-    )
-    g = parser.add_argument_group("run directory")
-    g.add_argument("--output-dir", help="run directory (default runs/<model>-<router>)")
-    g.add_argument(
-        "--eval-steps", type=int, help=f"evaluate every N steps (default {d.eval_steps})"
-    )
-    g.add_argument(
-        "--save-steps", type=int, help=f"checkpoint every N steps (default {d.save_steps})"
-    )
-    g.add_argument(
-        "--logging-steps", type=int, help=f"log every N steps (default {d.logging_steps})"
-    )
-    g.add_argument("--save-total-limit", type=int, help="checkpoints kept (default 2)")
-    g.add_argument(
-        "--save-final",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="checkpoint at the last step (default on)",
-    )
-    g.add_argument("--num-workers", type=int, help="DataLoader workers (default 0)")
-    g.add_argument(
-        "--gc-interval",
-        type=int,
-        metavar="N",
-        help="collect Python's garbage every N steps instead of automatically (no stalls from "
-        f"full collections; 0: automatic; default {d.gc_interval})",
-    )
-    g.add_argument(
-        "--report-to",
-        help="auto (TensorBoard if installed), none, or comma-separated trackers: tensorboard, "
-        "wandb, mlflow, trackio (passed to the HF Trainer)",
-    )
-    g.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
-    if not compare:
-        g.add_argument("--resume", action="store_true", default=None, help="continue the run")
-    g.add_argument(
-        "--overwrite", action="store_true", default=None, help="replace an existing run directory"
-    )
+    """One flag per :class:`TrainConfig` field (generated from the fields: name, type, choices,
+    help), then ``--config``. ``compare`` sets the router of each run itself and never resumes."""
+    exclude = frozenset({"router", "resume"}) if compare else frozenset()
+    add_dataclass_options(parser, TrainConfig, exclude, _TRAIN_SECTIONS)
     parser.add_argument("--config", help="a JSON/YAML TrainConfig file (flags override it)")
-    parser.add_argument(
-        "--recipe",
-        choices=list(RECIPES),
-        help="paper: the paper's setup (Base, C4, 180k steps, t over 30k); paper-shape: its "
-        "optimizer and WSD / t schedule proportions scaled to this run (flags override both)",
-    )
 
 
 def config_from_args(args: argparse.Namespace, **forced: Any) -> TrainConfig:
@@ -237,23 +71,16 @@ def config_from_args(args: argparse.Namespace, **forced: Any) -> TrainConfig:
     base = TrainConfig.from_file(args.config) if getattr(args, "config", None) else TrainConfig()
     data = base.to_dict()
     explicit: set[str] = set()
-    names = {f.name for f in fields(TrainConfig)}
-    for name in names:
-        value = getattr(args, name, None)
-        if value is not None and name not in ("model_overrides", "router_overrides"):
-            data[name] = value
-            explicit.add(name)
-    model_opts = parse_options(getattr(args, "model_option", None), "--model-option")
-    router_opts = parse_options(getattr(args, "router_option", None), "--router-option")
-    if model_opts:
-        data["model_overrides"] = {**data["model_overrides"], **model_opts}
-        explicit.add("model_overrides")
-    if router_opts:
-        data["router_overrides"] = {**data["router_overrides"], **router_opts}
-        explicit.add("router_overrides")
-    if args.config:
+    for name, value in given_options(args, TrainConfig).items():
+        if isinstance(value, dict):  # KEY=VALUE options add to the file's
+            if not value:
+                continue
+            value = {**data[name], **value}
+        data[name] = value
+        explicit.add(name)
+    if getattr(args, "config", None):
         # Values from a config file count as explicit too (they win over a recipe).
-        explicit |= {k for k, v in base.to_dict().items() if v != getattr(TrainConfig(), k)}
+        explicit |= set(TrainConfig().differences(base, ignore=frozenset()))
     data.update(forced)
     explicit |= set(forced)
     config = TrainConfig.from_dict(data)
@@ -270,8 +97,6 @@ def _error(message: str) -> int:
 
 def _check_model_early(args: argparse.Namespace) -> str | None:
     """A ``--model`` typo's message, found before torch and transformers are imported (~10 s)."""
-    from maxscore.training.pretrained import check_model_name
-
     if getattr(args, "model", None):
         try:
             check_model_name(args.model)
@@ -284,6 +109,8 @@ def run_train(args: argparse.Namespace) -> int:
     if (problem := _check_model_early(args)) is not None:
         return _error(problem)
     reuse_freed_host_memory()  # a CPU step would otherwise fault in its large tensors anew
+    # Here, not at the top: training imports torch and transformers (seconds), which `--help`
+    # and a refused `--model` do not wait for.
     from maxscore.training.continue_command import set_command_line
     from maxscore.training.distributed import is_main_process
     from maxscore.training.run import format_summary, prepare, train
@@ -317,8 +144,16 @@ def run_compare(args: argparse.Namespace) -> int:
     if (problem := _check_model_early(args)) is not None:
         return _error(problem)
     reuse_freed_host_memory()
-    from maxscore.training.compare import ComparisonStopped, compare
+    # Here, not at the top: as in run_train.
+    from maxscore.training.compare import (
+        ComparisonStopped,
+        compare,
+        format_summary_markdown,
+        verdict_sentences,
+    )
     from maxscore.training.continue_command import set_command_line
+    from maxscore.training.distributed import is_main_process
+    from maxscore.training.seed_stats import summarize_by_router
 
     set_command_line(getattr(args, "command_line", None) or sys.argv[1:])
     try:
@@ -340,10 +175,6 @@ def run_compare(args: argparse.Namespace) -> int:
     except ComparisonStopped as stopped:
         print(f"maxscore: {stopped}", file=sys.stderr)
         return stopped.exit_status
-    from maxscore.training.compare import format_summary_markdown, verdict_sentences
-    from maxscore.training.distributed import is_main_process
-    from maxscore.training.seed_stats import summarize_by_router
-
     if is_main_process():
         summary = summarize_by_router(rows, args.confidence, args.margin)
         print(format_summary_markdown(summary, rows[0]["router"]))
@@ -367,8 +198,6 @@ def _parse_seeds(text: str | None) -> list[int] | None:
 
 def run_presets(args: argparse.Namespace) -> int:
     # The plain tables: neither torch nor transformers is imported (0.3 s instead of 8 s).
-    from maxscore.preset_tables import MODEL_PRESETS, ROUTER_PRESET_TABLE
-
     if args.kind in ("all", "router"):
         print("router presets (--router):")
         for name, preset in ROUTER_PRESET_TABLE.items():
@@ -480,8 +309,6 @@ def _add_optional_commands(sub: Any) -> None:
         ("upcycle", "maxscore.model_commands", "add_upcycle_parser"),
         ("export", "maxscore.model_commands", "add_export_parser"),
     )
-    import importlib
-
     for command, module_name, function in hooks:
         try:
             module = importlib.import_module(module_name)

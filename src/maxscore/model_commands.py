@@ -35,7 +35,7 @@ def _copy_tokenizer(source: str, output: Path) -> None:
     src = Path(source)
     if not src.is_dir():
         return
-    from maxscore.models.convert.export import TOKENIZER_FILES
+    from maxscore.models.convert.export import TOKENIZER_FILES  # on use (module docstring)
 
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
@@ -64,6 +64,7 @@ def add_upcycle_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_upcycle(args: argparse.Namespace) -> int:
+    # On use (module docstring).
     from maxscore.models.convert import ConversionError
     from maxscore.models.upcycle import upcycle
 
@@ -114,7 +115,7 @@ def add_export_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from maxscore.models.convert import ConversionError, export_pretrained
+    from maxscore.models.convert import ConversionError, export_pretrained  # on use, as above
 
     try:
         out = export_pretrained(args.checkpoint, args.output, args.allow_routing_change)

@@ -10,8 +10,8 @@ imports transformers (it registers the model with the Auto classes), and importi
   re-exports them and turns one into a ``LlamaMoEConfig`` (its docstring explains the sizes and
   the parameter-count convention).
 * :data:`ROUTER_PRESET_TABLE`: the router presets (paper name, description, RouterConfig
-  fields). Their one home is here; :mod:`maxscore.routing.presets` builds the checked
-  ``RouterConfig`` values from it (that needs torch-backed registries).
+  fields). Their one home is here; :mod:`maxscore.routing.presets` builds the
+  ``RouterConfig`` values from it.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ _DEEPSEEK_AUX = 1e-3
 # Routing groups follow the authors' public code: capacity per 512-token sequence for the MaxScore
 # family (MaxScore, MaxScore-I and the flow ablation GShard-M), per micro-batch for the baselines.
 # The flow presets keep RouterConfig's flow_method="auto": the GPU global solver on CUDA, the
-# exact solver on the CPU (strategies.resolve_flow_method); Algorithm 1 is
+# exact solver on the CPU (routing/flow/choice.py); Algorithm 1 is
 # flow_method="two-stage-sinkhorn"; the authors' two-stage code is "two-stage-authors", our
 # capacity-limited variant of it "two-stage-score-exact" (routing/flow/two_stage.py).
 #: Preset name -> :class:`RouterPresetData`, in the order ``maxscore presets`` lists them.

@@ -22,14 +22,14 @@ from typing import Any
 from maxscore.analysis import plots
 from maxscore.analysis.markdown import ANALYSIS_JSON, ANALYSIS_MD, analysis_markdown
 from maxscore.analysis.runs import (
-    CONFIG_FILE,
-    METRICS_FILE,
     RoutingSnapshot,
     RunData,
     RunError,
     load_run,
     unique_names,
 )
+from maxscore.checkpoints.layout import CONFIG_FILE, METRICS_FILE
+from maxscore.evaluation.runner import EvaluationError, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +72,8 @@ def _snapshot(
 ) -> RoutingSnapshot | None:
     if checkpoint is None:
         return run.routing_snapshot(window)
+    # torch loads only when a checkpoint is analysed (a run's own metrics need none of it).
     from maxscore.analysis.checkpoint_stats import checkpoint_snapshot
-    from maxscore.evaluation.runner import EvaluationError, resolve_model_path
 
     target = run.path if checkpoint == "latest" else Path(checkpoint)
     try:

@@ -13,18 +13,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from maxscore.analysis.runs import LAYER_STAT_KEYS, RoutingSnapshot, RunData, RunError
+from maxscore.data.config import DataConfig
+from maxscore.data.packing import pack_documents
+from maxscore.data.sources import load_text_splits
+from maxscore.evaluation.runner import load_model
 
 
 def validation_blocks(run: RunData, tokenizer: Any, max_blocks: int) -> Any:
     """``[N, seq_len]`` token blocks of the run's validation split (as training built them)."""
-    from maxscore.training.config import TrainConfig
-    from maxscore.training.data import load_text_splits, pack_documents
-
     train_cfg = run.config.get("train")
     if not isinstance(train_cfg, dict):
         raise RunError(f"{run.path}/config.json has no 'train' section; cannot rebuild its data")
-    config = TrainConfig.from_dict(train_cfg)
+    config = DataConfig.of(train_cfg)
     splits = load_text_splits(config)
     blocks = pack_documents(splits.validation, tokenizer, config.seq_len, max_blocks=max_blocks)
     if len(blocks) == 0:
@@ -55,10 +58,6 @@ def checkpoint_snapshot(
         device: torch device (default: cuda if available).
         blocks: token blocks to use instead of the run's validation split (tests).
     """
-    import torch
-
-    from maxscore.evaluation.runner import load_model
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tokenizer = load_model(checkpoint, device, "auto", routing)
     if not hasattr(model, "routing_statistics"):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from maxscore.analysis.runs import RunError
+from maxscore.evaluation.runner import EvaluationError
 
 
 def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -65,8 +66,8 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_analyze_command(args: argparse.Namespace) -> int:
     """Entry point of ``maxscore analyze``; returns the exit code."""
+    # On use: the command line reads this module at start-up, analyze loads matplotlib.
     from maxscore.analysis.analyze import analyze
-    from maxscore.evaluation.runner import EvaluationError
 
     output = args.output or (
         Path(args.runs[0]) / "analysis" if len(args.runs) == 1 else Path("maxscore-analysis")
@@ -121,7 +122,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_report_command(args: argparse.Namespace) -> int:
     """Entry point of ``maxscore report``; returns the exit code."""
-    from maxscore.analysis.report import ReportError, combined_report
+    from maxscore.analysis.report import ReportError, combined_report  # on use, as analyze
 
     try:
         path = combined_report(args.paths, args.output, title=args.title)

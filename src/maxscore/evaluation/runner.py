@@ -4,6 +4,10 @@ The model is loaded here (so the evaluation routing mode can be set and recorded
 lm-eval's ``HFLM`` wrapper; lm-eval does the prompting, batching and scoring. Bundled offline
 tasks are found through a ``TaskManager`` whose ``include_path`` is the package's task
 directory.
+
+torch, transformers, safetensors and lm-eval are imported inside the functions that use them:
+this module is read when ``maxscore``'s command line is built (``eval``'s options), which must
+not wait seconds for them.
 """
 
 from __future__ import annotations
@@ -11,15 +15,22 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from maxscore.checkpoints.integrity import (
+    describe_damage,
+    is_training_state,
+    newest_intact,
+    verify_checkpoint,
+)
+from maxscore.checkpoints.layout import CHECKPOINT_RE, pending_previous_run
+from maxscore.config_types import choices_of
 from maxscore.evaluation.data import EvalDataUnavailableError
 from maxscore.evaluation.registry import (
     ResolvedTask,
@@ -29,19 +40,13 @@ from maxscore.evaluation.registry import (
     resolve_tasks,
 )
 from maxscore.evaluation.results import checkpoint_validation
-from maxscore.training.integrity import (
-    describe_damage,
-    is_training_state,
-    newest_intact,
-    verify_checkpoint,
-)
-from maxscore.training.run_dir import pending_previous_run
+from maxscore.routing.config import EvalRouting, RouterConfig
 
 logger = logging.getLogger(__name__)
 
-EVAL_ROUTING_MODES: tuple[str, ...] = ("causal", "train")
+#: The evaluation routings (``RouterConfig.eval_routing``'s choices).
+EVAL_ROUTING_MODES: tuple[str, ...] = choices_of(EvalRouting) or ()
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
 class EvaluationError(RuntimeError):
@@ -64,7 +69,7 @@ def find_run_checkpoints(run_dir: Path) -> list[Path]:
     numbered = sorted(
         (int(m.group(1)), p)
         for p in run_dir.iterdir()
-        if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name)) and is_checkpoint_dir(p)
+        if p.is_dir() and (m := CHECKPOINT_RE.match(p.name)) and is_checkpoint_dir(p)
     )
     found = [p for _, p in numbered]
     if is_checkpoint_dir(run_dir / "final"):
@@ -148,7 +153,7 @@ def verify_checkpoint_files(checkpoint: Path) -> None:
 
 def check_finite_weights(model: Any, checkpoint: Path) -> None:
     """Refuse a model whose weights hold NaN or inf (a damaged file or a diverged run)."""
-    import torch
+    import torch  # on use (module docstring)
 
     bad = [
         name
@@ -165,8 +170,6 @@ def check_finite_weights(model: Any, checkpoint: Path) -> None:
 
 def _router_configs(model: Any) -> list[Any]:
     """Every RouterConfig held by the model's router modules."""
-    from maxscore.routing.config import RouterConfig
-
     found = []
     for module in model.modules():
         config = getattr(module, "config", None)
@@ -189,7 +192,7 @@ def set_eval_routing(model: Any, mode: str) -> None:
         setter(mode)
         return
     for module, config in _router_configs(model):
-        module.config = config.with_overrides(eval_routing=mode)
+        module.config = replace(config, eval_routing=mode)
     # Keep the model config consistent with the routers (it is what gets recorded / saved).
     if hasattr(model.config, "eval_routing"):
         model.config.eval_routing = mode
@@ -223,7 +226,7 @@ def describe_routing(model: Any) -> dict[str, Any]:
 
 
 def _default_device() -> str:
-    import torch
+    import torch  # on use (module docstring)
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -237,10 +240,10 @@ def load_model(
     holding NaN or inf are refused (:func:`check_finite_weights`): a damaged checkpoint must
     not give a score.
     """
+    # On use (module docstring). Importing maxscore registered the model with the Auto classes.
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import maxscore  # noqa: F401  (registers the maxscore model with the Auto classes)
 
     torch_dtype: Any
     if dtype == "auto":
@@ -251,8 +254,6 @@ def load_model(
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise EvaluationError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16, float16")
-    from safetensors import SafetensorError
-
     verify_checkpoint_files(checkpoint)
     model: Any
     try:
@@ -373,7 +374,7 @@ def _task_manager(tasks: Sequence[ResolvedTask]) -> Any:
     Indexing lm-eval's thousands of built-in YAMLs takes tens of seconds, so it is skipped
     when every requested task is bundled.
     """
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # on use (module docstring)
 
     return TaskManager(
         include_path=str(bundled_tasks_dir()),
@@ -440,6 +441,7 @@ def evaluate_model(
         EvaluationError: bad checkpoint or unavailable task data.
         UnknownTaskError: unknown task name.
     """
+    # On use (module docstring).
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 

@@ -5,13 +5,13 @@ from ``config.json`` and is found by ``AutoConfig`` (``model_type = "maxscore_ll
 
 Routing is described by a router preset name (``router``, see :mod:`maxscore.routing.presets`)
 plus optional field overrides (``router_config``). On construction the preset is *resolved*, once,
-by :func:`maxscore.routing.presets.get_router_config`: the full
-:class:`~maxscore.routing.config.RouterConfig` is stored (as a dict) in ``router_config``, the one
-home of every router setting, so that a saved checkpoint is self-describing and reloads with
-exactly the same router even if the preset table changes later. Changing ``router``,
-``router_config`` or one of the top-level router settings afterwards (``from_pretrained(path,
-router="gshard")`` does) resolves again at once. Router presets whose strategy is ``"dense"`` make
-every MLP a dense SwiGLU.
+by :func:`maxscore.routing.resolve.resolve_router` for this model's sizes: ``router_config`` then
+holds the :class:`~maxscore.routing.config.RouterConfig` object, the one home of every router
+setting, which every MoE layer receives as it is. :meth:`LlamaMoEConfig.to_dict` writes it as a
+dict, so a saved checkpoint is self-describing and reloads with exactly the same router even if
+the preset table changes later; ``from_pretrained(path, router=..., router_config=...)`` resolves
+the saved router with the new preset or fields (:meth:`LlamaMoEConfig.from_dict`). Router
+presets whose strategy is ``"dense"`` make every MLP a dense SwiGLU.
 
 This file is also copied into saved checkpoints (``auto_map``) so that
 ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)`` works; it therefore only
@@ -20,14 +20,29 @@ imports ``maxscore`` with absolute imports.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any, Literal
 
 from transformers import PreTrainedConfig
 
+from maxscore.config_types import check_value
+from maxscore.routing.config import EvalRouting, RouterConfig
+from maxscore.routing.presets import ROUTER_PRESETS
+from maxscore.routing.resolve import (
+    RouterSizes,
+    ineffective_options,
+    preset_config,
+    resolve_router,
+)
+
+QkNorm = Literal["head", "full"]
+
 #: Router settings that also have a top-level name, and the RouterConfig field each one is:
 #: transformers' MoE configs call the aux-loss coefficient ``router_aux_loss_coef``. The
-#: constructor, ``from_pretrained`` and ``--model-option`` accept them; reading and writing them
-#: reads and writes ``router_config``, their one home (they are not saved separately).
+#: constructor, ``from_pretrained`` and ``--model-option`` accept them; reading them reads
+#: ``router_config``, their one home, and setting one resolves the router with it (they are not
+#: saved separately).
 ROUTER_SETTING_ALIASES: dict[str, str] = {
     "router_aux_loss_coef": "aux_loss_coef",
     "router_z_loss_coef": "z_loss_coef",
@@ -37,21 +52,35 @@ ROUTER_SETTING_ALIASES: dict[str, str] = {
 ROUTER_SETTING_TYPES: dict[str, Any] = {
     "router_aux_loss_coef": float | None,
     "router_z_loss_coef": float | None,
-    "eval_routing": str,
+    "eval_routing": EvalRouting,
 }
 
 
+def _setting_overrides(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """RouterConfig overrides of top-level settings (a ``None`` setting sets nothing)."""
+    out = {}
+    for alias, value in settings.items():
+        field = ROUTER_SETTING_ALIASES[alias]
+        if value is not None:
+            out[field] = float(value) if field.endswith("_coef") else value
+    return out
+
+
 def _router_setting(alias: str) -> property:
-    """The top-level ``alias`` of a router setting, read from and written to ``router_config``."""
+    """The top-level ``alias`` of a router setting: ``router_config``'s field, and setting it
+    resolves the router with the new value (``None``: the preset's)."""
     field = ROUTER_SETTING_ALIASES[alias]
 
     def get(self: LlamaMoEConfig) -> Any:
-        return self.router_config[field]
+        return getattr(self.router_config, field)
 
     def set_(self: LlamaMoEConfig, value: Any) -> None:
-        self._resolve_router(settings={alias: value})
+        if value is None:
+            value = getattr(preset_config(self.router), field)
+        overrides = _setting_overrides({alias: value})
+        self.router_config = resolve_router(self.router_config, overrides, self.router_sizes())
 
-    return property(get, set_, doc=f"``router_config[{field!r}]``")
+    return property(get, set_, doc=f"``router_config.{field}``")
 
 
 class LlamaMoEConfig(PreTrainedConfig):
@@ -80,15 +109,14 @@ class LlamaMoEConfig(PreTrainedConfig):
         shared_expert_intermediate_size: hidden width of one shared expert; ``None`` =
             ``moe_intermediate_size``.
         router: router preset name (:data:`maxscore.routing.presets.ROUTER_PRESETS`).
-        router_config: overrides of :class:`~maxscore.routing.config.RouterConfig` fields (or a
-            whole RouterConfig); after construction this holds the full resolved router
-            configuration as a dict, the one home of every router setting. Assigning a dict
-            later merges it into the resolved fields.
-        router_aux_loss_coef: load-balancing loss coefficient λ, ``router_config["aux_loss_coef"]``
+        router_config: overrides of :class:`~maxscore.routing.config.RouterConfig` fields, or a
+            whole RouterConfig; after construction the resolved RouterConfig, the one home of
+            every router setting (a dict only in :meth:`to_dict`).
+        router_aux_loss_coef: load-balancing loss coefficient λ, ``router_config.aux_loss_coef``
             (a constructor argument wins over the one in ``router_config``; ``None`` keeps it).
-        router_z_loss_coef: router z-loss coefficient, ``router_config["z_loss_coef"]`` (as above).
+        router_z_loss_coef: router z-loss coefficient, ``router_config.z_loss_coef`` (as above).
         output_router_logits: return every MoE layer's gate logits by default.
-        eval_routing: routing used in ``eval()`` mode, ``router_config["eval_routing"]``:
+        eval_routing: routing used in ``eval()`` mode, ``router_config.eval_routing``:
             ``"causal"`` (the presets' default: no token's experts depend on later tokens) or
             ``"train"`` (the training routing, which may leak).
         first_k_dense: the first ``first_k_dense`` layers use a dense MLP (DeepSeek-style).
@@ -139,14 +167,14 @@ class LlamaMoEConfig(PreTrainedConfig):
     num_shared_experts: int = 0
     shared_expert_intermediate_size: int | None = None
     router: str = "maxscore"
-    router_config: dict[str, Any] | None = None
+    router_config: RouterConfig | dict[str, Any] | None = None
     output_router_logits: bool = False
     first_k_dense: int = 0
     moe_layer_freq: int = 1
     dense_layers: list[int] | None = None
     attention_qkv_bias: bool = False
     attention_output_bias: bool = False
-    qk_norm: str | None = None
+    qk_norm: QkNorm | None = None
     clip_qkv: float | None = None
     sliding_window: int | None = None
     shared_expert_gate: bool = False
@@ -162,24 +190,76 @@ class LlamaMoEConfig(PreTrainedConfig):
         settings = {alias: kwargs.pop(alias) for alias in ROUTER_SETTING_ALIASES if alias in kwargs}
         self._validate_shapes()
         self._validate_architecture()
-        self._resolve_router(settings=settings)
+        self.router_config = self._resolve_router(settings)
         super().__post_init__(**kwargs)
 
+    def _resolve_router(self, settings: Mapping[str, Any]) -> RouterConfig:
+        """The RouterConfig of ``router`` + ``router_config`` + top-level ``settings``, for this
+        model's sizes (:func:`~maxscore.routing.resolve.resolve_router`)."""
+        given = self.router_config
+        overrides = _setting_overrides(settings)
+        if isinstance(given, RouterConfig):
+            return resolve_router(given, overrides, self.router_sizes())
+        if given is not None and not isinstance(given, Mapping):
+            raise ValueError(
+                "router_config must be an object of RouterConfig fields or a RouterConfig, got "
+                f"{given!r} ({type(given).__name__})"
+            )
+        return resolve_router(self.router, {**(given or {}), **overrides}, self.router_sizes())
+
     def __setattr__(self, key: str, value: Any) -> None:
-        # After construction, a new preset or router fields (what `from_pretrained(path,
-        # router=..., router_config={...})` sets) are resolved at once, keeping the stored
-        # config complete and valid.
-        if key in ("router", "router_config") and self.__dict__.get("_router_resolved"):
-            if key == "router":
-                self._resolve_router(router=value)
-            else:
-                self._resolve_router(fields=value)
-            return
+        # The router is resolved once, when the config is made; a later `router = ...` would
+        # only rename it. Routers change through a new config or from_pretrained(router=...).
+        if key == "router" and isinstance(self.__dict__.get("router_config"), RouterConfig):
+            raise AttributeError(
+                "the router is set when the config is made: LlamaMoEConfig(router=...), "
+                "get_model_config(preset, router=...) or from_pretrained(path, router=...)"
+            )
         super().__setattr__(key, value)
+
+    def router_sizes(self) -> RouterSizes:
+        """The sizes every MoE layer's router is resolved for."""
+        return RouterSizes(self.hidden_size, self.num_experts, self.num_experts_per_tok)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """A saved config (``config.json``) with ``from_pretrained``'s keyword changes.
+
+        The saved ``router_config`` is the router the model was built with (fields it lacks,
+        from older files, take its preset's values). ``router=`` switches to another preset,
+        keeping the saved fields that differ from the old preset's (the model's own settings,
+        e.g. a converted Mixtral's ``normalize_weights``) where the new router uses them;
+        ``router_config=`` (fields, or a RouterConfig replacing the router) and the top-level
+        settings (``router_aux_loss_coef=``; ``None``: the preset's) change it further. Top-level
+        settings saved by older versions win over the saved fields, as they did then.
+        """
+        data = dict(config_dict)
+        name = data.get("router", cls.router)
+        saved = _saved_router(name, data.get("router_config"))
+        new_name = kwargs.pop("router", None)
+        if new_name is not None and new_name != name:
+            saved, name = _switched_router(saved, name, new_name), new_name
+        changes = kwargs.pop("router_config", None)
+        if isinstance(changes, RouterConfig):
+            saved, changes = changes, None
+        legacy = {alias: data.pop(alias) for alias in ROUTER_SETTING_ALIASES if alias in data}
+        given = {alias: kwargs.pop(alias) for alias in ROUTER_SETTING_ALIASES if alias in kwargs}
+        for alias, value in given.items():
+            if value is None:  # the preset's value
+                given[alias] = getattr(preset_config(name), ROUTER_SETTING_ALIASES[alias])
+        overrides = {
+            **dict(changes or {}),
+            **_setting_overrides(legacy),
+            **_setting_overrides(given),
+        }
+        data["router"] = name
+        data["router_config"] = resolve_router(saved, overrides)
+        return super().from_dict(data, **kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
-        out.pop("_router_resolved", None)  # bookkeeping, not configuration
+        if isinstance(self.router_config, RouterConfig):
+            out["router_config"] = self.router_config.to_dict()
         return out
 
     # -- validation -------------------------------------------------------------------------------
@@ -248,8 +328,9 @@ class LlamaMoEConfig(PreTrainedConfig):
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
 
     def _validate_architecture(self) -> None:
-        if self.qk_norm not in (None, "head", "full"):
-            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
+        problem = check_value("qk_norm", self.qk_norm, QkNorm | None)
+        if problem is not None:
+            raise ValueError(problem)
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise ValueError(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
         if self.sliding_window is not None and (
@@ -267,59 +348,12 @@ class LlamaMoEConfig(PreTrainedConfig):
                     f"[0, num_hidden_layers={self.num_hidden_layers})"
                 )
 
-    def _resolve_router(
-        self,
-        router: str | None = None,
-        fields: Any = None,
-        settings: dict[str, Any] | None = None,
-    ) -> None:
-        """Resolve the router into the full RouterConfig stored (as a dict) in ``router_config``.
-
-        At construction ``router_config`` holds overrides of the ``router`` preset (or nothing)
-        and ``settings`` the top-level aliases given (:data:`ROUTER_SETTING_ALIASES`), which win
-        over it. Afterwards ``router_config`` is complete and each change resolves it again:
-
-        * ``router``: a new preset. The stored fields that differ from the old preset's (the
-          config's own overrides, e.g. ``normalize_weights`` of a converted Mixtral) are kept;
-          everything else comes from the new preset.
-        * ``fields``: a dict merged over the stored fields (a RouterConfig replaces them).
-        * ``settings``: top-level aliases; ``None`` for a coefficient means the preset's value.
-        """
-        # Imported here so that `import maxscore` stays light and this file can be copied
-        # verbatim into checkpoints as remote code.
-        from maxscore.routing.config import RouterConfig
-        from maxscore.routing.presets import get_router_config
-
-        stored = self.__dict__.get("router_config")
-        if isinstance(stored, RouterConfig):
-            stored = stored.to_dict()
-        data = dict(stored or {})
-        preset = self.router
-        if router is not None and router != preset:
-            old = get_router_config(preset).to_dict()
-            data = {key: value for key, value in data.items() if old.get(key) != value}
-            preset = router
-        if isinstance(fields, RouterConfig):
-            data = fields.to_dict()
-        elif fields is not None:
-            data.update(fields)
-        for alias, value in (settings or {}).items():
-            field = ROUTER_SETTING_ALIASES[alias]
-            if value is not None:
-                data[field] = float(value) if field.endswith("_coef") else value
-            elif self.__dict__.get("_router_resolved"):
-                data.pop(field, None)  # back to the preset's value
-        resolved = get_router_config(preset, **data)
-        self.__dict__["router"] = preset
-        self.__dict__["router_config"] = resolved.to_dict()
-        self.__dict__["_router_resolved"] = True
-
     # -- derived quantities -----------------------------------------------------------------------
 
     @property
     def is_dense(self) -> bool:
         """True when the router preset is the dense baseline (every MLP is a dense SwiGLU)."""
-        return self.router_config["strategy"] == "dense"
+        return self.router_config.is_dense
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` has an MoE MLP (else a dense SwiGLU MLP)."""
@@ -329,12 +363,26 @@ class LlamaMoEConfig(PreTrainedConfig):
             return False
         return (layer_idx - self.first_k_dense) % self.moe_layer_freq == 0
 
-    def get_router_config(self) -> Any:
-        """The resolved :class:`~maxscore.routing.config.RouterConfig` of every MoE layer (a new
-        object built from ``router_config``; the config itself is not changed)."""
-        from maxscore.routing.config import RouterConfig
 
-        return RouterConfig.from_dict(self.router_config)
+def _saved_router(name: str, saved: Any) -> RouterConfig:
+    """The router a saved config was built with: its fields over its preset's (older files
+    lack newer fields); a RouterConfig as it is. (:meth:`LlamaMoEConfig.from_dict` resolves
+    it.)"""
+    if isinstance(saved, RouterConfig):
+        return saved
+    preset = ROUTER_PRESETS[name].config.to_dict() if name in ROUTER_PRESETS else {}
+    return RouterConfig.from_dict({**preset, **dict(saved or {})})
+
+
+def _switched_router(saved: RouterConfig, old: str, new: str) -> RouterConfig:
+    """Preset ``new`` with the fields of ``saved`` that differ from preset ``old`` (the model's
+    own settings), except those the new router would not use."""
+    before = ROUTER_PRESETS[old].config.to_dict() if old in ROUTER_PRESETS else {}
+    own = {key: value for key, value in saved.to_dict().items() if before.get(key) != value}
+    unused = ineffective_options(replace(preset_config(new), **own))
+    return replace(
+        preset_config(new), **{key: value for key, value in own.items() if key not in unused}
+    )
 
 
 # Saved configs carry `auto_map` and a copy of this file (see modeling_llama_moe.py).

@@ -63,6 +63,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 from transformers.utils import can_return_tuple
 
 from maxscore.moe import DenseMLP, MoE
+from maxscore.routing.router import advance_routers
 from maxscore.routing.statistics import with_extra_statistics
 
 from .configuration_llama_moe import LlamaMoEConfig
@@ -300,7 +301,7 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
                 config.num_experts,
                 config.num_experts_per_tok,
                 intermediate_size=config.moe_intermediate_size,
-                router=config.get_router_config(),
+                router=config.router_config,
                 num_shared_experts=config.num_shared_experts,
                 shared_intermediate_size=config.shared_expert_intermediate_size,
                 init_std=config.initializer_range,
@@ -643,8 +644,6 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         advances and DeepSeek-V3 balancing biases move (``Router.advance_schedule``). The
         trainer calls it after every optimizer step; a loop of one's own calls it after
         ``optimizer.step()`` (or registers ``maxscore.routing.register_router_step_hook``)."""
-        from maxscore.routing.router import advance_routers
-
         advance_routers(self, n)
 
     def parameter_counts(self) -> dict[str, int]:

@@ -3,13 +3,14 @@
 from maxscore.moe.dispatch import (
     DispatchPlan,
     combine_rows,
+    dispatch_plan,
     gather_rows,
     grouped_dispatch_plan,
     grouped_mm,
     padded_dispatch_plan,
 )
 from maxscore.moe.experts import DenseMLP, SwiGLUExperts, weighted_swiglu
-from maxscore.moe.layer import MoE, default_intermediate_size, dispatch_plan
+from maxscore.moe.layer import MoE, default_intermediate_size
 
 __all__ = [
     "DenseMLP",

@@ -29,9 +29,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from maxscore.routing.types import RoutingResult
+
 __all__ = [
     "DispatchPlan",
     "combine_rows",
+    "dispatch_plan",
     "gather_rows",
     "grouped_dispatch_plan",
     "grouped_mm",
@@ -227,6 +230,21 @@ def grouped_dispatch_plan(
         rows_per_expert=None,
         group_end=ends.to(torch.int32),
         slot_row=torch.where(valid, row.view(t, s), -1),
+    )
+
+
+def dispatch_plan(result: RoutingResult, capacity: int | None) -> DispatchPlan:
+    """The MoE layer's plan for a routing: padded when ``capacity`` is given, else grouped."""
+    if capacity is None:
+        return grouped_dispatch_plan(
+            result.expert_index, result.combine_weights, result.num_experts
+        )
+    return padded_dispatch_plan(
+        result.expert_index,
+        result.combine_weights,
+        result.num_experts,
+        result.num_groups,
+        capacity,
     )
 
 

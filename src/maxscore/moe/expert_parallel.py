@@ -41,21 +41,19 @@ parallelism; ``maxscore.parallel.gradients`` reduces both kinds over the right g
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-from maxscore.moe.dispatch import combine_rows
-
-if TYPE_CHECKING:
-    from maxscore.moe.experts import SwiGLUExperts
-    from maxscore.moe.layer import MoE
-    from maxscore.routing.types import RoutingResult
+from maxscore.moe.dispatch import combine_rows, dispatch_plan
+from maxscore.moe.experts import SwiGLUExperts
+from maxscore.routing.types import RoutingResult
 
 __all__ = [
     "ExpertParallel",
+    "ShardableLayer",
     "all_gather_rows",
     "expert_parallel_forward",
     "shard_moe_experts",
@@ -109,7 +107,15 @@ class ExpertParallel:
         return slice(self.first_expert, self.first_expert + self.local_experts)
 
 
-def shard_moe_experts(moe: MoE, ep: ExpertParallel) -> None:
+class ShardableLayer(Protocol):
+    """What :func:`shard_moe_experts` needs of a MoE layer (:class:`maxscore.moe.MoE`)."""
+
+    expert_parallel: ExpertParallel | None
+    num_experts: int
+    experts: SwiGLUExperts
+
+
+def shard_moe_experts(moe: ShardableLayer, ep: ExpertParallel) -> None:
     """Keep only this rank's experts in ``moe`` and run its experts through ``ep`` from now on.
 
     The stacked weights ``gate_up [e, D, 2F]`` and ``down [e, F, D]`` become this rank's block
@@ -117,8 +123,6 @@ def shard_moe_experts(moe: MoE, ep: ExpertParallel) -> None:
     router, its buffers and the shared experts stay whole (they are replicated, like any dense
     parameter). Call before the optimizer is built.
     """
-    from torch import nn
-
     if moe.expert_parallel is not None:
         raise ValueError("this MoE layer's experts are already sharded")
     if ep.num_experts != moe.num_experts:
@@ -139,6 +143,8 @@ def shard_moe_experts(moe: MoE, ep: ExpertParallel) -> None:
 # --------------------------------------------------------------------------------------------
 def _all_to_all(x: Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, ep):
     """Differentiable all-to-all along dim 0 (``None`` splits: equal parts)."""
+    # On first use: a torch built without distributed support has no functional collectives,
+    # and one-device layers never get here.
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     out = all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, ep.group)
@@ -284,8 +290,6 @@ def expert_parallel_forward(
     padded path then exchanges nothing but rows); the MoE layer passes ``self.training``.
     Every rank of the group must call this the same number of times, in the same order.
     """
-    from maxscore.moe.layer import dispatch_plan
-
     if experts.num_experts != ep.local_experts:
         raise ValueError(
             f"the experts module holds {experts.num_experts} experts, the expert-parallel layout "

@@ -14,33 +14,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from maxscore.moe.dispatch import DispatchPlan, grouped_dispatch_plan, padded_dispatch_plan
+from maxscore.moe.dispatch import dispatch_plan
 from maxscore.moe.expert_parallel import ExpertParallel, expert_parallel_forward
 from maxscore.moe.experts import DenseMLP, SwiGLUExperts
 from maxscore.routing.config import RouterConfig
+from maxscore.routing.groups import expert_capacity
+from maxscore.routing.resolve import RouterSizes, RouterSource, resolve_router
+from maxscore.routing.router import Router
 from maxscore.routing.types import RoutingResult
 
-__all__ = ["MoE", "default_intermediate_size", "dispatch_plan"]
+__all__ = ["MoE", "default_intermediate_size"]
 
 
 def default_intermediate_size(hidden_size: int, top_k: int) -> int:
     """Expert width ``4 * hidden / k`` (the paper's), so k experts cost one dense MLP."""
     return 4 * hidden_size // top_k
-
-
-def dispatch_plan(result: RoutingResult, capacity: int | None) -> DispatchPlan:
-    """The layer's plan for a routing: padded when ``capacity`` is given, else grouped."""
-    if capacity is None:
-        return grouped_dispatch_plan(
-            result.expert_index, result.combine_weights, result.num_experts
-        )
-    return padded_dispatch_plan(
-        result.expert_index,
-        result.combine_weights,
-        result.num_experts,
-        result.num_groups,
-        capacity,
-    )
 
 
 class MoE(nn.Module):
@@ -51,9 +39,10 @@ class MoE(nn.Module):
         num_experts: ``e``.
         top_k: ``k``, experts per token (for expert choice: the average).
         intermediate_size: each expert's width ``F``; default ``4 * D // k``.
-        router: a :class:`RouterConfig`, or a preset name (``maxscore.routing.ROUTER_PRESETS``)
-            resolved, with ``router_overrides``, by
-            :func:`~maxscore.routing.presets.get_router_config`.
+        router: a preset name (``maxscore.routing.ROUTER_PRESETS``), RouterConfig fields or a
+            :class:`RouterConfig`, resolved with ``router_overrides`` for this layer's sizes by
+            :func:`~maxscore.routing.resolve.resolve_router` (the ``"dense"`` preset has no
+            router: use :class:`~maxscore.moe.DenseMLP`).
         num_shared_experts: experts every token goes through (DeepSeek), summed into the output.
         shared_intermediate_size: width of each shared expert; default ``intermediate_size``.
         shared_expert_gate: scale the shared experts' output by ``sigmoid(x W_s)`` with a
@@ -84,7 +73,7 @@ class MoE(nn.Module):
         num_experts: int,
         top_k: int,
         intermediate_size: int | None = None,
-        router: str | RouterConfig = "maxscore",
+        router: RouterSource = "maxscore",
         num_shared_experts: int = 0,
         shared_intermediate_size: int | None = None,
         init_std: float = 0.02,
@@ -92,16 +81,10 @@ class MoE(nn.Module):
         **router_overrides: Any,
     ) -> None:
         super().__init__()
-        from maxscore.routing.presets import get_router_config
-        from maxscore.routing.router import Router
-
-        config = get_router_config(router, **router_overrides)
-        if config.is_dense:
-            raise ValueError(
-                "the dense preset has no router: use maxscore.moe.DenseMLP "
-                "(intermediate size k * F) instead of a MoE layer"
-            )
-        # The router first: it checks the sizes, and the default expert width divides by top_k.
+        # The router first: resolving it checks the sizes, and the default expert width
+        # divides by top_k.
+        sizes = RouterSizes(hidden_size, num_experts, top_k)
+        config = resolve_router(router, router_overrides, sizes)
         self.router = Router(hidden_size, num_experts, top_k, config)
         for name, value in (
             ("intermediate_size", intermediate_size),
@@ -156,8 +139,6 @@ class MoE(nn.Module):
         """
         if result.capacity is None:
             return None
-        from maxscore.routing.groups import expert_capacity
-
         cfg = self.router_config
         c = expert_capacity(
             result.group_size, self.num_experts, self.top_k, cfg.capacity_factor, cfg.min_capacity

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from maxscore.parallel.sharding import ExpertSharding
 
@@ -65,8 +66,6 @@ def _as_global_views(state: dict[str, Any], sharding: ExpertSharding | None) -> 
     """Expert entries of an optimizer state dict as DTensor views of the whole tensors."""
     if sharding is None or sharding.ep_size == 1:
         return state
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     placements = [Replicate(), Shard(0)]
     # New dicts: the per-parameter dicts of the state dict are the optimizer's own.
     per_name = dict(state["state"])

@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from maxscore.parallel.mesh import default_device_type
 from maxscore.parallel.sharding import ExpertSharding
@@ -54,8 +55,6 @@ def shard_dense_parameters(
     ``fully_shard_kwargs`` go to every ``fully_shard`` call (``mp_policy``,
     ``reshard_after_forward``, ...).
     """
-    from torch.distributed.fsdp import fully_shard
-
     device_type = sharding.mesh.device_type if sharding is not None else default_device_type()
     mesh = _world_mesh(device_type)
     ignored: set[nn.Parameter] = set()

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from maxscore.parallel.sharding import ExpertSharding
 
@@ -49,8 +50,6 @@ def sync_expert_gradients(experts: Sequence[nn.Parameter], sharding: ExpertShard
 
 
 def _is_dtensor(t: Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(t, DTensor)
 
 

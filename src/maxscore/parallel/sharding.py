@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from maxscore.moe.expert_parallel import ExpertParallel, all_gather_rows, shard_moe_experts
 from maxscore.moe.layer import MoE
+from maxscore.parallel.config import ParallelConfig
 
 __all__ = [
     "ExpertSharding",
@@ -107,8 +108,6 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> ExpertSharding:
     """
     layers = moe_layers(model)
     ep_size = mesh.size(1)
-    from maxscore.parallel.config import ParallelConfig
-
     ParallelConfig(ep_size).check_experts([moe.num_experts for _, moe in layers])
     sharding = ExpertSharding(mesh)
     group = mesh.get_group("ep")

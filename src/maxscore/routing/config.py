@@ -1,26 +1,47 @@
 """Typed configuration of a router: which operator, which strategy, which loss, which options.
 
-A :class:`RouterConfig` is plain data. Presets (:mod:`maxscore.routing.presets`) are named
-``RouterConfig`` values; :class:`~maxscore.routing.router.Router` builds itself from one.
+A :class:`RouterConfig` is plain, frozen data that checks its own values when it is made
+(types and ``Literal`` choices from its annotations, ranges from each field's ``rules``:
+:func:`maxscore.config_types.check_fields`). What depends on the registries (operator, strategy
+and flow-solver names), on the chosen strategy (options it ignores) or on a layer's sizes is
+checked where a router is resolved, :func:`maxscore.routing.resolve.resolve_router`: this module
+imports nothing of the routing package, the registries read it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from maxscore.config_types import check_dataclass_types
+from maxscore.config_types import at_least, check_fields, greater_than
+
+__all__ = [
+    "AuxLossForm",
+    "AuxLossGranularity",
+    "DropPolicy",
+    "EvalRouting",
+    "GroupMode",
+    "RouterConfig",
+    "ScheduleShape",
+    "TemperatureScheduleConfig",
+]
 
 DropPolicy = Literal["position", "score"]
 GroupMode = Literal["sequence", "tokens", "batch"]
 AuxLossForm = Literal["gshard", "eq9", "none"]
 AuxLossGranularity = Literal["group", "sequence", "micro-batch", "global"]
-AUX_LOSS_GRANULARITIES: tuple[str, ...] = ("group", "sequence", "micro-batch", "global")
 EvalRouting = Literal["causal", "train"]
 ScheduleShape = Literal["linear", "cosine", "constant"]
 
 
-@dataclass
+def _known_keys(cls: type, data: dict[str, Any], what: str) -> None:
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {what} key(s) {unknown}; known keys: {known}")
+
+
+@dataclass(frozen=True)
 class TemperatureScheduleConfig:
     """Schedule of the SoftTopk scale ``t`` (Eq. "SoftTopk"), advanced once per optimizer step.
 
@@ -32,30 +53,20 @@ class TemperatureScheduleConfig:
 
     start: float = 3.0
     end: float = 0.0
-    steps: int = 30_000
+    steps: int = field(default=30_000, metadata={"rules": (at_least(0),)})
     shape: ScheduleShape = "linear"
 
     def __post_init__(self) -> None:
-        check_dataclass_types(self, "temperature schedule")
-        if self.steps < 0:
-            raise ValueError(f"temperature schedule steps must be >= 0, got {self.steps}")
-        if self.shape not in ("linear", "cosine", "constant"):
-            raise ValueError(
-                f"unknown temperature schedule shape {self.shape!r}; "
-                "use 'linear', 'cosine' or 'constant'"
-            )
+        check_fields(self, "temperature schedule")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TemperatureScheduleConfig:
         """From ``{"start": 3.0, "end": 0.0, "steps": 30000, "shape": "linear"}`` (any subset)."""
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(data) - set(known))
-        if unknown:
-            raise ValueError(f"unknown temperature schedule key(s) {unknown}; known keys: {known}")
+        _known_keys(cls, data, "temperature schedule")
         return cls(**data)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything that defines a router, apart from the layer sizes.
 
@@ -64,7 +75,8 @@ class RouterConfig:
         strategy: assignment strategy name (``maxscore.routing.strategies.ASSIGNMENT_STRATEGIES``);
             ``"dense"`` means no router at all (the layer is a dense MLP).
         capacity_factor: expert capacity ``c = ceil(capacity_factor * k * n / e)`` per routing
-            group; ignored by strategies without capacity (dropless).
+            group (strategies with a capacity only; :mod:`maxscore.routing.resolve` refuses it
+            for the others).
         min_capacity: lower bound on ``c``.
         drop_policy: which slots a full expert keeps: ``"position"`` (all first choices before
             any second choice, each in token order: first come, first served) or ``"score"``
@@ -92,7 +104,7 @@ class RouterConfig:
         sinkhorn_iterations: iterations of Sinkhorn (SBASE and the two-stage flow solver).
         flow_method: min-cost-flow solver used by the ``"min-cost-flow"`` strategy
             (``maxscore.routing.flow.FLOW_SOLVERS``), or ``"auto"``: the GPU global solver on
-            CUDA, the exact solver on the CPU.
+            CUDA, the exact solver on the CPU (:mod:`maxscore.routing.flow.choice`).
         num_expert_groups / topk_groups: group-limited routing (DeepSeek): experts are split
             into ``num_expert_groups`` groups and each token may only use its ``topk_groups``
             best groups.
@@ -105,8 +117,8 @@ class RouterConfig:
 
     operator: str = "softmax"
     strategy: str = "topk"
-    capacity_factor: float = 1.0
-    min_capacity: int = 1
+    capacity_factor: float = field(default=1.0, metadata={"rules": (greater_than(0),)})
+    min_capacity: int = field(default=1, metadata={"rules": (at_least(0),)})
     drop_policy: DropPolicy = "position"
     group: GroupMode = "sequence"
     group_size: int | None = None
@@ -120,64 +132,26 @@ class RouterConfig:
     flow_method: str = "auto"
     num_expert_groups: int = 1
     topk_groups: int = 1
-    bias_update_rate: float = 0.0
+    bias_update_rate: float = field(default=0.0, metadata={"rules": (at_least(0),)})
     eval_routing: EvalRouting = "causal"
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, dict):
-            self.temperature = TemperatureScheduleConfig.from_dict(self.temperature)
-        check_dataclass_types(self, "router config")
-        if self.capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
-        if self.min_capacity < 0:
-            raise ValueError(f"min_capacity must be >= 0, got {self.min_capacity}")
-        if self.drop_policy not in ("position", "score"):
-            raise ValueError(f"drop_policy must be 'position' or 'score', got {self.drop_policy!r}")
-        if self.group not in ("sequence", "tokens", "batch"):
-            raise ValueError(f"group must be 'sequence', 'tokens' or 'batch', got {self.group!r}")
+        if isinstance(self.temperature, dict):  # from JSON, YAML or a KEY=VALUE flag
+            object.__setattr__(
+                self, "temperature", TemperatureScheduleConfig.from_dict(self.temperature)
+            )
+        check_fields(self, "router config")
         if self.group == "tokens" and (self.group_size is None or self.group_size < 1):
             raise ValueError("group='tokens' needs group_size >= 1 (tokens per routing group)")
-        if self.aux_loss not in ("gshard", "eq9", "none"):
-            raise ValueError(f"aux_loss must be 'gshard', 'eq9' or 'none', got {self.aux_loss!r}")
-        if self.eval_routing not in ("causal", "train"):
-            raise ValueError(f"eval_routing must be 'causal' or 'train', got {self.eval_routing!r}")
-        if self.aux_loss_granularity not in AUX_LOSS_GRANULARITIES:
-            raise ValueError(
-                f"aux_loss_granularity must be one of {', '.join(AUX_LOSS_GRANULARITIES)}, "
-                f"got {self.aux_loss_granularity!r}"
-            )
         if self.num_expert_groups < 1 or not 1 <= self.topk_groups <= self.num_expert_groups:
             raise ValueError(
                 "need num_expert_groups >= 1 and 1 <= topk_groups <= num_expert_groups, got "
                 f"{self.num_expert_groups} and {self.topk_groups}"
             )
-        if self.bias_update_rate < 0:
-            raise ValueError(f"bias_update_rate must be >= 0, got {self.bias_update_rate}")
-        self._check_registered_names()
-
-    def _check_registered_names(self) -> None:
-        """``operator``, ``strategy`` and ``flow_method`` name registered entries.
-
-        The registries are imported here, not at module level: they import torch, and they
-        import this module (a strategy's functions take a ``RouterConfig``).
-        """
-        from maxscore.routing.operators import get_operator_spec
-        from maxscore.routing.strategies import get_strategy
-
-        get_operator_spec(self.operator)
-        if not self.is_dense:
-            get_strategy(self.strategy)
-        if self.flow_method != "auto":
-            from maxscore.routing.flow import FLOW_SOLVERS
-
-            if self.flow_method not in FLOW_SOLVERS:
-                raise ValueError(
-                    f"unknown flow_method {self.flow_method!r}; known: "
-                    f"{['auto', *sorted(FLOW_SOLVERS)]}"
-                )
 
     @property
     def is_dense(self) -> bool:
+        """True for the ``"dense"`` preset: no router, the layer is a dense MLP."""
         return self.strategy == "dense"
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,20 +159,11 @@ class RouterConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RouterConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        """From RouterConfig fields (a saved config; missing fields take the defaults)."""
+        unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(
-                f"unknown router config field(s) {sorted(unknown)}; known fields: {sorted(known)}"
+                f"unknown router option {sorted(unknown)[0]!r}; valid options: "
+                f"{sorted(f.name for f in fields(cls))}"
             )
         return cls(**data)
-
-    def with_overrides(self, **overrides: Any) -> RouterConfig:
-        """A copy with some fields replaced (unknown names raise)."""
-        known = {f.name for f in fields(self)}
-        unknown = set(overrides) - known
-        if unknown:
-            raise ValueError(
-                f"unknown router option(s) {sorted(unknown)}; known options: {sorted(known)}"
-            )
-        return replace(self, **overrides)  # __post_init__ converts and checks the values

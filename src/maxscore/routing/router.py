@@ -57,19 +57,19 @@ from maxscore.routing.losses import (
     router_z_loss,
 )
 from maxscore.routing.operators import get_operator_spec
-from maxscore.routing.presets import get_router_config
+from maxscore.routing.resolve import RouterSizes, RouterSource, resolve_router
 from maxscore.routing.schedule import TemperatureSchedule
 from maxscore.routing.statistics import LazyRoutingStatistics
-from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec, get_strategy
+from maxscore.routing.strategies import ASSIGNMENT_STRATEGIES, StrategySpec
 from maxscore.routing.types import RoutingResult
 
 __all__ = [
+    "DENSE_HAS_NO_ROUTER",
     "LOGIT_BOUND",
     "Router",
     "advance_routers",
     "build_router",
     "register_router_step_hook",
-    "validate_router_setup",
 ]
 
 #: Magnitude that ±inf logits are replaced with (large enough to dominate, small enough that
@@ -79,34 +79,12 @@ LOGIT_BOUND: float = 1.0e4
 _ROUTER_DTYPES = (torch.float32, torch.float64)
 
 
-def validate_router_setup(
-    hidden_size: int, num_experts: int, top_k: int, config: RouterConfig
-) -> None:
-    """Raise a ValueError naming the problem if this router cannot be built.
-
-    Checks what depends on the layer's sizes: ``1 <= k <= e``, that the config names a real
-    router (not ``"dense"``) and the strategy's own checks of its settings
-    (:meth:`StrategySpec.validate`, e.g. the group-limited layout). The config's fields on their
-    own (ranges, known operator / strategy / flow solver) were checked when it was built.
-    """
-    for name, value in (
-        ("hidden_size", hidden_size),
-        ("num_experts", num_experts),
-        ("top_k", top_k),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if top_k > num_experts:
-        raise ValueError(
-            f"top_k={top_k} exceeds num_experts={num_experts}: a token cannot use more experts "
-            "than exist"
-        )
-    if config.is_dense:
-        raise ValueError(
-            "the 'dense' preset has no router: build a dense MLP instead (the MoE layer does this "
-            "for router='dense')"
-        )
-    get_strategy(config.strategy).validate(config, num_experts, top_k)
+#: Why a dense config cannot build a router (the MoE layer and the Llama-MoE model build a
+#: dense MLP for it instead).
+DENSE_HAS_NO_ROUTER = (
+    "the 'dense' preset has no router: use a dense MLP instead (maxscore.moe.DenseMLP of "
+    "width k * F; the Llama-MoE model builds one for router='dense')"
+)
 
 
 class Router(nn.Module):
@@ -116,8 +94,10 @@ class Router(nn.Module):
         hidden_size: ``D``.
         num_experts: ``e``.
         top_k: ``k``, experts per token.
-        config: the :class:`RouterConfig` (resolve a preset name with
-            :func:`~maxscore.routing.presets.get_router_config`, or use :func:`build_router`).
+        config: a resolved :class:`RouterConfig`
+            (:func:`~maxscore.routing.resolve.resolve_router`; :func:`build_router` resolves a
+            preset name for these sizes). Its values were checked when it was made; the Router
+            takes it as it is.
         router_dtype: dtype of the router math, ``torch.float32`` (default) or ``torch.float64``
             (for gradcheck-style tests); assignment always ranks fp32 scores.
         check_finite: debug aid: raise ValueError on NaN/inf logits (a host sync per call)
@@ -165,9 +145,10 @@ class Router(nn.Module):
         if not isinstance(config, RouterConfig):
             raise TypeError(
                 f"config must be a RouterConfig, got {type(config).__name__}; for a preset name "
-                "use build_router(name, ...) or get_router_config(name)"
+                "use build_router(name, ...) or resolve_router(name)"
             )
-        validate_router_setup(hidden_size, num_experts, top_k, config)
+        if config.is_dense:
+            raise ValueError(DENSE_HAS_NO_ROUTER)
         if router_dtype not in _ROUTER_DTYPES:
             raise ValueError(f"router_dtype must be float32 or float64, got {router_dtype}")
         self.hidden_size = hidden_size
@@ -500,7 +481,7 @@ _ROUTER_KWARGS = ("router_dtype", "check_finite", "compute_stats")
 
 
 def build_router(
-    preset_or_config: str | RouterConfig,
+    router: RouterSource,
     hidden_size: int,
     num_experts: int,
     top_k: int,
@@ -510,9 +491,10 @@ def build_router(
 
     ``overrides`` are :class:`RouterConfig` fields (e.g. ``capacity_factor=1.25``,
     ``group="tokens", group_size=1024``) or the Router options ``router_dtype``,
-    ``check_finite``, ``compute_stats``. The name and overrides are resolved by
-    :func:`~maxscore.routing.presets.get_router_config`. Unknown names, ``top_k > num_experts``
-    and other impossible setups raise a ValueError that names the problem.
+    ``check_finite``, ``compute_stats``. The router, its overrides and the sizes are resolved by
+    :func:`~maxscore.routing.resolve.resolve_router`: unknown names, options without effect,
+    ``top_k > num_experts`` and other impossible setups raise a ValueError that names the
+    problem.
 
     Example::
 
@@ -520,7 +502,7 @@ def build_router(
         result = router(hidden)          # hidden: [B, L, 768]
     """
     router_kwargs = {name: overrides.pop(name) for name in _ROUTER_KWARGS if name in overrides}
-    config = get_router_config(preset_or_config, **overrides)
+    config = resolve_router(router, overrides, RouterSizes(hidden_size, num_experts, top_k))
     return Router(hidden_size, num_experts, top_k, config, **router_kwargs)
 
 

@@ -68,11 +68,7 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.config import RouterConfig
-from maxscore.routing.flow.assignment import (
-    assign_min_cost_flow,
-    padding_sink_problem,
-    resolve_flow_method,
-)
+from maxscore.routing.flow.assignment import assign_min_cost_flow, padding_sink_problem
 from maxscore.routing.ranking import ranked_experts, top_experts
 from maxscore.routing.strategy_inputs import check_inputs, check_token_mask, without_padding
 from maxscore.routing.types import DROPPED, assignment_matrix
@@ -97,7 +93,6 @@ __all__ = [
     "keep_within_capacity",
     "padding_sink_problem",
     "ranked_experts",
-    "resolve_flow_method",
     "sinkhorn_log_plan",
     "without_padding",
 ]
@@ -124,9 +119,13 @@ class StrategySpec:
         log_scores: True when the strategy reads its scores as a log-kernel (Sinkhorn
             transports ``exp(scores)``); the router then passes ``log A`` instead of ``A``, which
             for softmax affinities is the logits up to a per-token shift (SBASE's kernel).
+        options: the :class:`RouterConfig` fields that only some strategies read and this one
+            does (capacity, drop policy, solver, expert groups); a router that changes one of
+            the others is refused, since the change would have no effect
+            (:func:`maxscore.routing.resolve.resolve_router`).
         check_setup: the strategy's own check of the settings it reads against the layer's
             sizes (:data:`SetupCheck`), or ``None`` when any valid config works; run by
-            :meth:`validate` before a router is built.
+            :meth:`validate` when a router is resolved for a layer.
     """
 
     assign: AssignFn
@@ -135,6 +134,7 @@ class StrategySpec:
     uses_capacity: bool
     description: str
     log_scores: bool = False
+    options: frozenset[str] = frozenset()
     check_setup: SetupCheck | None = None
 
     def num_slots(self, k: int, num_experts: int) -> int:
@@ -541,6 +541,9 @@ def assign_group_limited(
     return without_padding(idx, check_token_mask("group-limited", scores, token_mask))
 
 
+# The capacity settings, read by every strategy with an expert capacity.
+_CAPACITY = frozenset({"capacity_factor", "min_capacity"})
+
 ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
     "topk": StrategySpec(
         assign=assign_topk,
@@ -548,6 +551,7 @@ ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
         causal=False,
         uses_capacity=True,
         description="GShard top-k with expert capacity; overflow dropped by position or score",
+        options=_CAPACITY | {"drop_policy"},
     ),
     "topk-reroute": StrategySpec(
         assign=assign_topk_reroute,
@@ -555,6 +559,7 @@ ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
         causal=False,
         uses_capacity=True,
         description="top-k with capacity, dropped slots greedily rerouted (Switch '-I')",
+        options=_CAPACITY | {"drop_policy"},
     ),
     "sinkhorn": StrategySpec(
         assign=assign_sinkhorn,
@@ -563,6 +568,7 @@ ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
         uses_capacity=True,
         description="SBASE: Sinkhorn optimal transport, top-k of the plan, capacity enforced",
         log_scores=True,
+        options=_CAPACITY | {"sinkhorn_iterations"},
     ),
     "expert-choice": StrategySpec(
         assign=assign_expert_choice,
@@ -570,6 +576,7 @@ ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
         causal=False,
         uses_capacity=True,
         description="expert choice: each expert takes its top-c tokens (non-causal)",
+        options=_CAPACITY,
     ),
     "dropless": StrategySpec(
         assign=assign_dropless,
@@ -585,6 +592,7 @@ ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
         uses_capacity=False,
         description="DeepSeek group-limited top-k (best topk_groups expert groups), dropless",
         check_setup=check_group_limited_layout,
+        options=frozenset({"num_expert_groups", "topk_groups"}),
     ),
     "min-cost-flow": StrategySpec(
         assign=assign_min_cost_flow,
@@ -592,6 +600,7 @@ ASSIGNMENT_STRATEGIES: dict[str, StrategySpec] = {
         causal=False,
         uses_capacity=True,
         description="MaxScore min-cost max-flow (Eq. 7-8) via flow.FLOW_SOLVERS[flow_method]",
+        options=_CAPACITY | {"flow_method", "sinkhorn_iterations"},
     ),
 }
 

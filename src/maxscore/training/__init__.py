@@ -11,23 +11,18 @@ from typing import TYPE_CHECKING
 from maxscore._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from maxscore.training.config import PAPER_RECIPE, ConfigError, TrainConfig, apply_recipe
-    from maxscore.training.data import DataError, build_training_data, load_tokenizer
+    from maxscore.data.sources import DataError
+    from maxscore.training.config import ConfigError, TrainConfig, apply_recipe
+    from maxscore.training.data import build_training_data, load_tokenizer
     from maxscore.training.metrics import METRICS_SCHEMA
+    from maxscore.training.recipes import PAPER_RECIPE
     from maxscore.training.run import PreparedRun, TrainResult, format_summary, prepare, train
 
 _EXPORTS = {
-    "maxscore.training.config": (
-        "ConfigError",
-        "PAPER_RECIPE",
-        "TrainConfig",
-        "apply_recipe",
-    ),
-    "maxscore.training.data": (
-        "DataError",
-        "build_training_data",
-        "load_tokenizer",
-    ),
+    "maxscore.training.config": ("ConfigError", "TrainConfig", "apply_recipe"),
+    "maxscore.training.recipes": ("PAPER_RECIPE",),
+    "maxscore.data.sources": ("DataError",),
+    "maxscore.training.data": ("build_training_data", "load_tokenizer"),
     "maxscore.training.metrics": ("METRICS_SCHEMA",),
     "maxscore.training.run": (
         "PreparedRun",

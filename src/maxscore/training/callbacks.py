@@ -23,6 +23,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -377,8 +378,6 @@ def _inductor_config() -> ModuleType | None:
 
 
 def _can_install_signal_handler() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -430,7 +429,7 @@ def tensorboard_callback(run_dir: Path, report_to: str) -> TrainerCallback | Non
     wanted = wants_tensorboard(report_to)
     if wanted == "no":
         return None
-    try:
+    try:  # transformers' TensorBoard integration, only for runs that report to TensorBoard
         from transformers.integrations import TensorBoardCallback
 
         # Raises without tensorboard / tensorboardX.

@@ -11,10 +11,10 @@ leftover staging folder is never mistaken for a checkpoint (and is removed on th
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 
+from maxscore.checkpoints.layout import list_checkpoints
 from maxscore.file_modes import give_default_file_modes
 from maxscore.training.write_errors import (
     RunWriteError,
@@ -39,7 +39,6 @@ class CheckpointSaveError(RunWriteError):
         RuntimeError.__init__(self, " ".join(message.split()))  # one line
 
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
 
@@ -88,24 +87,6 @@ def publish_checkpoint(staged: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run directory, oldest (lowest step) first."""
-    if not run_dir.is_dir():
-        return []
-    found = []
-    for child in run_dir.iterdir():
-        match = CHECKPOINT_RE.match(child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
-
-
-def last_checkpoint(run_dir: Path) -> Path | None:
-    """The highest-step complete checkpoint, or None."""
-    checkpoints = list_checkpoints(run_dir)
-    return checkpoints[-1] if checkpoints else None
 
 
 def rotate_checkpoints(run_dir: Path, keep: int) -> None:

@@ -30,8 +30,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from maxscore.analysis.runs import load_run
 from maxscore.training import evidence
 from maxscore.training.config import ConfigError, TrainConfig
+from maxscore.training.continue_command import overwrite_command
+from maxscore.training.distributed import is_main_process
+from maxscore.training.model_build import run_router
+from maxscore.training.run import prepare, train
+from maxscore.training.run_dir import RunDirectory, RunDirPlan
+from maxscore.training.run_lock import lock_run_dir
 from maxscore.training.seed_stats import add_paired_differences, summarize_by_router
 from maxscore.training.write_errors import reported_write
 
@@ -62,8 +69,6 @@ class ComparisonStopped(Exception):
     trained and no comparison file was written. ``exit_status``: 128 + the signal number."""
 
     def __init__(self, router: str, seed: int, run_dir: Path, exit_status: int) -> None:
-        from maxscore.training.continue_command import overwrite_command
-
         super().__init__(
             f"compare stopped by a signal while training {router} seed {seed} (its checkpoint "
             f"is in {run_dir}); no comparison was written: start it again with: "
@@ -90,27 +95,11 @@ def compare(
     checked) before the first one trains. Returns one row per run (reruns excluded), in
     router-then-seed order.
     """
-    from maxscore.routing.presets import ROUTER_PRESETS
-    from maxscore.training.distributed import is_main_process
-    from maxscore.training.run import prepare, train
-    from maxscore.training.run_dir import RunDirectory, RunDirPlan
-    from maxscore.training.run_lock import lock_run_dir
-
     seeds = list(seeds) if seeds else [config.seed]
     if not routers:
         raise ConfigError("--routers is empty; give comma-separated router presets")
-    from maxscore.models.convert import NATIVE_ROUTER
-    from maxscore.training.pretrained import is_pretrained_model
-
-    # A converted checkpoint may also be compared with its own family's routing.
-    native_ok = is_pretrained_model(config.model)
-    unknown = [
-        r for r in routers if r not in ROUTER_PRESETS and not (native_ok and r == NATIVE_ROUTER)
-    ]
-    if unknown:
-        raise ConfigError(
-            f"unknown router preset(s) {unknown}; available: {sorted(ROUTER_PRESETS)}"
-        )
+    for router in routers:  # every router with the options, before any folder is touched
+        run_router(replace(config, router=router))
     if len(set(routers)) != len(routers):
         raise ConfigError(f"--routers lists a router twice: {routers}")
     if len(set(seeds)) != len(seeds):
@@ -423,14 +412,13 @@ def write_comparison(
 
 def plot_comparison(rows: list[dict[str, Any]], out: Path) -> None:
     """``loss_curves.png`` (mean over seeds) and ``loss_differences.png`` from the run dirs."""
-    from maxscore.analysis import plots
-    from maxscore.analysis.runs import load_run
+    from maxscore.analysis import plots  # matplotlib loads only when a comparison is plotted
 
     runs: dict[str, dict[int, Any]] = {}
     for row in rows:
         run = load_run(row["run_dir"])
         runs.setdefault(row["router"], {})[row.get("seed", 0)] = run
-    train = {
+    training = {
         router: plots.mean_curve([run.train_loss() for run in by_seed.values()])
         for router, by_seed in runs.items()
     }
@@ -438,7 +426,7 @@ def plot_comparison(rows: list[dict[str, Any]], out: Path) -> None:
         router: plots.mean_curve([run.eval_loss() for run in by_seed.values()])
         for router, by_seed in runs.items()
     }
-    plots.save_figure(plots.loss_curves_figure(train, validation), out / "loss_curves.png")
+    plots.save_figure(plots.loss_curves_figure(training, validation), out / "loss_curves.png")
     if len(runs) > 1:
         curves = {
             router: {

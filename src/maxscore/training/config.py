@@ -1,19 +1,15 @@
-"""Typed training configuration (:class:`TrainConfig`) and the paper's recipe.
+"""Typed training configuration (:class:`TrainConfig`): the run's settings, checked when made.
 
-A ``TrainConfig`` is plain data: the CLI fills one from its flags, the Python API takes one, and
-the run directory stores the *resolved* one (``config.json``) so a later ``--resume`` can check
-it is continuing the same experiment.
+A ``TrainConfig`` is plain data: the CLI fills one from its flags (which are generated from its
+fields: :func:`maxscore.cli_options.add_dataclass_options`), the Python API takes one, and the
+run directory stores the *resolved* one (``config.json``) so a later ``--resume`` can check it is
+continuing the same experiment. Its values are checked by their types (``Literal`` choices
+included) and by each field's rules (:func:`maxscore.config_types.check_fields`); the router
+named by ``router`` / ``router_overrides`` is resolved once, when the run's model config is
+built (:mod:`maxscore.training.model_build`).
 
-Recipes (:data:`RECIPES`; fields the user set explicitly win over a recipe):
-
-* ``"paper"``: the paper's setup: context 512, global batch 688 sequences, 180k steps, AdamW
-  lr 3e-5, weight decay 0.1, betas (0.9, 0.95), eps 1e-6, a warmup-stable-decay schedule with 2k
-  warmup steps and decay over the last 6k, the SoftTopk ``t`` annealed over 30k steps, bf16,
-  activation checkpointing, C4 and a LLaMA tokenizer.
-* ``"paper-shape"``: the paper's optimizer and schedule *shape* scaled to the run's length, for
-  short runs: the same AdamW betas / eps / weight decay, WSD with warmup over 2/180 and decay
-  over the last 6/180 of the run, ``t`` annealed over 1/6 of it (30k of 180k). Model, data,
-  batch, learning rate and budget stay the user's.
+Recipes (:data:`~maxscore.training.recipes.RECIPES`) fill in fields the user did not set
+(:func:`apply_recipe`).
 """
 
 from __future__ import annotations
@@ -24,40 +20,44 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from maxscore.config_types import check_dataclass_types
-from maxscore.training.errors import ConfigError
+import yaml
+
+from maxscore.config_types import (
+    ConfigError,
+    Rule,
+    at_least,
+    check_fields,
+    greater_than,
+    option,
+    within,
+)
+from maxscore.data.config import DataConfig
+from maxscore.training.recipes import RECIPES
 from maxscore.training.reporting import parse_report_to
+
+__all__ = ["RUNTIME_FIELDS", "ConfigError", "TrainConfig", "apply_recipe"]
 
 Precision = Literal["auto", "bf16", "fp16", "fp32"]
 LRSchedule = Literal["wsd", "cosine", "linear", "constant"]
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
 CompileMode = Literal["default", "max-autotune-no-cudagraphs"]
-COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
-TxtDocuments = Literal["paragraphs", "lines"]
-TXT_DOCUMENTS: tuple[str, ...] = ("paragraphs", "lines")
 
-#: Fields that may differ between a run directory's stored config and a ``--resume`` of it
-#: without a warning: they say where/how to run, not what is trained.
-RUNTIME_FIELDS: frozenset[str] = frozenset(
-    {
-        "output_dir",
-        "resume",
-        "overwrite",
-        "num_workers",
-        "report_to",
-        "quiet",
-        "deepspeed",
-        "compile",
-        "compile_mode",
-        "expert_parallel",
-        "gc_interval",
-    }
+_POSITIVE = (at_least(1),)
+_COUNT = (at_least(0),)
+_SHARE = (within(0, 1),)
+_KNOWN_RECIPE = Rule(
+    lambda name: name in RECIPES, f"unknown recipe {{value!r}}; known recipes: {', '.join(RECIPES)}"
 )
 
 
 @dataclass
-class TrainConfig:
-    """Everything that defines a training run.
+class TrainConfig(DataConfig):
+    """Everything that defines a training run: its data (the :class:`DataConfig` fields:
+    ``dataset``, ``tokenizer``, ``seq_len``, ``seed``, ...) and the fields below.
+
+    Each field's ``metadata`` holds its command-line help (``maxscore train --flag``, generated
+    from the fields by :func:`maxscore.cli_options.add_dataclass_options`), its flag group and the
+    :class:`~maxscore.config_types.Rule` objects its value must meet.
 
     Attributes:
         model: model preset name (``maxscore.models.presets.MODEL_PRESETS``), or a checkpoint
@@ -67,28 +67,11 @@ class TrainConfig:
         router: router preset name (``maxscore.routing.presets.ROUTER_PRESETS``); for a
             converted checkpoint also ``"native"`` (the family's own routing).
         router_overrides: fields of the router config to replace (``{"capacity_factor": 1.25}``).
-        dataset: ``"default"`` (the embedded corpus), a Hugging Face dataset name (``"c4"`` is
-            ``allenai/c4``, config ``en``), or a local ``.txt`` / ``.jsonl`` file or folder.
-        dataset_config: Hugging Face dataset config name (``"en"`` for C4).
-        text_field: the text column of a HF dataset or a JSONL record.
-        streaming: stream a HF dataset instead of downloading it (``None``: only for C4).
-        txt_documents: how a local ``.txt`` file is cut into documents: ``"paragraphs"``
-            (default): documents are separated by blank lines (lines that are empty or only white
-            space); ``"lines"``: every non-blank line is a document. Refused for a source
-            without ``.txt`` files (:mod:`maxscore.training.data`).
-        validation_fraction: share of documents held out when the source has no validation split.
-        max_train_documents: use only the first N (seed-shuffled) training documents.
-        max_eval_blocks: validation blocks per evaluation, evenly spaced over the split so every
-            source keeps its share; ``None`` (default): the whole split, up to 2^20 tokens
-            (:mod:`maxscore.training.validation_set`).
         temperature_steps: optimizer steps over which the SoftTopk ``t`` goes from its start to
             its end value; ``None``: ``temperature_fraction`` of the run's steps
             (:mod:`maxscore.training.temperature`).
         temperature_fraction: share of the run's optimizer steps over which ``t`` anneals when
             ``temperature_steps`` is not given (default 1/6: the paper's 30k of 180k).
-        tokenizer: ``"default"`` (the embedded 32k LLaMA-style tokenizer), or a HF tokenizer name
-            or local path.
-        seq_len: tokens per training sequence (documents are packed into blocks of this length).
         batch_size: sequences per device per micro-batch.
         grad_accum: micro-batches per optimizer step.
         max_steps: optimizer steps to train for (ignored when ``max_tokens`` is given).
@@ -100,7 +83,6 @@ class TrainConfig:
         decay_steps / decay_ratio: WSD decay length at the end of training (steps win when > 0).
         decay_shape: shape of the WSD decay.
         min_lr_ratio: learning rate at the end of the decay, as a fraction of ``lr``.
-        seed: seeds model initialisation, document order and batch order.
         precision: ``"auto"`` is bf16 on a CUDA GPU that supports it, fp32 otherwise.
         gradient_checkpointing: recompute activations in the backward pass.
         compile: ``torch.compile`` every decoder layer and the LM loss
@@ -136,148 +118,307 @@ class TrainConfig:
             the process holds, torch.compile's graphs included, and stalls the step it falls in
             (0.4-0.6 s for a compiled 128-expert model's objects).
         report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, or a comma-separated list
-            of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio`` (``maxscore.training.reporting``).
+            of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio``
+            (``maxscore.training.reporting``).
         quiet: no progress bar.
-        recipe: ``None``, ``"paper"`` or ``"paper-shape"`` (:data:`RECIPES`); applied by
-            :func:`apply_recipe`.
+        recipe: ``None``, ``"paper"`` or ``"paper-shape"``
+            (:data:`~maxscore.training.recipes.RECIPES`); applied by :func:`apply_recipe`.
     """
 
-    model: str = "tiny"
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    router: str = "maxscore"
-    router_overrides: dict[str, Any] = field(default_factory=dict)
-    dataset: str = "default"
-    dataset_config: str | None = None
-    text_field: str = "text"
-    streaming: bool | None = None
-    txt_documents: TxtDocuments = "paragraphs"
-    validation_fraction: float = 0.01
-    max_train_documents: int | None = None
-    max_eval_blocks: int | None = None
-    temperature_steps: int | None = None
-    temperature_fraction: float = 1 / 6
-    tokenizer: str = "default"
-    seq_len: int = 128
-    batch_size: int = 8
-    grad_accum: int = 1
-    max_steps: int = 250
-    max_tokens: int | None = None
-    lr: float = 2e-3
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-6
-    max_grad_norm: float = 1.0
-    lr_schedule: LRSchedule = "wsd"
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.05
-    decay_steps: int = 0
-    decay_ratio: float = 0.2
-    decay_shape: DecayShape = "linear"
-    min_lr_ratio: float = 0.0
-    seed: int = 42
-    precision: Precision = "auto"
-    gradient_checkpointing: bool = False
-    compile: bool = False
-    compile_mode: CompileMode = "default"
-    deterministic: bool = False
-    output_dir: str | None = None
+    model: str = field(
+        default="tiny",
+        metadata=option(
+            group="model",
+            help="model preset (default {default}; see `maxscore presets`), or a checkpoint "
+            "directory / hub name (maxscore, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; a hub name is "
+            "read from the HF cache when the Hub is offline or unreachable)",
+        ),
+    )
+    model_overrides: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=option(
+            group="model",
+            flag="--model-option",
+            metavar="KEY=VALUE",
+            help="override a model config field, e.g. num_hidden_layers=2 (repeatable)",
+        ),
+    )
+    router: str = field(
+        default="maxscore",
+        metadata=option(
+            group="model",
+            help="router preset (default {default}); 'native' keeps a converted model's own",
+        ),
+    )
+    router_overrides: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=option(
+            group="model",
+            flag="--router-option",
+            metavar="KEY=VALUE",
+            help="override a router config field, e.g. capacity_factor=1.25 (repeatable)",
+        ),
+    )
+    temperature_steps: int | None = field(
+        default=None,
+        metadata=option(
+            group="optimisation",
+            rules=_COUNT,
+            help="optimizer steps over which the SoftTopk t anneals (default: "
+            "--temperature-fraction of the run; the paper recipe: 30000)",
+        ),
+    )
+    temperature_fraction: float = field(
+        default=1 / 6,
+        metadata=option(
+            group="optimisation",
+            rules=_SHARE,
+            help="share of the run's optimizer steps over which t anneals when --temperature-steps "
+            "is not given (default 1/6: the paper's 30k of 180k)",
+        ),
+    )
+    batch_size: int = field(
+        default=8,
+        metadata=option(
+            group="optimisation", rules=_POSITIVE, help="sequences per device (default {default})"
+        ),
+    )
+    grad_accum: int = field(
+        default=1,
+        metadata=option(
+            group="optimisation",
+            rules=_POSITIVE,
+            help="micro-batches per optimizer step (default {default})",
+        ),
+    )
+    max_steps: int = field(
+        default=250,
+        metadata=option(group="optimisation", help="optimizer steps (default {default})"),
+    )
+    max_tokens: int | None = field(
+        default=None,
+        metadata=option(
+            group="optimisation", rules=_POSITIVE, help="token budget instead of --max-steps"
+        ),
+    )
+    lr: float = field(
+        default=2e-3,
+        metadata=option(
+            group="optimisation",
+            rules=(greater_than(0),),
+            help="peak learning rate (default {default})",
+        ),
+    )
+    weight_decay: float = field(
+        default=0.1,
+        metadata=option(group="optimisation", help="AdamW weight decay (default {default})"),
+    )
+    adam_beta1: float = field(
+        default=0.9,
+        metadata=option(
+            group="optimisation", rules=(within(0, 1, open_high=True),), help="(default {default})"
+        ),
+    )
+    adam_beta2: float = field(
+        default=0.95,
+        metadata=option(
+            group="optimisation", rules=(within(0, 1, open_high=True),), help="(default {default})"
+        ),
+    )
+    adam_eps: float = field(
+        default=1e-6, metadata=option(group="optimisation", help="(default {default})")
+    )
+    max_grad_norm: float = field(
+        default=1.0, metadata=option(group="optimisation", help="clipping (default {default})")
+    )
+    lr_schedule: LRSchedule = field(
+        default="wsd",
+        metadata=option(
+            group="optimisation", help="learning-rate schedule (default wsd: warmup-stable-decay)"
+        ),
+    )
+    warmup_steps: int = field(
+        default=0,
+        metadata=option(
+            group="optimisation", rules=_COUNT, help="warmup steps (default: --warmup-ratio)"
+        ),
+    )
+    warmup_ratio: float = field(
+        default=0.05,
+        metadata=option(group="optimisation", rules=_SHARE, help="(default {default})"),
+    )
+    decay_steps: int = field(
+        default=0,
+        metadata=option(
+            group="optimisation", rules=_COUNT, help="WSD decay steps at the end (default: ratio)"
+        ),
+    )
+    decay_ratio: float = field(
+        default=0.2, metadata=option(group="optimisation", rules=_SHARE, help="(default {default})")
+    )
+    decay_shape: DecayShape = field(
+        default="linear",
+        metadata=option(group="optimisation", help="shape of the WSD decay (default {default})"),
+    )
+    min_lr_ratio: float = field(
+        default=0.0,
+        metadata=option(
+            group="optimisation",
+            rules=_SHARE,
+            help="learning rate at the end of the decay, as a share of --lr (default {default})",
+        ),
+    )
+    precision: Precision = field(
+        default="auto",
+        metadata=option(group="optimisation", help="auto = bf16 on a GPU, fp32 on CPU"),
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata=option(
+            group="optimisation",
+            help="recompute activations in backward (activation checkpointing)",
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=option(
+            group="optimisation",
+            runtime=True,
+            help="torch.compile each decoder layer and the loss (GPU speed; ~1 min warm-up)",
+        ),
+    )
+    compile_mode: CompileMode = field(
+        default="default",
+        metadata=option(
+            group="optimisation", runtime=True, help="torch.compile mode for --compile"
+        ),
+    )
+    deterministic: bool = field(
+        default=False,
+        metadata=option(
+            group="optimisation",
+            help="same-seed reruns agree bit for bit on one GPU type: torch's deterministic "
+            "algorithms (an op without one fails), cuDNN deterministic, CUBLAS_WORKSPACE_CONFIG="
+            ":4096:8, inductor's deterministic mode with --compile (slower; default off)",
+        ),
+    )
+    output_dir: str | None = field(
+        default=None,
+        metadata=option(
+            group="run directory",
+            runtime=True,
+            help="run directory (default runs/<model>-<router>)",
+        ),
+    )
     # Every 250 steps: one evaluation of the whole validation split (195k tokens) costs about a
     # sixth of the default 250-step CPU run, so the default run evaluates once, at its end.
-    eval_steps: int = 250
-    save_steps: int = 125
-    logging_steps: int = 10
-    save_total_limit: int = 2
-    save_final: bool = True
-    resume: bool = False
-    overwrite: bool = False
-    deepspeed: str | None = None
-    expert_parallel: int = 1
-    num_workers: int = 0
-    gc_interval: int = 50
-    report_to: str = "auto"
-    quiet: bool = False
-    recipe: str | None = None
+    eval_steps: int = field(
+        default=250,
+        metadata=option(
+            group="run directory", rules=_COUNT, help="evaluate every N steps (default {default})"
+        ),
+    )
+    save_steps: int = field(
+        default=125,
+        metadata=option(
+            group="run directory", rules=_COUNT, help="checkpoint every N steps (default {default})"
+        ),
+    )
+    logging_steps: int = field(
+        default=10,
+        metadata=option(
+            group="run directory", rules=_COUNT, help="log every N steps (default {default})"
+        ),
+    )
+    save_total_limit: int = field(
+        default=2,
+        metadata=option(group="run directory", help="checkpoints kept (default {default})"),
+    )
+    save_final: bool = field(
+        default=True,
+        metadata=option(group="run directory", help="checkpoint at the last step (default on)"),
+    )
+    resume: bool = field(
+        default=False,
+        metadata=option(group="run directory", runtime=True, switch=True, help="continue the run"),
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata=option(
+            group="run directory",
+            runtime=True,
+            switch=True,
+            help="replace an existing run directory",
+        ),
+    )
+    deepspeed: str | None = field(
+        default=None,
+        metadata=option(
+            group="optimisation",
+            runtime=True,
+            help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path",
+        ),
+    )
+    expert_parallel: int = field(
+        default=1,
+        metadata=option(
+            group="optimisation",
+            rules=_POSITIVE,
+            runtime=True,
+            metavar="N",
+            help="spread each MoE layer's experts over N processes (torchrun; N divides the "
+            "processes and the experts; default {default})",
+        ),
+    )
+    num_workers: int = field(
+        default=0,
+        metadata=option(
+            group="run directory", runtime=True, help="DataLoader workers (default {default})"
+        ),
+    )
+    gc_interval: int = field(
+        default=50,
+        metadata=option(
+            group="run directory",
+            rules=(at_least(0, " (0: Python's automatic collection)"),),
+            runtime=True,
+            metavar="N",
+            help="collect Python's garbage every N steps instead of automatically (no stalls from "
+            "full collections; 0: automatic; default {default})",
+        ),
+    )
+    report_to: str = field(
+        default="auto",
+        metadata=option(
+            group="run directory",
+            runtime=True,
+            help="auto (TensorBoard if installed), none, or comma-separated trackers: tensorboard, "
+            "wandb, mlflow, trackio (passed to the HF Trainer)",
+        ),
+    )
+    quiet: bool = field(
+        default=False,
+        metadata=option(group="run directory", runtime=True, switch=True, help="no progress bar"),
+    )
+    recipe: str | None = field(
+        default=None,
+        metadata=option(
+            group=None,
+            rules=(_KNOWN_RECIPE,),
+            choices=tuple(RECIPES),
+            help="paper: the paper's setup (Base, C4, 180k steps, t over 30k); paper-shape: its "
+            "optimizer and WSD / t schedule proportions scaled to this run (flags override both)",
+        ),
+    )
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    # ----------------------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Check the values that can be checked without loading anything (raises ConfigError).
-
-        Types first (a value from a JSON/YAML file or a ``KEY=VALUE`` flag can be a string
-        where a number belongs), then ranges and combinations.
-        """
-        check_dataclass_types(self, "training config", ConfigError)
-        positive = {
-            "seq_len": self.seq_len,
-            "batch_size": self.batch_size,
-            "grad_accum": self.grad_accum,
-            "expert_parallel": self.expert_parallel,
-        }
-        if self.max_eval_blocks is not None:
-            positive["max_eval_blocks"] = self.max_eval_blocks
-        for name, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"{name} must be >= 1, got {value}")
-        if self.gc_interval < 0:
-            raise ConfigError(
-                f"gc_interval must be >= 0 (0: Python's automatic collection), got {self.gc_interval}"
-            )
+        """Types and each field's rules, then the rules that join several fields."""
+        check_fields(self, "training config", ConfigError)
         if self.max_tokens is None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
-        if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
-            raise ConfigError(
-                f"betas must be in [0, 1), got ({self.adam_beta1}, {self.adam_beta2})"
-            )
-        if self.compile_mode not in COMPILE_MODES:
-            raise ConfigError(
-                f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {self.compile_mode!r}"
-            )
-        if self.txt_documents not in TXT_DOCUMENTS:
-            raise ConfigError(
-                f"txt_documents must be one of {', '.join(TXT_DOCUMENTS)} (documents of a .txt "
-                f"file: separated by blank lines, or one per line), got {self.txt_documents!r}"
-            )
-        if self.precision not in ("auto", "bf16", "fp16", "fp32"):
-            raise ConfigError(f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")
-        if self.lr_schedule not in ("wsd", "cosine", "linear", "constant"):
-            raise ConfigError(
-                f"lr_schedule must be wsd, cosine, linear or constant, got {self.lr_schedule!r}"
-            )
-        if self.decay_shape not in ("linear", "cosine", "1-sqrt"):
-            raise ConfigError(
-                f"decay_shape must be linear, cosine or 1-sqrt, got {self.decay_shape!r}"
-            )
-        if not 0 <= self.seed < 2**32:  # numpy's seeding range (a negative seed fails there)
-            raise ConfigError(f"seed must be in [0, 2^32 - 1], got {self.seed}")
-        if self.temperature_steps is not None and self.temperature_steps < 0:
-            raise ConfigError(f"temperature_steps must be >= 0, got {self.temperature_steps}")
-        for name in (
-            "warmup_ratio",
-            "decay_ratio",
-            "validation_fraction",
-            "min_lr_ratio",
-            "temperature_fraction",
-        ):
-            value = getattr(self, name)
-            if not 0 <= value <= 1:
-                raise ConfigError(f"{name} must be in [0, 1], got {value}")
-        for name in ("warmup_steps", "decay_steps", "eval_steps", "save_steps", "logging_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other; pick one")
         parse_report_to(self.report_to)  # names only; installation is checked by prepare()
-        if self.recipe is not None and self.recipe not in RECIPES:
-            raise ConfigError(
-                f"unknown recipe {self.recipe!r}; known recipes: {', '.join(RECIPES)}"
-            )
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -326,76 +467,27 @@ class TrainConfig:
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
+        yaml_file = path.suffix in (".yaml", ".yml")
+        data = (yaml.safe_load(text) or {}) if yaml_file else json.loads(text)
         # A run directory's config.json nests the training config next to derived values.
         data = data.get("train", data)
         return cls.from_dict(data)
 
-    def differences(self, other: TrainConfig, ignore: frozenset[str] = RUNTIME_FIELDS) -> dict:
-        """``{field: (self_value, other_value)}`` for fields that differ (``ignore`` skipped)."""
+    def differences(self, other: TrainConfig, ignore: frozenset[str] | None = None) -> dict:
+        """``{field: (self_value, other_value)}`` for fields that differ (``ignore`` skipped;
+        default :data:`RUNTIME_FIELDS`)."""
+        ignore = RUNTIME_FIELDS if ignore is None else ignore
         mine, theirs = self.to_dict(), other.to_dict()
         return {
             k: (mine[k], theirs[k]) for k in mine if k not in ignore and mine[k] != theirs.get(k)
         }
 
 
-#: The paper's training setup. ``dataset="c4"`` streams allenai/c4 ``en``.
-PAPER_RECIPE: dict[str, Any] = {
-    "model": "base",
-    "dataset": "c4",
-    "dataset_config": "en",
-    "streaming": True,
-    "tokenizer": "default",
-    "seq_len": 512,
-    # 688 sequences per optimizer step in total; with 8 GPUs x 43 x 2 = 688.
-    "batch_size": 43,
-    "grad_accum": 2,
-    "max_steps": 180_000,
-    "lr": 3e-5,
-    "weight_decay": 0.1,
-    "adam_beta1": 0.9,
-    "adam_beta2": 0.95,
-    "adam_eps": 1e-6,
-    "lr_schedule": "wsd",
-    "warmup_steps": 2_000,
-    "decay_steps": 6_000,
-    # The authors' t schedule: 3 -> 0 over the first 30k optimizer steps.
-    "temperature_steps": 30_000,
-    "precision": "bf16",
-    "gradient_checkpointing": True,
-    "compile": True,
-    "eval_steps": 2_000,
-    "save_steps": 2_000,
-    "logging_steps": 50,
-    "save_total_limit": 3,
-}
-
-#: The paper's optimizer and schedule shape, scaled to a run of any length: its 2k warmup and
-#: 6k decay steps and 30k ``t`` steps as shares of its 180k steps.
-PAPER_SHAPE_RECIPE: dict[str, Any] = {
-    "weight_decay": 0.1,
-    "adam_beta1": 0.9,
-    "adam_beta2": 0.95,
-    "adam_eps": 1e-6,
-    "lr_schedule": "wsd",
-    "warmup_steps": 0,
-    "warmup_ratio": 2_000 / 180_000,
-    "decay_steps": 0,
-    "decay_ratio": 6_000 / 180_000,
-    "temperature_steps": None,
-    "temperature_fraction": 30_000 / 180_000,
-}
-
-#: Recipes by name (``--recipe``): the fields each one sets.
-RECIPES: dict[str, dict[str, Any]] = {"paper": PAPER_RECIPE, "paper-shape": PAPER_SHAPE_RECIPE}
-
-#: Global batch of the paper's recipe, in sequences.
-PAPER_GLOBAL_BATCH = 688
+#: Fields that may differ between a run directory's stored config and a ``--resume`` of it
+#: without a warning: they say where/how to run, not what is trained.
+RUNTIME_FIELDS: frozenset[str] = frozenset(
+    f.name for f in fields(TrainConfig) if f.metadata.get("runtime")
+)
 
 
 def apply_recipe(
@@ -409,8 +501,6 @@ def apply_recipe(
     """
     if config.recipe is None:
         return config
-    if config.recipe not in RECIPES:
-        raise ConfigError(f"unknown recipe {config.recipe!r}; known recipes: {', '.join(RECIPES)}")
     data = config.to_dict()
     for key, value in RECIPES[config.recipe].items():
         if key not in explicit:

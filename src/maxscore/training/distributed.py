@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
+from maxscore.moe import MoE
 from maxscore.training.config import ConfigError
 
 __all__ = [
@@ -75,14 +77,12 @@ def mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
     """
     if deepspeed is None or zero_stage(deepspeed) != 3:
         return
-    try:
+    try:  # an optional package, needed only under ZeRO-3
         from deepspeed.utils import set_z3_leaf_modules
     except ImportError as err:
         raise ConfigError(
             "--deepspeed needs the deepspeed package (pip install deepspeed)"
         ) from err
-    from maxscore.moe import MoE
-
     set_z3_leaf_modules(model, [MoE])
 
 
@@ -98,8 +98,6 @@ def single_process_launcher_env() -> None:
     if any(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return
     if "MASTER_PORT" not in os.environ:
-        import socket
-
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from maxscore.routing.schedule import TemperatureSchedule
 from maxscore.training.distributed import unwrap
 from maxscore.training.write_errors import append_text, reported_write
 
 __all__ = [
-    "METRICS_FILE",
     "METRICS_SCHEMA",
     "MetricsJsonlCallback",
     "TrainingMetrics",
@@ -38,8 +38,6 @@ __all__ = [
     "summarize_routing",
     "truncate_metrics",
 ]
-
-METRICS_FILE = "metrics.jsonl"
 
 #: What a line of ``metrics.jsonl`` holds (every key optional except ``type`` and ``step``).
 METRICS_SCHEMA: dict[str, str] = {
@@ -89,8 +87,6 @@ def peak_memory_gb() -> float:
 
 def find_temperature_schedule(model: Any) -> Any | None:
     """The first SoftTopk schedule module of ``model`` (all layers share the same value)."""
-    from maxscore.routing.schedule import TemperatureSchedule
-
     for module in unwrap(model).modules():
         if isinstance(module, TemperatureSchedule):
             return module

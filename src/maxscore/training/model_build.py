@@ -1,9 +1,11 @@
-"""The model of a run: its :class:`LlamaMoEConfig` from the presets and options, and the model.
+"""The model of a run: its router and :class:`LlamaMoEConfig` from the options, and the model.
 
-:func:`build_model_config` turns a run's model preset, router preset and ``--model-option`` /
-``--router-option`` overrides into the model config (the router preset is resolved by the
-config itself, through :func:`maxscore.routing.presets.get_router_config`), checking everything
-before any training; :func:`build_model` creates the seeded model, on the GPU when asked.
+One straight line from the training config to the layers: :func:`run_router` resolves
+``--router`` with ``--router-option`` (:func:`maxscore.routing.resolve.resolve_router`),
+:func:`build_model_config` puts that :class:`~maxscore.routing.config.RouterConfig` into the
+model config (which checks it against the model's sizes), and every MoE layer of the model
+built by :func:`build_model` receives it as it is. A checkpoint given as ``--model`` resolves
+its saved router with the options instead (:mod:`maxscore.training.pretrained`).
 """
 
 from __future__ import annotations
@@ -12,51 +14,64 @@ import os
 from typing import Any
 
 import torch
+from transformers import set_seed
 
+from maxscore.models import LlamaMoEConfig, LlamaMoEForCausalLM, get_model_config
+from maxscore.routing.config import RouterConfig
+from maxscore.routing.resolve import resolve_router
 from maxscore.training.config import ConfigError, TrainConfig
-from maxscore.training.option_checks import (
-    validate_model_options,
-    validate_router_options,
-    validate_router_setup_of,
-)
+from maxscore.training.option_checks import validate_model_options
+from maxscore.training.pretrained import is_pretrained_model, pretrained_model_config
 
-__all__ = ["build_model", "build_model_config", "check_seq_len"]
+__all__ = ["build_model", "build_model_config", "check_seq_len", "run_router"]
+
+
+def run_router(config: TrainConfig) -> RouterConfig | None:
+    """The run's router: ``--router`` with ``--router-option`` resolved, or ``None`` for a
+    checkpoint (its saved router is resolved with them when its config is read).
+
+    Raises ConfigError naming the problem (unknown preset or option, a bad value, an option
+    without effect for this router).
+    """
+    if is_pretrained_model(config.model):
+        return None
+    try:
+        return resolve_router(config.router, config.router_overrides)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"invalid router settings: {err}") from err
 
 
 def build_model_config(
-    config: TrainConfig, vocab_size: int, special_tokens: dict[str, int | None] | None = None
-) -> Any:
-    """The :class:`LlamaMoEConfig` of a model preset + router preset + overrides.
+    config: TrainConfig,
+    vocab_size: int | None = None,
+    special_tokens: dict[str, int | None] | None = None,
+) -> LlamaMoEConfig:
+    """The :class:`LlamaMoEConfig` of a model preset + the run's router + overrides, or of the
+    checkpoint ``config.model`` names (which has its own vocabulary and special tokens).
 
-    The router preset is resolved by the model config (``LlamaMoEConfig``, through
-    ``maxscore.routing.presets.get_router_config``). Raises ConfigError for unknown presets or
-    invalid overrides (before any training).
+    ``vocab_size`` and ``special_tokens`` come from the run's tokenizer (a preset's model).
+    Raises ConfigError for unknown presets or invalid options, router sizes included (before
+    any training).
     """
-    from maxscore.models.presets import get_model_config
-    from maxscore.training.pretrained import is_pretrained_model, pretrained_model_config
-
-    if is_pretrained_model(config.model):
+    router = run_router(config)
+    if router is None:
         # A checkpoint directory or hub name (its own vocabulary and special tokens).
         return check_seq_len(config, pretrained_model_config(config))
     validate_model_options(config.model_overrides)
-    validate_router_options(config.router_overrides)
     overrides = dict(config.model_overrides)
-    overrides.setdefault("vocab_size", vocab_size)
+    if vocab_size is not None:
+        overrides.setdefault("vocab_size", vocab_size)
     # The tokenizer's BOS/EOS/PAD ids go into the model (and generation) config, so checkpoints
     # generate and pad correctly.
     for key, value in (special_tokens or {}).items():
         if value is not None:
             overrides.setdefault(key, value)
-    if config.router_overrides:
-        overrides["router_config"] = {
-            **(overrides.get("router_config") or {}),
-            **config.router_overrides,
-        }
     try:
-        model_config = get_model_config(config.model, router=config.router, **overrides)
+        model_config = get_model_config(
+            config.model, router=config.router, router_config=router, **overrides
+        )
     except (TypeError, ValueError) as err:
         raise ConfigError(f"invalid model/router settings: {err}") from err
-    validate_router_setup_of(model_config)
     return check_seq_len(config, model_config)
 
 
@@ -72,16 +87,12 @@ def check_seq_len(config: TrainConfig, model_config: Any) -> Any:
     return model_config
 
 
-def build_model(model_config: Any, seed: int, on_gpu: bool = False) -> Any:
+def build_model(model_config: Any, seed: int, on_gpu: bool = False) -> LlamaMoEForCausalLM:
     """A freshly initialised :class:`LlamaMoEForCausalLM` (seeded).
 
     With ``on_gpu`` the weights are created and initialised directly on this process's GPU
     (``cuda:LOCAL_RANK``): initialising a Base-size model on the CPU first costs several seconds.
     """
-    from transformers import set_seed
-
-    from maxscore.models import LlamaMoEForCausalLM
-
     set_seed(seed)
     if on_gpu and torch.cuda.is_available():
         with torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"):

@@ -1,18 +1,20 @@
-"""Checks of the model, router and parallelism options of a training run, made before anything
-is written.
+"""Checks of the model and parallelism options of a training run, made before anything is
+written (the router options are checked where the router is resolved,
+:func:`maxscore.routing.resolve.resolve_router`).
 
-``--model-option`` and ``--router-option`` values come from ``KEY=VALUE`` flags or config files.
-A misspelt key (``num_hiden_layers=2``) must not be stored and ignored, and a value of the wrong
-type must not fail at the first forward pass: both are refused here with the list of valid keys
-or the expected type.
+``--model-option`` values come from ``KEY=VALUE`` flags or config files, and a Hugging Face
+config accepts any keyword: a misspelt key (``num_hiden_layers=2``) must not be stored and
+ignored, and a value of the wrong type must not fail at the first forward pass. Both are refused
+here with the list of valid keys or the expected type.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from maxscore.config_types import annotations_of, check_value
+from maxscore.models.configuration_llama_moe import ROUTER_SETTING_TYPES, LlamaMoEConfig
+from maxscore.parallel.config import ParallelConfig, ParallelConfigError
 from maxscore.training.config import ConfigError, TrainConfig
 
 #: Model config fields that have their own flag instead of ``--model-option``.
@@ -22,8 +24,6 @@ _OWN_FLAGS = {"router": "--router", "router_config": "--router-option KEY=VALUE"
 def model_option_types() -> dict[str, Any]:
     """``--model-option`` keys (the Llama-MoE config's own fields and the top-level names of
     router settings, such as ``eval_routing``) and their types."""
-    from maxscore.models.configuration_llama_moe import ROUTER_SETTING_TYPES, LlamaMoEConfig
-
     hints = {**annotations_of(LlamaMoEConfig, own_only=True), **ROUTER_SETTING_TYPES}
     return {name: hint for name, hint in hints.items() if name not in _OWN_FLAGS}
 
@@ -41,38 +41,6 @@ def validate_model_options(options: dict[str, Any]) -> None:
             raise ConfigError(f"model option {problem}")
 
 
-def validate_router_options(options: dict[str, Any]) -> None:
-    """Refuse unknown ``--router-option`` keys, listing the valid ones.
-
-    Types and ranges are checked when the router config is built from them
-    (``RouterConfig.__post_init__``); this check comes first so the message names the flag.
-    """
-    from maxscore.routing.config import RouterConfig
-
-    known = sorted(f.name for f in fields(RouterConfig))
-    for key in options:
-        if key not in known:
-            raise ConfigError(f"unknown router option {key!r}; valid options: {known}")
-
-
-def validate_router_setup_of(model_config: Any) -> None:
-    """Check the resolved router of a model config as building its layers would (sizes, flow
-    solver, expert groups), without allocating the model."""
-    from maxscore.routing.router import validate_router_setup
-
-    if model_config.is_dense:
-        return
-    try:
-        validate_router_setup(
-            model_config.hidden_size,
-            model_config.num_experts,
-            model_config.num_experts_per_tok,
-            model_config.get_router_config(),
-        )
-    except ValueError as err:
-        raise ConfigError(f"invalid router settings: {err}") from err
-
-
 def check_parallel_options(config: TrainConfig, world_size: int, model_config: Any) -> None:
     """Refuse an expert-parallel size that cannot work: with DeepSpeed, or not dividing the
     processes or every MoE layer's experts."""
@@ -83,8 +51,6 @@ def check_parallel_options(config: TrainConfig, world_size: int, model_config: A
             "--expert-parallel does not combine with --deepspeed (ZeRO would partition the "
             "experts again); use one of them"
         )
-    from maxscore.parallel.config import ParallelConfig, ParallelConfigError
-
     layers = range(getattr(model_config, "num_hidden_layers", 0))
     is_moe = getattr(model_config, "is_moe_layer", None)
     experts = [model_config.num_experts for i in layers if is_moe is not None and is_moe(i)]

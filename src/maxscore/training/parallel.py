@@ -27,12 +27,15 @@ the same batches (the data order is per process).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
+from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel
 
 from maxscore.parallel.checkpoint import (
     OPTIMIZER_DCP_DIR,
@@ -42,7 +45,13 @@ from maxscore.parallel.checkpoint import (
 )
 from maxscore.parallel.config import ParallelConfig
 from maxscore.parallel.gradients import clip_grad_norm_, sync_expert_gradients, total_grad_norm
-from maxscore.parallel.sharding import ExpertSharding, full_state_dict, local_state_dict
+from maxscore.parallel.mesh import build_device_mesh
+from maxscore.parallel.sharding import (
+    ExpertSharding,
+    apply_expert_parallel,
+    full_state_dict,
+    local_state_dict,
+)
 from maxscore.training.clipping import fused_adam
 from maxscore.training.config import TrainConfig
 from maxscore.training.distributed import unwrap
@@ -57,10 +66,6 @@ __all__ = [
 
 def read_model_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     """The weights of a Hugging Face checkpoint folder (one safetensors file or an index)."""
-    import json
-
-    from safetensors.torch import load_file
-
     folder = Path(folder)
     single = folder / "model.safetensors"
     if single.is_file():
@@ -153,8 +158,6 @@ class ExpertParallelTrainer(MaxScoreTrainer):
 
 def _ddp_ignores(model: torch.nn.Module, sharding: ExpertSharding) -> None:
     """Keep DDP's all-reduce (averaging over every process) off the experts."""
-    from torch.nn.parallel import DistributedDataParallel
-
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, sorted(sharding.expert_names)
     )
@@ -174,9 +177,6 @@ def trainer_for(
         if resumes_dcp:
             return ExpertParallelTrainer, {"sharding": None}
         return MaxScoreTrainer, {}
-    from maxscore.parallel.mesh import build_device_mesh
-    from maxscore.parallel.sharding import apply_expert_parallel
-
     _ = args.device  # initialises the process group (accelerate's PartialState)
     mesh = build_device_mesh(ParallelConfig(config.expert_parallel))
     sharding = apply_expert_parallel(model, mesh)

@@ -12,7 +12,8 @@ model preset, then an existing folder; a name close to a preset (a typo such as 
 refused at once with the preset it resembles; a Hub name is looked up only when the Hub can be
 reached (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` unset and a TCP connection to its host
 within :data:`HUB_PROBE_TIMEOUT_S`), else it must be in the local Hugging Face cache. This module
-imports neither torch nor transformers at import time.
+imports neither torch, transformers nor huggingface_hub at import time (the functions that need
+them do): the command line checks ``--model`` with it before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _offline_variable() -> str | None:
 def _hub_address() -> tuple[str, int]:
     """Host and port a Hub request connects to first: the HTTPS proxy's, when one is set for
     the Hub's host, else the Hub's (``HF_ENDPOINT``, default huggingface.co)."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # on use (module docstring)
 
     endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
     host = endpoint.hostname or "huggingface.co"
@@ -125,7 +126,7 @@ def _hub_unreachable_reason() -> str | None:
 
 def _in_hub_cache(name: str) -> bool:
     """Whether the Hugging Face cache holds ``name``'s ``config.json`` (no network)."""
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import try_to_load_from_cache  # on use (module docstring)
 
     try:
         found = try_to_load_from_cache(name, "config.json")
@@ -173,7 +174,7 @@ def check_model_name(name: str) -> None:
             f"({reason}); pass a model preset or a checkpoint folder, or download it first"
         )
     if _offline_variable() is None:
-        from huggingface_hub import constants
+        from huggingface_hub import constants  # on use (module docstring)
 
         # No route to the Hub: read the cached copy without the Hub client's retries.
         constants.HF_HUB_OFFLINE = True
@@ -185,13 +186,6 @@ def check_model_name(name: str) -> None:
         )
 
 
-def _router_kwargs(config: TrainConfig) -> dict[str, Any]:
-    return {
-        "router": config.router,
-        "router_config": dict(config.router_overrides) or None,
-    }
-
-
 def pretrained_model_config(config: TrainConfig) -> Any:
     """The :class:`LlamaMoEConfig` the checkpoint ``config.model`` loads as (no weights read).
 
@@ -201,18 +195,13 @@ def pretrained_model_config(config: TrainConfig) -> Any:
     (:func:`check_model_name`).
     """
     check_model_name(config.model)
+    # On use (module docstring).
     from transformers import AutoConfig
 
     from maxscore.models import LlamaMoEConfig
     from maxscore.models.convert import NATIVE_ROUTER, ConversionError, maxscore_config_from_family
-    from maxscore.models.convert.load import _unsupported_message
-    from maxscore.routing.presets import ROUTER_PRESETS
+    from maxscore.models.convert.load import unsupported_message
 
-    if config.router not in ROUTER_PRESETS and config.router != NATIVE_ROUTER:
-        raise ConfigError(
-            f"unknown router preset {config.router!r}; available: {sorted(ROUTER_PRESETS)} "
-            f"(or {NATIVE_ROUTER!r} for a converted model's own routing)"
-        )
     try:
         hf_config = AutoConfig.from_pretrained(config.model)
     except Exception as err:  # OSError, ValueError, the hub client's own errors offline
@@ -220,42 +209,33 @@ def pretrained_model_config(config: TrainConfig) -> Any:
             f"unknown model preset {config.model!r} (presets: {sorted(MODEL_PRESETS)}), and not "
             f"a readable checkpoint directory or hub name either: {type(err).__name__}: {err}"
         ) from err
-    kwargs = _router_kwargs(config)
+    # The checkpoint's saved router, with --router (unless 'native') and --router-option.
+    kwargs: dict[str, Any] = {"router": config.router}
+    if config.router_overrides:
+        kwargs["router_config"] = dict(config.router_overrides)
     try:
         if hf_config.model_type == LlamaMoEConfig.model_type:
             if kwargs["router"] == NATIVE_ROUTER:
                 kwargs.pop("router")
-            return LlamaMoEConfig.from_pretrained(
-                config.model,
-                **{k: v for k, v in kwargs.items() if v is not None},
-                **config.model_overrides,
-            )
+            return LlamaMoEConfig.from_pretrained(config.model, **kwargs, **config.model_overrides)
         return maxscore_config_from_family(hf_config, **kwargs, **config.model_overrides)
     except ConversionError as err:
         raise ConfigError(str(err)) from err
     except (TypeError, ValueError) as err:
         if getattr(hf_config, "model_type", None) is None:
-            raise ConfigError(_unsupported_message(None)) from err
+            raise ConfigError(unsupported_message(None)) from err
         raise ConfigError(f"invalid model/router settings for {config.model!r}: {err}") from err
 
 
-def load_pretrained_model(
-    config: TrainConfig, on_gpu: bool = False, temperature: dict[str, Any] | None = None
-) -> Any:
-    """The checkpoint's weights in the model :func:`pretrained_model_config` describes.
-
-    ``temperature``: the run's resolved SoftTopk ``t`` schedule (start, end, steps, shape;
-    :mod:`maxscore.training.temperature`), which replaces the checkpoint's.
-    """
-    import torch
+def load_pretrained_model(config: TrainConfig, model_config: Any, on_gpu: bool = False) -> Any:
+    """The checkpoint's weights in ``model_config``, the run's model config
+    (:func:`pretrained_model_config`'s, with the run's SoftTopk ``t`` schedule)."""
+    import torch  # on use (module docstring)
 
     from maxscore.models.convert import ConversionError, load_pretrained
 
-    kwargs = _router_kwargs(config)
-    if temperature is not None:
-        kwargs["router_config"] = {**(kwargs["router_config"] or {}), "temperature": temperature}
     try:
-        model = load_pretrained(config.model, **kwargs, **config.model_overrides)
+        model = load_pretrained(config.model, config=model_config)
     except ConversionError as err:
         raise ConfigError(str(err)) from err
     if on_gpu and torch.cuda.is_available():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from maxscore.training.errors import ConfigError
+from maxscore.config_types import ConfigError
 
 __all__ = [
     "REPORT_BACKENDS",
@@ -25,6 +25,7 @@ __all__ = [
 
 def _available(name: str) -> Callable[[], bool]:
     def check() -> bool:
+        # On use: TrainConfig checks tracker names with this module when the CLI starts.
         import transformers.integrations as integrations
 
         return bool(getattr(integrations, f"is_{name}_available")())

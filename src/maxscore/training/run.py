@@ -36,7 +36,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,15 @@ from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging as hf_logging
 
-from maxscore.training import checkpoint as ckpt
+from maxscore.checkpoints.integrity import newest_intact
+from maxscore.checkpoints.layout import (
+    CONFIG_FILE,
+    METRICS_FILE,
+    last_checkpoint,
+    list_checkpoints,
+    pending_previous_run,
+)
+from maxscore.data.packing import collate_blocks
 from maxscore.training.callbacks import (
     CompactProgressCallback,
     DeterministicAlgorithms,
@@ -55,9 +63,9 @@ from maxscore.training.callbacks import (
     RunDirectoryCallback,
     tensorboard_callback,
 )
-from maxscore.training.config import PAPER_GLOBAL_BATCH, ConfigError, TrainConfig
+from maxscore.training.config import ConfigError, TrainConfig
 from maxscore.training.continue_command import how_to_continue
-from maxscore.training.data import TrainingData, build_training_data, collate_blocks, load_tokenizer
+from maxscore.training.data import TrainingData, build_training_data, load_tokenizer
 from maxscore.training.distributed import (
     deepspeed_config_path,
     is_main_process,
@@ -66,9 +74,7 @@ from maxscore.training.distributed import (
     world_size,
     zero_stage,
 )
-from maxscore.training.integrity import newest_intact
 from maxscore.training.metrics import (
-    METRICS_FILE,
     MetricsJsonlCallback,
     peak_memory_gb,
     summarize_routing,
@@ -76,15 +82,16 @@ from maxscore.training.metrics import (
 )
 from maxscore.training.model_build import build_model, build_model_config
 from maxscore.training.option_checks import check_parallel_options
+from maxscore.training.parallel import trainer_for
 from maxscore.training.precision import resolve_precision
-from maxscore.training.reporting import check_report_to, trainer_report_to
-from maxscore.training.run_dir import (
-    CONFIG_FILE,
-    RunDirectory,
-    RunDirPlan,
-    check_run_dir,
-    pending_previous_run,
+from maxscore.training.pretrained import (
+    is_pretrained_model,
+    load_pretrained_model,
+    pretrained_tokenizer,
 )
+from maxscore.training.recipes import PAPER_GLOBAL_BATCH
+from maxscore.training.reporting import check_report_to, trainer_report_to
+from maxscore.training.run_dir import RunDirectory, RunDirPlan, check_run_dir
 from maxscore.training.run_lock import lock_run_dir
 from maxscore.training.temperature import (
     ResolvedTemperature,
@@ -175,7 +182,6 @@ def prepare(config: TrainConfig) -> PreparedRun:
     lock (:func:`~maxscore.training.run_lock.lock_run_dir`, taken before the directory is looked
     at) until :func:`train` ends; a refusal here releases it.
     """
-    config.validate()
     check_report_to(config.report_to)
     ws = world_size()
     precision = resolve_precision(config.precision)
@@ -188,27 +194,22 @@ def prepare(config: TrainConfig) -> PreparedRun:
                 "--compile is not supported with ZeRO-3 (DeepSpeed partitions parameters with "
                 "hooks that compiled layers bypass); pass --no-compile, or use --deepspeed zero2"
             )
-    from maxscore.training.pretrained import (
-        is_pretrained_model,
-        pretrained_model_config,
-        pretrained_tokenizer,
-    )
-
     pretrained = is_pretrained_model(config.model)
-    if pretrained:
-        pretrained_model_config(config)  # a bad --model is reported before its tokenizer
+    # A checkpoint's config first: a bad --model is reported before its tokenizer is read.
+    model_config = build_model_config(config) if pretrained else None
     tokenizer = load_tokenizer(pretrained_tokenizer(config) if pretrained else config.tokenizer)
-    model_config = build_model_config(
-        config,
-        vocab_size=len(tokenizer),
-        special_tokens={
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id
-            if tokenizer.pad_token_id is not None
-            else tokenizer.eos_token_id,
-        },
-    )
+    if model_config is None:
+        model_config = build_model_config(
+            config,
+            vocab_size=len(tokenizer),
+            special_tokens={
+                "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id
+                if tokenizer.pad_token_id is not None
+                else tokenizer.eos_token_id,
+            },
+        )
     if len(tokenizer) > model_config.vocab_size:
         raise ConfigError(
             f"tokenizer {config.tokenizer!r} has {len(tokenizer)} tokens but the model's "
@@ -221,7 +222,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         total_steps = config.total_steps(ws)
         # The SoftTopk t schedule follows the run (or a resumed run's stored length); resolved once.
         temperature = resolve_temperature(
-            config, model_config.get_router_config(), total_steps, plan.resume_from
+            config, model_config.router_config, total_steps, plan.resume_from
         )
         apply_temperature(model_config, temperature)
         global_batch = config.batch_size * config.grad_accum * ws
@@ -261,7 +262,7 @@ def _follower_plan(config: TrainConfig) -> RunDirPlan:
     (it may be moving a replaced run aside); the others only read where to resume from."""
     plan = RunDirPlan(config.run_dir)
     if config.resume:
-        plan.resume_from, plan.damaged = newest_intact(ckpt.list_checkpoints(config.run_dir))
+        plan.resume_from, plan.damaged = newest_intact(list_checkpoints(config.run_dir))
     return plan
 
 
@@ -353,8 +354,6 @@ def _activation_checkpointing_argument(enabled: bool) -> dict[str, bool]:
     (FutureWarning) whenever the old name is passed, even as False; the supported transformers
     range has both spellings.
     """
-    from dataclasses import fields
-
     names = {f.name for f in fields(TrainingArguments)}
     key = (
         "activation_checkpointing"
@@ -466,11 +465,8 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     cfg = run.config
     write_resolved_config(run)
     # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
-    from maxscore.training.pretrained import is_pretrained_model, load_pretrained_model
-
     if is_pretrained_model(cfg.model):
-        schedule = None if run.temperature is None else run.temperature.schedule()
-        model = load_pretrained_model(cfg, on_gpu=cfg.deepspeed is None, temperature=schedule)
+        model = load_pretrained_model(cfg, run.model_config, on_gpu=cfg.deepspeed is None)
     else:
         model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
@@ -480,8 +476,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
         model.compile_layers(mode=cfg.compile_mode)
 
     args = training_arguments(run)
-    from maxscore.training.parallel import trainer_for  # shards the experts (--expert-parallel)
-
+    # trainer_for shards the experts for --expert-parallel.
     trainer_class, parallel_kwargs = trainer_for(model, cfg, args, run.resume_from)
     final_cb = FinalCheckpointCallback(save_final=cfg.save_final)
     gc_cb = GarbageCollectionCallback(cfg.gc_interval)
@@ -534,7 +529,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     routing = trainer.metrics.last_routing
     result = TrainResult(
         run_dir=run.run_dir,
-        final_checkpoint=ckpt.last_checkpoint(run.run_dir),
+        final_checkpoint=last_checkpoint(run.run_dir),
         steps=trainer.state.global_step,
         tokens=trainer.state.global_step * cfg.tokens_per_step(run.world_size),
         eval_loss=eval_loss,

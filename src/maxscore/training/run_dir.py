@@ -12,7 +12,7 @@
   it at its first scheduled checkpoint). The previous run is put back if the new run fails
   before any checkpoint. A run that fails before its first checkpoint leaves nothing behind (it
   has nothing to resume from, and its ``config.json`` would block the corrected rerun).
-  Meanwhile :func:`pending_previous_run` names the previous run (``maxscore eval NAME``
+  Meanwhile :func:`~maxscore.checkpoints.layout.pending_previous_run` names the previous run (``maxscore eval NAME``
   evaluates it).
 * :func:`continue_command` is the exact command line that continues (or restarts) a run, for
   every message that says how to go on.
@@ -32,16 +32,18 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from maxscore.checkpoints.integrity import describe_damage, newest_intact
+from maxscore.checkpoints.layout import (
+    CONFIG_FILE,
+    REPLACING_MARKER,
+    list_checkpoints,
+    previous_run_path,
+)
 from maxscore.training import checkpoint as ckpt
 from maxscore.training.config import ConfigError, TrainConfig
 from maxscore.training.continue_command import continue_command, overwrite_command
-from maxscore.training.integrity import describe_damage, newest_intact
 from maxscore.training.run_lock import RunDirLock, lock_run_dir
 
-CONFIG_FILE = "config.json"
-PREVIOUS_RUN_SUFFIX = ".previous-run"
-#: Inside a run that an ``--overwrite`` started: the previous run (aside) is not replaced yet.
-REPLACING_MARKER = ".replacing-previous-run"
 DAMAGED_PREFIX = "damaged-"
 
 
@@ -49,28 +51,8 @@ def _say(message: str) -> None:
     print(f"maxscore: {message}", file=sys.stderr, flush=True)
 
 
-def previous_run_path(run_dir: Path) -> Path:
-    """Where ``--overwrite`` keeps the previous run until the new one has a checkpoint."""
-    return run_dir.with_name(f".{run_dir.name}{PREVIOUS_RUN_SUFFIX}")
-
-
-def pending_previous_run(run_dir: Path) -> Path | None:
-    """The previous run an unfinished ``--overwrite`` of ``run_dir`` keeps aside, or ``None``.
-
-    Pending while the replacing run has no checkpoint (it is starting, or it was killed) or only
-    ones that do not replace (saved at a stop signal: ``run_dir`` holds the marker). Read-only:
-    safe while the replacing run trains.
-    """
-    previous = previous_run_path(run_dir)
-    if not previous.is_dir():
-        return None
-    if (run_dir / REPLACING_MARKER).exists() or not ckpt.list_checkpoints(run_dir):
-        return previous
-    return None
-
-
 def _checkpoint_names(run_dir: Path) -> str:
-    names = [p.name for p in ckpt.list_checkpoints(run_dir)]
+    names = [p.name for p in list_checkpoints(run_dir)]
     return ", ".join(names) if names else "no checkpoints"
 
 
@@ -112,14 +94,14 @@ def recover_interrupted_overwrite(run_dir: Path) -> None:
     previous = previous_run_path(run_dir)
     if not previous.is_dir():
         return
-    if ckpt.list_checkpoints(run_dir) and (run_dir / REPLACING_MARKER).exists():
+    if list_checkpoints(run_dir) and (run_dir / REPLACING_MARKER).exists():
         _say(
             f"the previous run of {run_dir} is kept as {previous.name} until the --overwrite "
             f"run there ({_checkpoint_names(run_dir)}, saved at a stop) reaches a scheduled "
             "checkpoint or its end"
         )
         return
-    if ckpt.list_checkpoints(run_dir):
+    if list_checkpoints(run_dir):
         shutil.rmtree(previous)
         _say(f"finished replacing the previous run in {run_dir} (--overwrite was interrupted)")
         return
@@ -146,7 +128,7 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def _resume_point(run_dir: Path) -> tuple[Path | None, dict[Path, list[str]]]:
-    checkpoints = ckpt.list_checkpoints(run_dir)
+    checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
         _say(f"no checkpoint in {run_dir} yet; starting from scratch")
         return None, {}
@@ -288,7 +270,7 @@ class RunDirectory:
     @property
     def resumable(self) -> bool:
         """Whether the run has a checkpoint to continue from (``--resume``)."""
-        return self._has_checkpoint and bool(ckpt.list_checkpoints(self.path))
+        return self._has_checkpoint and bool(list_checkpoints(self.path))
 
     def checkpoint_written(self, scheduled: bool = True) -> None:
         """The run has a checkpoint. A ``scheduled`` one (``save_steps``, the last step)

@@ -21,10 +21,11 @@ training keeps :class:`~maxscore.routing.config.TemperatureScheduleConfig`'s doc
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from maxscore.routing.config import RouterConfig
 from maxscore.training.config import TrainConfig
 
 __all__ = [
@@ -65,10 +66,6 @@ class ResolvedTemperature:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def schedule(self) -> dict[str, Any]:
-        """The router config's ``temperature`` entry of this schedule."""
-        return {"start": self.start, "end": self.end, "steps": self.steps, "shape": self.shape}
-
 
 def _stored_steps(run_dir: Path) -> int | None:
     """The schedule length of the run stored in ``run_dir`` (its model's router config), if any.
@@ -88,7 +85,7 @@ def _stored_steps(run_dir: Path) -> int | None:
 
 
 def resolve_temperature(
-    config: TrainConfig, router_config: Any, total_steps: int, resume_from: Path | None
+    config: TrainConfig, router_config: RouterConfig, total_steps: int, resume_from: Path | None
 ) -> ResolvedTemperature:
     """The schedule of this run (module docstring: explicit, else stored on resume, else 1/6).
 
@@ -123,8 +120,6 @@ def resolve_temperature(
 
 def apply_temperature(model_config: Any, temperature: ResolvedTemperature) -> None:
     """Write the resolved length into ``model_config``'s router config (checkpoints keep it)."""
-    router_config = dict(model_config.router_config or {})
-    schedule = dict(router_config.get("temperature") or {})
-    schedule["steps"] = temperature.steps
-    router_config["temperature"] = schedule
-    model_config.router_config = router_config
+    router = model_config.router_config
+    schedule = replace(router.temperature, steps=temperature.steps)
+    model_config.router_config = replace(router, temperature=schedule)

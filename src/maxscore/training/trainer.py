@@ -29,16 +29,16 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer
 
+from maxscore.checkpoints.integrity import write_integrity_record
+from maxscore.checkpoints.layout import CONFIG_FILE
 from maxscore.training import checkpoint as ckpt
 from maxscore.training.callbacks import RoutingStatisticsCallback
 from maxscore.training.clipping import clip_grad_norm_in_fused_adam, fused_adam
-from maxscore.training.integrity import write_integrity_record
 from maxscore.training.metrics import TrainingMetrics
 
 # Scripts that build a model the way a run does import these from here as well.
 from maxscore.training.model_build import build_model, build_model_config
 from maxscore.training.precision import keep_half_precision_outputs
-from maxscore.training.run_dir import CONFIG_FILE
 from maxscore.training.validation_set import DOCUMENT_KEY, DocumentLosses, ValidationSummary
 
 __all__ = ["TRAIN_CONFIG_IN_CHECKPOINT", "MaxScoreTrainer", "build_model", "build_model_config"]

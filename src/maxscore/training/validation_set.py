@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from maxscore.training.packing import PackedDataset, _tokenize_iter
+from maxscore.data.packing import PackedDataset, tokenize_each
 
 __all__ = [
     "DEFAULT_MAX_EVAL_TOKENS",
@@ -81,7 +81,7 @@ def pack_validation(
     ids: list[int] = []
     docs: list[int] = []
     eos = tokenizer.eos_token_id
-    for doc, tokens in enumerate(_tokenize_iter(texts, tokenizer)):
+    for doc, tokens in enumerate(tokenize_each(texts, tokenizer)):
         ids.extend(tokens)
         ids.append(eos)
         docs.extend([doc] * (len(tokens) + 1))

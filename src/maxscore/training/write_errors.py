@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from maxscore.checkpoints.layout import last_checkpoint
 from maxscore.training.continue_command import how_to_continue
 
 __all__ = [
@@ -103,8 +104,6 @@ def describe_write_failure(err: BaseException, path: Path | str) -> str | None:
 
 def write_failure_advice(reason: str, run_dir: Path | None) -> str:
     """What to do, and what is safe, in words (the second half of the one line)."""
-    from maxscore.training.checkpoint import last_checkpoint
-
     previous = last_checkpoint(run_dir) if run_dir is not None else None
     if reason in _SPACE_REASONS:
         fix = "Free some space or choose another --output-dir"

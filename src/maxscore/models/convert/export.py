@@ -17,6 +17,7 @@ from maxscore.models.convert.family import (
 )
 from maxscore.models.convert.registry import FAMILIES
 from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
+from maxscore.routing.router import Router
 
 __all__ = ["TOKENIZER_FILES", "export_pretrained", "to_family_model"]
 
@@ -37,7 +38,7 @@ def _check_routing(model: LlamaMoEForCausalLM, allow_routing_change: bool) -> di
     """The family-config fields for the model's routing (raises when it cannot be expressed)."""
     config = model.config
     spec = FAMILIES[config.source_family]
-    router_config = config.get_router_config().to_dict()
+    router_config = config.router_config.to_dict()
     if allow_routing_change:
         try:
             return spec.routing_config(router_config)
@@ -45,8 +46,6 @@ def _check_routing(model: LlamaMoEForCausalLM, allow_routing_change: bool) -> di
             # Keep whatever the original checkpoint said about the weighting.
             return {}
     fields = spec.routing_config(router_config)
-    from maxscore.routing.router import Router
-
     for module in model.modules():
         if not isinstance(module, Router):
             continue

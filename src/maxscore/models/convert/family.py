@@ -15,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
+from transformers.initialization import no_init_weights
 
 __all__ = [
     "WEIGHT_RENAMES",
@@ -198,9 +200,6 @@ def build_with_weights(
     :class:`ConversionError` naming ``what`` was being built. Buffers of the new model that are
     not in ``state`` (router state) are zeroed.
     """
-    import torch
-    from transformers.initialization import no_init_weights
-
     reference = next(iter(state.values()))
     with no_init_weights(), torch.device(reference.device):
         model = factory()

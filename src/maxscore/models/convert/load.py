@@ -25,6 +25,7 @@ __all__ = [
     "convert_model",
     "load_pretrained",
     "maxscore_config_from_family",
+    "unsupported_message",
 ]
 
 #: Router name meaning "route as the checkpoint's own family does" (converted models only).
@@ -74,7 +75,7 @@ def maxscore_config_from_family(
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in FAMILIES:
-        raise ConversionError(_unsupported_message(model_type))
+        raise ConversionError(unsupported_message(model_type))
     spec = FAMILIES[model_type]
     spec.check(hf_config)
     fields = {
@@ -98,13 +99,18 @@ def convert_model(
     hf_model: PreTrainedModel,
     router: str | None = None,
     router_config: dict[str, Any] | None = None,
+    *,
+    config: LlamaMoEConfig | None = None,
     **overrides: Any,
 ) -> LlamaMoEForCausalLM:
     """A Llama-MoE copy of a loaded family model (same weights, dtype and device).
 
-    Raises :class:`ConversionError` for an unsupported family or feature.
+    ``config``: the model config, when the caller already resolved it
+    (:func:`maxscore_config_from_family`); else it is made from ``router``, ``router_config``
+    and ``overrides``. Raises :class:`ConversionError` for an unsupported family or feature.
     """
-    config = maxscore_config_from_family(hf_model.config, router, router_config, **overrides)
+    if config is None:
+        config = maxscore_config_from_family(hf_model.config, router, router_config, **overrides)
     model = build_with_weights(
         lambda: LlamaMoEForCausalLM(config),
         family_to_maxscore_state(hf_model.state_dict()),
@@ -119,7 +125,7 @@ def convert_model(
     return model
 
 
-def _unsupported_message(model_type: str | None) -> str:
+def unsupported_message(model_type: str | None) -> str:
     supported = ", ".join(sorted(FAMILIES))
     if model_type in UNSUPPORTED_FAMILIES:
         return (
@@ -139,9 +145,14 @@ def load_pretrained(
     router: str | None = None,
     router_config: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
+    *,
+    config: LlamaMoEConfig | None = None,
     **overrides: Any,
 ) -> LlamaMoEForCausalLM:
     """Load a checkpoint directory or hub name as a Llama-MoE model routed by ``router``.
+
+    ``config``: the model config, when the caller already resolved it (``maxscore train`` does,
+    before any weight is read); ``router``, ``router_config`` and ``overrides`` then do not apply.
 
     * a maxscore checkpoint: ``from_pretrained`` with ``router`` / ``router_config`` /
       ``overrides`` (they really change the routing);
@@ -155,6 +166,8 @@ def load_pretrained(
     except Exception as err:  # OSError, ValueError, the hub client's errors offline
         raise ConversionError(f"cannot read a model config from {source!r}: {err}") from err
     model_type = getattr(hf_config, "model_type", None)
+    if model_type == LlamaMoEConfig.model_type and config is not None:
+        return LlamaMoEForCausalLM.from_pretrained(source, dtype=dtype, config=config)
     if model_type == LlamaMoEConfig.model_type:
         kwargs: dict[str, Any] = dict(overrides)
         if router is not None and router != NATIVE_ROUTER:
@@ -163,10 +176,10 @@ def load_pretrained(
             kwargs["router_config"] = router_config
         return LlamaMoEForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     if model_type not in FAMILIES:
-        raise ConversionError(_unsupported_message(model_type))
+        raise ConversionError(unsupported_message(model_type))
     model_class = getattr(transformers, FAMILIES[model_type].model_class)
     hf_model = model_class.from_pretrained(source, dtype=dtype)
-    model = convert_model(hf_model, router, router_config, **overrides)
+    model = convert_model(hf_model, router, router_config, config=config, **overrides)
     model.config.name_or_path = str(source)
     del hf_model
     return model

@@ -2,8 +2,8 @@
 
 :func:`assign_min_cost_flow` has the signature of every strategy
 (:mod:`maxscore.routing.strategies`) and hands the problem to a solver of
-:data:`maxscore.routing.flow.FLOW_SOLVERS` (``config.flow_method``; ``"auto"`` picks one per
-device, :func:`resolve_flow_method`). Solvers that do not take a token mask get the real tokens'
+:data:`maxscore.routing.flow.FLOW_SOLVERS` (``config.flow_method``; ``"auto"`` is decided by
+:func:`maxscore.routing.flow.choice.choose_flow_solver`). Solvers that do not take a token mask get the real tokens'
 problem through :func:`padding_sink_problem`.
 """
 
@@ -13,24 +13,13 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.config import RouterConfig
+from maxscore.routing.flow.choice import choose_flow_solver
+from maxscore.routing.flow.compiled_call import solve_flow
+from maxscore.routing.flow.registry import FLOW_SOLVERS
 from maxscore.routing.strategy_inputs import check_inputs, check_token_mask, without_padding
 from maxscore.routing.types import DROPPED
 
-from .registry import FLOW_SOLVERS
-
-__all__ = ["assign_min_cost_flow", "padding_sink_problem", "resolve_flow_method"]
-
-
-def resolve_flow_method(flow_method: str, device: torch.device) -> str:
-    """``"auto"`` picks the fastest solver that meets the optimality target on ``device``.
-
-    On a GPU that is the batched global solver (``"global"``, no host sync). On the CPU the
-    exact successive-shortest-path solver (``"exact"``) is both optimal and faster for routing
-    groups of a few hundred tokens, and a host sync costs nothing there. Other names pass through.
-    """
-    if flow_method != "auto":
-        return flow_method
-    return "global" if device.type == "cuda" else "exact"
+__all__ = ["assign_min_cost_flow", "padding_sink_problem"]
 
 
 @torch.no_grad()
@@ -67,14 +56,8 @@ def assign_min_cost_flow(
     assert cap is not None
     mask = check_token_mask("min-cost-flow", scores, token_mask)
     e = scores.shape[-1]
-    method = resolve_flow_method(config.flow_method, scores.device)
-    if method not in FLOW_SOLVERS:
-        raise ValueError(
-            f"min-cost-flow: unknown flow_method {config.flow_method!r}; "
-            f"registered solvers: {sorted(FLOW_SOLVERS)} or 'auto'"
-        )
-    from .compiled_call import solve_flow  # (defines its custom operator on first use)
-
+    # The name was checked when the router was resolved (maxscore.routing.resolve).
+    method = choose_flow_solver(config.flow_method, scores, k).method
     solver_mask = mask if "token_mask" in FLOW_SOLVERS[method].keywords else None
     if mask is not None and solver_mask is None:
         scores, cap = padding_sink_problem(scores.float(), k, cap, mask)

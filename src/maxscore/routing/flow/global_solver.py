@@ -12,8 +12,8 @@ preference reversed (the reference first):
   ``k <= 8``, any group size (sizes off :func:`.global_cuda.compiled_size`'s list are padded
   with masked tokens, so a few compiled kernels serve group sizes that vary between calls).
 
-:func:`pick_backend` is the one place that chooses: the last backend of the table whose
-``supported`` accepts the input.
+``backend="auto"`` is decided by :func:`.choice.choose_flow_solver`, the one place that
+chooses solvers and backends.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import torch
 from torch import Tensor
 
 from . import global_cuda
+from .choice import AUTO, choose_flow_solver
 from .global_reference import GlobalBudget, solve_reference
 from .objective import mask_to_expert_index
 from .registry import FlowSolverSpec, register_flow_solver
 
-__all__ = ["GLOBAL_BACKENDS", "GlobalBackend", "pick_backend", "solve_global"]
+__all__ = ["GLOBAL_BACKENDS", "GlobalBackend", "solve_global"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def _solve_cuda(
     return out[:, :n].contiguous()
 
 
-#: The backends, the reference first; :func:`pick_backend` takes the last one that applies.
+#: The backends, the reference first (:func:`.choice.choose_flow_solver` picks one).
 GLOBAL_BACKENDS: dict[str, GlobalBackend] = {
     "reference": GlobalBackend(
         supported=lambda affinities, k: True,
@@ -109,14 +110,6 @@ GLOBAL_BACKENDS: dict[str, GlobalBackend] = {
 }
 
 
-def pick_backend(affinities: Tensor, k: int) -> str:
-    """The backend :func:`solve_global` uses for this input (``backend="auto"``)."""
-    for name in reversed(GLOBAL_BACKENDS):
-        if GLOBAL_BACKENDS[name].supported(affinities, k):
-            return name
-    return "reference"
-
-
 def solve_global(
     affinities: Tensor,
     k: int,
@@ -125,7 +118,7 @@ def solve_global(
     capacity_bound: int | None = None,
     token_mask: Tensor | None = None,
     budget: GlobalBudget | None = None,
-    backend: str = "auto",
+    backend: str = AUTO,
 ) -> Tensor:
     """Solve Eq. (8) over Eq. (7)'s feasible set, batched over routing groups.
 
@@ -140,7 +133,8 @@ def solve_global(
         token_mask: ``[G, n]`` (or ``[n]``) bool, False for padded positions: they take no
             expert (their slots are ``-1``) and the real tokens' result does not depend on them.
         budget: step counts (:class:`.GlobalBudget`; default: the measured defaults).
-        backend: ``"auto"`` (:func:`pick_backend`) or a name in :data:`GLOBAL_BACKENDS`.
+        backend: ``"auto"`` (:func:`.choice.choose_flow_solver`) or a name in
+            :data:`GLOBAL_BACKENDS`.
 
     Returns:
         ``[G, n, k]`` long expert indices (``[n, k]`` for a 2-D input), each token's experts in
@@ -165,8 +159,9 @@ def solve_global(
                 f"token_mask must have shape [G, n] = {(groups, n)}, got {tuple(mask.shape)}"
             )
     budget = budget or GlobalBudget()
-    if backend == "auto":
-        chosen = GLOBAL_BACKENDS[pick_backend(scores, k)]  # supported by construction
+    if backend == AUTO:
+        auto_backend = choose_flow_solver("global", scores, k).backend
+        chosen = GLOBAL_BACKENDS[auto_backend or "reference"]  # supported by construction
     elif backend not in GLOBAL_BACKENDS:
         raise ValueError(
             f"unknown global-solver backend {backend!r}; known: {sorted(GLOBAL_BACKENDS)}"
@@ -180,7 +175,7 @@ def solve_global(
     try:
         out = chosen.solve(scores, k, cap, holders, budget, mask)
     except global_cuda.KernelCompileError as exc:
-        if backend != "auto":
+        if backend != AUTO:
             raise
         # A toolchain that cannot build the kernel here: say so once, use the reference.
         warnings.warn(

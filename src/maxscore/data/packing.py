@@ -4,8 +4,8 @@ Documents are tokenised without special tokens, each is followed by the tokenize
 all are concatenated into one stream, and the stream is cut into consecutive blocks of
 ``seq_len`` tokens; the last incomplete block is dropped. :class:`PackedDataset` holds the blocks
 of a map-style source, :class:`PackedStream` packs a streaming source on the fly. Used by the
-training data (:mod:`~maxscore.training.data`) and the validation set
-(:mod:`~maxscore.training.validation_set`).
+training data (:mod:`maxscore.training.data`), its validation set
+(:mod:`maxscore.training.validation_set`) and the analysis of a saved checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +15,15 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset
+
+__all__ = [
+    "PackedDataset",
+    "PackedStream",
+    "collate_blocks",
+    "pack_documents",
+    "pack_token_stream",
+    "tokenize_each",
+]
 
 #: Documents tokenised per call of the fast tokenizer (bounds memory, keeps Rust threads busy).
 _TOKENIZE_BATCH = 64
@@ -57,7 +66,7 @@ def pack_documents(
     """Tokenise and pack ``texts`` (in order) into a ``[num_blocks, seq_len]`` long tensor."""
     blocks: list[list[int]] = []
     for block in pack_token_stream(
-        _tokenize_iter(texts, tokenizer), seq_len, tokenizer.eos_token_id
+        tokenize_each(texts, tokenizer), seq_len, tokenizer.eos_token_id
     ):
         blocks.append(block)
         if max_blocks is not None and len(blocks) >= max_blocks:
@@ -67,7 +76,8 @@ def pack_documents(
     return torch.tensor(blocks, dtype=torch.long)
 
 
-def _tokenize_iter(texts: Iterable[str], tokenizer: Any) -> Iterator[list[int]]:
+def tokenize_each(texts: Iterable[str], tokenizer: Any) -> Iterator[list[int]]:
+    """Each text's token ids (no special tokens; empty texts skipped), tokenised in batches."""
     batch: list[str] = []
     for text in texts:
         if not text:
@@ -146,7 +156,7 @@ class PackedStream(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         texts = self.text_factory(self.seed + self.epoch)
         stream = pack_token_stream(
-            _tokenize_iter(texts, self.tokenizer), self.seq_len, self.tokenizer.eos_token_id
+            tokenize_each(texts, self.tokenizer), self.seq_len, self.tokenizer.eos_token_id
         )
         self.blocks_produced = 0
         for block in stream:
