@@ -186,6 +186,13 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         help="spread each MoE layer's experts over N processes (torchrun; N divides the "
         "processes and the experts; default 1)",
     )
+    g.add_argument(
+        "--fsdp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --expert-parallel: shard the dense parameters and their optimizer state over "
+        "all processes (FSDP2) instead of replicating them (DDP); default off",
+    )
     g = parser.add_argument_group("run directory")
     g.add_argument("--output-dir", help="run directory (default runs/<model>-<router>)")
     g.add_argument(

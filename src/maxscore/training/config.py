@@ -50,6 +50,7 @@ RUNTIME_FIELDS: frozenset[str] = frozenset(
         "compile",
         "compile_mode",
         "expert_parallel",
+        "fsdp",
         "gc_interval",
     }
 )
@@ -128,6 +129,10 @@ class TrainConfig:
         expert_parallel: spread every MoE layer's experts over this many processes (all-to-all
             token exchange, ``maxscore.training.parallel``); must divide the number of
             processes and of experts. 1: every process holds every expert.
+        fsdp: shard the dense parameters (attention, embeddings, routers, norms) and their
+            optimizer state over all processes with FSDP2 instead of replicating them under DDP
+            (``maxscore.parallel.fsdp``); the experts stay expert-parallel. Needs
+            ``expert_parallel >= 2``.
         num_workers: DataLoader worker processes.
         gc_interval: Python's garbage collector during training: every N optimizer steps a
             collection of the young generations, and no automatic one
@@ -193,6 +198,7 @@ class TrainConfig:
     overwrite: bool = False
     deepspeed: str | None = None
     expert_parallel: int = 1
+    fsdp: bool = False
     num_workers: int = 0
     gc_interval: int = 50
     report_to: str = "auto"
