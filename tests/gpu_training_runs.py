@@ -11,7 +11,12 @@ Each router trains into ``OUT/<router>`` one after the other in the same process
 ``maxscore compare`` does), with the settings of :func:`run_config`: the tiny preset in fp32, seq
 128, 100 steps, a checkpoint every 50, every step logged. ``--ddp-reference`` adds a plain DDP
 run of maxscore (no expert parallelism) in ``OUT/ddp``; ``--deepspeed`` runs under DeepSpeed;
-``--stop-after N`` ends training after step N with the schedule of the full run.
+``--stop-after N`` ends training after step N with the schedule of the full run;
+``--trace-steps N`` records every MoE layer's routing decisions of the first N steps
+(``tests/routing_trace.py``: ``OUT/<router>/routing/routing_rank<R>.pt``); ``--perturb EPS``
+multiplies the initial embeddings by ``1 + EPS * noise`` (the same noise on every process), a
+rounding-sized change of the start for the divergence controls; ``--steps`` and ``--seq-len``
+shorten the run.
 
 Capacity routers route each process's micro-batch as a routing group (``group="tokens"``,
 ``group_size`` = the tokens of a micro-batch of ``--group-batch`` sequences), so one GPU with
@@ -39,15 +44,15 @@ def run_config(out: Path, router: str, args: argparse.Namespace, **overrides: An
 
     groups = None
     if router != "maxscore":
-        groups = {"group": "tokens", "group_size": args.group_batch * SEQ_LEN}
+        groups = {"group": "tokens", "group_size": args.group_batch * args.seq_len}
     settings: dict[str, Any] = {
         "model": "tiny",
         "model_overrides": dict(SMALL_MODEL) if SMALL else {},
         "router": router,
         "router_overrides": groups or {},
-        "seq_len": SEQ_LEN,
+        "seq_len": args.seq_len,
         "batch_size": args.batch_size,
-        "max_steps": STEPS,
+        "max_steps": args.steps,
         "logging_steps": 1,
         "eval_steps": 0,
         "save_steps": args.save_steps,
@@ -78,6 +83,21 @@ def _stop_after(step: int) -> Any:
     return StopAfter()
 
 
+def _perturb_embeddings(eps: float) -> Any:
+    """Multiply the initial input embeddings by ``1 + eps * N(0, 1)`` before the first step."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Perturb(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            weight = kw["model"].get_input_embeddings().weight
+            noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(7))
+            with torch.no_grad():
+                weight.mul_(1 + eps * noise.to(weight.device, weight.dtype))
+
+    return Perturb()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -90,6 +110,11 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--ddp-reference", action="store_true")
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
+    parser.add_argument("--trace-steps", type=int, default=0)
+    parser.add_argument("--trace-logits", type=int, default=1, help="steps whose logits are kept")
+    parser.add_argument("--perturb", type=float, default=0.0)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     pid_dir = os.environ.get("MAXSCORE_PID_DIR")
@@ -102,15 +127,27 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before any CUDA work
 
     from maxscore.training import train
+    from routing_trace import RoutingTrace
 
     callbacks = [_stop_after(args.stop_after)] if args.stop_after else []
+    if args.perturb:
+        callbacks.append(_perturb_embeddings(args.perturb))
+
+    def run(config: Any) -> None:
+        trace = []
+        if args.trace_steps:
+            folder = Path(config.output_dir) / "routing"
+            trace = [RoutingTrace(folder, args.trace_steps, args.trace_logits)]
+        train(config, callbacks=[*callbacks, *trace])
+
     for router in args.routers.split(","):
-        train(run_config(args.out, router, args), callbacks=list(callbacks))
+        run(run_config(args.out, router, args))
     if args.ddp_reference:
-        ddp = run_config(
-            args.out, "maxscore", args, expert_parallel=1, output_dir=str(args.out / "ddp")
+        run(
+            run_config(
+                args.out, "maxscore", args, expert_parallel=1, output_dir=str(args.out / "ddp")
+            )
         )
-        train(ddp, callbacks=list(callbacks))
 
 
 if __name__ == "__main__":

@@ -4,11 +4,16 @@ CPU tests' checks on the device.
 Every run is ``tests/gpu_training_runs.py`` (the tiny preset in fp32, seq 128, 100 steps, every
 step logged), one process per GPU under torchrun, so the Trainer's accelerate state forms the NCCL
 group and binds each process to its GPU. The module's launches start together (the GPUs are
-shared; nothing here is timed) and take about two minutes:
+shared; nothing here is timed), one launch per router so that they run side by side:
 
-* one GPU, micro-batch 16, gshard / dropless / maxscore one after the other;
+* one GPU, micro-batch 16, gshard / dropless / maxscore (GPUs 0, 1, 2), every step's routing
+  decisions recorded (``tests/routing_trace.py``);
+* the same on one GPU with the initial embeddings multiplied by ``1 + 1e-7 * noise`` (a
+  control: how far a rounding-sized change of the start carries by itself);
 * two GPUs with ``--expert-parallel 2``, micro-batch 8 each (the same global batch of 16), the
-  same three routers, then maxscore under plain DDP (the reference of the ZeRO runs);
+  same three routers, routing recorded;
+* the same three under plain DDP on two GPUs (the other control: the same order of the
+  gradient sums without the experts' exchange; maxscore's is also the ZeRO runs' reference);
 * two GPUs with ``--expert-parallel 2``, maxscore, killed (SIGKILL to every process) once
   ``checkpoint-50`` is written, then resumed by a test;
 * DeepSpeed ZeRO-2 and ZeRO-3 on two GPUs (maxscore, no expert parallelism), 30 steps of the same
@@ -18,13 +23,28 @@ shared; nothing here is timed) and take about two minutes:
 ``--expert-parallel N``, and routing groups of 16 / N sequences in every run (the one-GPU
 reference too), so that every layout forms the same groups.
 
-Tolerances. fp32 with TF32 matrix products: step 1 (no update yet) differs only by the order of
-the sums in GEMMs of other shapes, so its loss must agree to 1e-4 (relative). Later steps also
-carry that rounding through the chaotic training dynamics and occasional flips of near-tied
-routing decisions; every one of the 100 steps must agree to 2% (relative), the largest gap of
-the bf16 DDP study (1.3% over 300 steps, ``benchmarks/ddp/README.md``) with margin. The resumed
-run must continue the uninterrupted one: steps 51-55 within 0.5%, every step within 2% (two runs
-of one setup differ on the GPU by non-deterministic kernels, so not bitwise).
+What the expert-parallel runs must match, and why. On the CPU (fp32, no TF32) 4 processes with
+the experts over all 4 route *exactly* like one process for the first ~40 steps of the same
+training, and their loss curve then leaves the one-process curve the way a one-process run with
+its embeddings changed by 1e-7 does, and the way plain DDP on 4 processes does: the first
+routing difference is a flip of a near-tie (top-k margin 6e-8), the flips multiply, and after
+100 steps half of the tokens are routed differently in all three (``benchmarks/expert_parallel/
+README.md``, the divergence study). Late single steps of two such curves can differ by several
+percent (a loss spike in one of them), so a per-step bound over 100 steps tests the chaos, not
+the code; on 4 H200s GShard's gap reached 7.0% at step 33 (mean 0.48%). The checks therefore:
+
+* step 1 (the same weights): the routing decisions equal, save near-tie flips of at most 0.1% of
+  the token-layer pairs (reported exactly), the loss to 1e-6 relative and the aux loss to 1e-5;
+  a bug of the expert-parallel path (a capacity computed per rank, a misplaced block in the
+  exchange) changes far more than that (``test_expert_parallel_routing.py`` plants such bugs'
+  effects on the CPU: 24% of the decisions, or the loss at 2e-5);
+* steps 1-10 within 1e-4 (rounding carried through Adam's first steps);
+* over all 100 steps the mean relative gap within 1% and the mean loss of the last 20 steps
+  within 1% (training that is worse or better, not a spike); every step's largest gap, the first
+  step whose routing differs and the controls' gaps are reported next to it.
+
+The resumed run must continue the uninterrupted one: steps 51-55 within 0.5%, every step within
+2% (two runs of one setup may differ on the GPU by non-deterministic kernels).
 
 ``MAXSCORE_GPU_REPORT`` (a file path): the measured gaps are written there as JSON;
 ``MAXSCORE_GPU_LOG``: every launch's output, one after the other.
@@ -71,10 +91,17 @@ ROUTERS = ("gshard", "dropless", "maxscore")
 STEPS = 10 if ON_CPU else 100
 KILL_AT = STEPS // 2  # the checkpoint after which a run is killed
 DEEPSPEED_STEPS = min(30, STEPS)
-LAUNCH_TIMEOUT_S = 420
-STEP1_REL = 1e-4
-STEPS_REL = 2e-2
+LAUNCH_TIMEOUT_S = 1500 if ON_CPU else 420  # the CPU harness: 20+ processes on few cores
+STEP1_REL = 1e-6
+FIRST10_REL = 1e-4
+MEAN_REL = 1e-2
+LAST20_REL = 1e-2
+STEP1_ROUTING_SHARE = 1e-3
+STEPS_REL = 2e-2  # resume and ZeRO comparisons (runs of the same layout / DDP)
+ZERO_STEP1_REL = 1e-4
 RESUME_NEAR_REL = 5e-3
+#: The control's start: the embeddings times 1 + PERTURB * N(0, 1), about one fp32 rounding.
+PERTURB = "1e-7"
 
 
 @dataclass
@@ -108,9 +135,11 @@ class Launch:
         return self.log.read_text(errors="replace")[-chars:] if self.log.is_file() else ""
 
 
-def _launch(root: Path, name: str, gpus: int, *args: str, out: Path | None = None) -> Launch:
-    """Start ``gpu_training_runs.py OUT args`` on ``gpus`` GPUs (torchrun for 2); OUT is
-    ``root / name`` unless given."""
+def _launch(
+    root: Path, name: str, gpus: int, *args: str, out: Path | None = None, first_gpu: int = 0
+) -> Launch:
+    """Start ``gpu_training_runs.py OUT args`` on ``gpus`` GPUs from ``first_gpu`` on (torchrun
+    for 2 or more); OUT is ``root / name`` unless given."""
     out = out or root / name
     out.mkdir(parents=True, exist_ok=True)
     pid_dir = root / f"{name}.pids"
@@ -124,7 +153,7 @@ def _launch(root: Path, name: str, gpus: int, *args: str, out: Path | None = Non
         "TOKENIZERS_PARALLELISM": "false",
         "OMP_NUM_THREADS": "4",
         "MAXSCORE_PID_DIR": str(pid_dir),
-        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)),
+        "CUDA_VISIBLE_DEVICES": ",".join(str(first_gpu + i) for i in range(gpus)),
         # NVLink multicast stays off on shared hosts.
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -191,11 +220,32 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launches]:
     per_gpu = str(16 // GPUS)
     groups = ("--group-batch", per_gpu)  # one routing group per process's micro-batch
     ep = ("--batch-size", per_gpu, *groups, "--expert-parallel", str(GPUS))
-    runs = {
-        "one": _launch(root, "one", 1, "--batch-size", "16", *groups),
-        "ep2": _launch(root, "ep2", GPUS, *ep, "--ddp-reference"),
-        "killed": _launch(root, "killed", GPUS, *ep, "--routers", "maxscore"),
-    }
+    # Every step's routing recorded; no checkpoints (only the killed run needs them).
+    trace = ("--trace-steps", str(STEPS), "--trace-logits", str(STEPS), "--save-steps", "0")
+    one = ("--batch-size", "16", *groups, *trace)
+    runs: dict[str, Launch] = {}
+    # One launch per router, side by side: the one-GPU runs spread over the GPUs.
+    visible = max(torch.cuda.device_count(), 1)
+    for index, router in enumerate(ROUTERS):
+        runs[f"one-{router}"] = _launch(
+            root, f"one-{router}", 1, *one, "--routers", router, out=root / "one",
+            first_gpu=index % visible,
+        )  # fmt: skip
+        runs[f"control-{router}"] = _launch(
+            root, f"control-{router}", 1, *one, "--routers", router, "--perturb", PERTURB,
+            out=root / "control", first_gpu=(index + len(ROUTERS)) % visible,
+        )  # fmt: skip
+        runs[f"ep-{router}"] = _launch(
+            root, f"ep-{router}", GPUS, *ep, *trace, "--routers", router, out=root / "ep"
+        )
+        # Plain DDP on the same GPUs (every GPU holds every expert): the same reduction order
+        # of the gradients as the expert-parallel run, without its exchange. The control that
+        # matters most, and for maxscore the ZeRO runs' reference.
+        runs[f"ddp-{router}"] = _launch(
+            root, f"ddp-{router}", GPUS, "--batch-size", per_gpu, *groups, *trace,
+            "--routers", router, out=root / "ddp",
+        )  # fmt: skip
+    runs["killed"] = _launch(root, "killed", GPUS, *ep, "--routers", "maxscore")
     if _has_deepspeed():
         for stage in ("zero2", "zero3"):
             runs[stage] = _launch(
@@ -259,21 +309,79 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if not k.startswith("_")}
 
 
+def _routing(reference_dir: Path, other_dir: Path) -> dict[str, Any]:
+    """Where two runs' recorded routing decisions first differ, and how (routing_trace)."""
+    from routing_trace import compare, load_global
+
+    rows = compare(load_global(reference_dir / "routing"), load_global(other_dir / "routing"))
+    first = next((s for s in sorted(rows) if rows[s]["differing"]), None)
+    return {
+        "same_inputs_every_step": all(r["same_inputs"] for r in rows.values()),
+        "token_layer_pairs": rows[1]["tokens"],
+        "step1": rows[1],
+        "first_differing_step": first,
+        "at_first_difference": rows[first] if first is not None else None,
+        "differing_at": {s: rows[s]["differing"] for s in (10, 25, 50, 75, 100) if s in rows},
+    }
+
+
+def _long_horizon(one: dict[int, dict], other: dict[int, dict]) -> dict[str, float]:
+    """The mean relative gap over every step and the gap of the last 20 steps' mean loss."""
+    steps = sorted(one)
+    gaps = [abs(other[s]["loss"] - one[s]["loss"]) / abs(one[s]["loss"]) for s in steps]
+    last = steps[-20:]
+    mean_one = sum(one[s]["loss"] for s in last) / len(last)
+    mean_other = sum(other[s]["loss"] for s in last) / len(last)
+    return {
+        "mean_rel": sum(gaps) / len(gaps),
+        "last20_mean_rel": abs(mean_other - mean_one) / abs(mean_one),
+    }
+
+
 @pytest.mark.parametrize("router", ROUTERS)
 def test_expert_parallel_matches_one_gpu(launches: Launches, router: str) -> None:
-    """--expert-parallel GPUS on GPUS GPUs x 16 / GPUS sequences against 1 GPU x 16: step 1 to
-    1e-4, each of the 100 steps to 2% (relative); step 1's aux loss to 1e-3."""
-    launches.check("one")
-    launches.check("ep2")
-    one = _losses(launches.root / "one" / router)
-    ep = _losses(launches.root / "ep2" / router)
+    """--expert-parallel GPUS on GPUS GPUs x 16 / GPUS sequences against 1 GPU x 16 (module
+    docs): step 1's routing equal (near-tie flips of <= 0.1% at most), loss to 1e-6, aux loss
+    to 1e-5; steps 1-10 to 1e-4; over 100 steps the mean gap and the last 20 steps' mean loss to
+    1%. The controls (plain DDP on the same GPUs; one GPU with a 1e-7 change of the start) are
+    reported beside it."""
+    for name in (f"one-{router}", f"ep-{router}"):
+        launches.check(name)
+    root = launches.root
+    one, ep = _losses(root / "one" / router), _losses(root / "ep" / router)
     assert sorted(one) == sorted(ep) == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in ep.values())
     row = _compare(one, ep, range(1, STEPS + 1))
-    launches.report.setdefault("expert_parallel_vs_one_gpu", {})[router] = _public(row)
-    assert row["step1_rel"] <= STEP1_REL, row
-    assert ep[1]["aux_loss"] == pytest.approx(one[1]["aux_loss"], rel=1e-3)
-    assert row["max_rel"] <= STEPS_REL, _public(row)
+    first10 = max(row["_gaps"][s] for s in range(1, min(10, STEPS) + 1))
+    routing = _routing(root / "one" / router, root / "ep" / router)
+    result = {
+        **_public(row),
+        "first10_max_rel": first10,
+        **_long_horizon(one, ep),
+        "aux_loss_step1_rel": abs(ep[1]["aux_loss"] - one[1]["aux_loss"]) / one[1]["aux_loss"],
+        "routing": routing,
+    }
+    for kind, key in (("ddp", "control_ddp"), ("control", "control_perturbed_one_gpu")):
+        if launches.runs[f"{kind}-{router}"].returncode != 0:
+            continue
+        control = _losses(root / kind / router)
+        crow = _compare(one, control, range(1, STEPS + 1))
+        result[key] = {
+            **{k: crow[k] for k in ("step1_rel", "max_rel", "max_rel_step", "mean_rel")},
+            **_long_horizon(one, control),
+            "first_differing_step": _routing(root / "one" / router, root / kind / router)[
+                "first_differing_step"
+            ],
+        }
+    launches.report.setdefault("expert_parallel_vs_one_gpu", {})[router] = result
+    assert routing["same_inputs_every_step"], "the layouts trained on different batches"
+    step1 = routing["step1"]
+    assert step1["differing"] <= STEP1_ROUTING_SHARE * step1["tokens"], result
+    assert row["step1_rel"] <= STEP1_REL, result
+    assert result["aux_loss_step1_rel"] <= 1e-5, result
+    assert first10 <= FIRST10_REL, result
+    assert result["mean_rel"] <= MEAN_REL, result
+    assert result["last20_mean_rel"] <= LAST20_REL, result
 
 
 def test_expert_parallel_resumes_after_kill(launches: Launches) -> None:
@@ -284,7 +392,7 @@ def test_expert_parallel_resumes_after_kill(launches: Launches) -> None:
 
     from maxscore.checkpoints.integrity import verify_checkpoint
 
-    launches.check("ep2")
+    launches.check("ep-maxscore")
     run = launches.root / "killed" / "maxscore"
     assert (run / f"checkpoint-{KILL_AT}" / "optimizer.dcp").is_dir()
     resumed = _launch(
@@ -295,7 +403,7 @@ def test_expert_parallel_resumes_after_kill(launches: Launches) -> None:
     resumed.wait(LAUNCH_TIMEOUT_S)
     launches.check("resumed")
     assert "resuming from" in resumed.tail(200_000)
-    logs, reference = _losses(run), _losses(launches.root / "ep2" / "maxscore")
+    logs, reference = _losses(run), _losses(launches.root / "ep" / "maxscore")
     assert sorted(logs) == list(range(1, STEPS + 1))
     row = _compare(reference, logs, range(1, STEPS + 1))
     near = max(row["_gaps"][s] for s in range(KILL_AT + 1, min(KILL_AT + 6, STEPS + 1)))
@@ -322,15 +430,15 @@ def test_deepspeed_is_close_to_ddp(launches: Launches, stage: str) -> None:
     if stage not in launches.runs:
         pytest.skip("deepspeed is not installed")
     launches.check(stage)
-    launches.check("ep2")
+    launches.check("ddp-maxscore")
     ds = _losses(launches.root / stage / "maxscore")
-    ddp = _losses(launches.root / "ep2" / "ddp")
+    ddp = _losses(launches.root / "ddp" / "maxscore")
     assert sorted(ds) == list(range(1, DEEPSPEED_STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in ds.values())
     row = _compare(ddp, ds, range(1, DEEPSPEED_STEPS + 1))
     launches.report.setdefault("deepspeed_vs_ddp", {})[stage] = _public(row)
     assert row["max_rel"] <= STEPS_REL, _public(row)
-    if row["step1_rel"] > STEP1_REL:
+    if row["step1_rel"] > ZERO_STEP1_REL:
         # Known and not yet explained: on two H200s both stages logged a step-1 loss 4.2e-4
         # (relative) below DDP's, while DDP on 2 GPUs equals 1 GPU exactly; every later step
         # stayed within 1.4%. Reported as an expected failure so that it stays visible.

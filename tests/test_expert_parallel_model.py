@@ -217,3 +217,54 @@ def test_compiled_layers_with_expert_parallel_match_eager_one_process(router: st
     """``compile_layers`` (inductor on the CPU) with the experts over 2 processes: the gradients of
     the eager whole model (padded path; dropless: the count exchange breaks the graph)."""
     spawn_gloo(_compiled_step, 2, router)
+
+
+def _grouped_optimizer(model: torch.nn.Module, split: bool) -> torch.optim.Optimizer:
+    """AdamW with the Trainer's two groups (weight decay / none), each split in two where
+    ``split`` (as an FSDP2 run splits its DTensor and plain parameters)."""
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    plain = [p for n, p in model.named_parameters() if "norm" in n]
+    groups = [(decay, 0.1), (plain, 0.0)]
+    if split:
+        groups = [(part, wd) for params, wd in groups for part in (params[::2], params[1::2])]
+    return torch.optim.AdamW(
+        [{"params": params, "weight_decay": wd} for params, wd in groups if params], lr=1e-2
+    )
+
+
+@pytest.mark.parametrize("split_first", [True, False])
+def test_optimizer_state_loads_across_parameter_groupings(
+    tmp_path: Path, split_first: bool
+) -> None:
+    """Optimizer state saved with the parameter groups split (an FSDP2 run) loads into the
+    unsplit groups of another layout, and the other way round: every parameter's moments and
+    its group's weight decay and learning rate; the scheduler state follows the group count."""
+    from maxscore.parallel import load_optimizer_state, save_optimizer_state
+    from maxscore.parallel.checkpoint import scheduler_state_for
+
+    model = _model()
+    saved = _grouped_optimizer(model, split=split_first)
+    ids = _batch(1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    saved.step()
+    for group in saved.param_groups:
+        group["lr"] = 3e-3  # as a schedule leaves it
+    scheduler = torch.optim.lr_scheduler.LambdaLR(saved, lambda step: 0.5)
+    save_optimizer_state(model, saved, tmp_path, None)
+
+    model.zero_grad(set_to_none=True)  # as a resumed run's model: no gradients yet
+    loaded = _grouped_optimizer(model, split=not split_first)
+    load_optimizer_state(model, loaded, tmp_path, None)
+    names = {id(p): n for n, p in model.named_parameters()}
+    want = {names[id(p)]: (s, g) for g in saved.param_groups for p in g["params"]
+            for s in [saved.state[p]]}  # fmt: skip
+    for group in loaded.param_groups:
+        for param in group["params"]:
+            state, saved_group = want[names[id(param)]]
+            assert group["weight_decay"] == saved_group["weight_decay"]
+            assert group["lr"] == saved_group["lr"]
+            for key in ("exp_avg", "exp_avg_sq"):  # experts no token reached have no state
+                if key in state:
+                    torch.testing.assert_close(loaded.state[param][key], state[key])
+    fitted = scheduler_state_for(scheduler.state_dict(), len(loaded.param_groups))
+    torch.optim.lr_scheduler.LambdaLR(loaded, lambda step: 0.5).load_state_dict(fitted)

@@ -262,3 +262,22 @@ def test_four_processes_two_expert_replicas_match_one_process(
     assert ep[1]["loss"] == pytest.approx(one[1]["loss"], rel=1e-6)
     for step in (2, 3, 4):
         assert ep[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-4), step
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"fsdp": True}, "--fsdp shards the dense parameters around expert-parallel experts"),
+        (
+            {"fsdp": True, "expert_parallel": 2, "compile": True},
+            "--fsdp does not combine with --compile",
+        ),
+    ],
+)
+def test_fsdp_needs_expert_parallelism_and_no_compile(options: dict, message: str) -> None:
+    """--fsdp without --expert-parallel, or with --compile, is refused before anything runs."""
+    from maxscore.training.config import ConfigError
+    from maxscore.training.option_checks import check_parallel_options
+
+    with pytest.raises(ConfigError, match=message):
+        check_parallel_options(_config(Path("unused"), **options), 2, None)

@@ -19,6 +19,17 @@ built on the meta device. Validation is skipped (timing only).
     torchrun --nproc-per-node 2 benchmarks/expert_parallel/bench.py run --expert-parallel 2 \\
         --runs base-2x64:gshard,base-2x64:maxscore,xl:maxscore --compile --output DIR --tag ep2
     python benchmarks/expert_parallel/bench.py summarize DIR --output OUT/expert_parallel.json
+
+``bench.py sweep`` runs a whole grid on one machine within a deadline: every ``preset:router``
+of ``--runs`` on each GPU count of ``--gpu-counts``, one process group per (preset, router, GPU
+count) on its own block of GPUs, as many side by side as the machine's GPUs allow (a 1-GPU run
+on GPU 0 while another runs on GPU 1; the GPUs of a block are never shared, the host's CPU
+cores are). The runs go in the order 1 GPU, the largest count, then the counts between; a run
+whose expected length (``--expected-s``) no longer fits before ``--deadline`` is skipped and
+listed as skipped. Each writes ``<tag>.json`` into ``--output`` as ``run`` does::
+
+    python benchmarks/expert_parallel/bench.py sweep --gpus 4 --gpu-counts 1,2,4 \
+        --runs base-2x64:gshard,base-2x64:maxscore --compile --output DIR --deadline 300
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import gc
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -38,6 +50,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "tests"))  # distributed_helpers
 from common import H100_BF16_PEAK, flops_per_token, step_timer, timing_train_config
 
 #: Micro-batch per GPU by preset where the default (``--batch-size``) would not fit an 80 GB GPU.
@@ -168,8 +181,12 @@ def run(args: argparse.Namespace) -> None:
 def summarize(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     metas = {}
+    skipped: list[str] = []
     for path in sorted(Path(args.folder).glob("*.json")):
         data = json.loads(path.read_text())
+        if "results" not in data:  # the sweep's list of runs it had no time for
+            skipped += data.get("skipped", [])
+            continue
         metas[path.stem] = data["meta"]
         rows += [{**r, "file": path.stem} for r in data["results"]]
     ok = [r for r in rows if "error" not in r]
@@ -203,7 +220,7 @@ def summarize(args: argparse.Namespace) -> None:
                 "mfu": row["mfu"],
             }
         )
-    summary = {"meta": metas, "scaling": scaling, "runs": rows}
+    summary = {"meta": metas, "scaling": scaling, "runs": rows, "skipped": skipped}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(summary, indent=2) + "\n")
     lines = [
@@ -228,6 +245,93 @@ def summarize(args: argparse.Namespace) -> None:
     print("\n".join(lines), flush=True)
 
 
+def _sweep_jobs(args: argparse.Namespace) -> list[tuple[int, str, list[str]]]:
+    """``(gpus, preset, routers)`` in the sweep's order: 1 GPU, the most GPUs, the others.
+
+    Where two runs of a count cannot run side by side (more than half the GPUs) the routers of
+    a preset share one process group, one after the other: one start-up instead of two.
+    """
+    counts = sorted({int(c) for c in args.gpu_counts.split(",") if int(c) <= args.gpus})
+    order = list(dict.fromkeys([c for c in counts if c == 1] + counts[::-1][:1] + counts[::-1]))
+    runs: dict[str, list[str]] = {}
+    for item in args.runs.split(","):
+        preset, _, router = item.partition(":")
+        runs.setdefault(preset, []).append(router or "gshard")
+    jobs: list[tuple[int, str, list[str]]] = []
+    for g in order:
+        for preset, routers in runs.items():
+            if 2 * g > args.gpus:
+                jobs.append((g, preset, routers))
+            else:
+                jobs += [(g, preset, [router]) for router in routers]
+    return jobs
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Run the grid of :func:`_sweep_jobs` on free GPU blocks until the deadline."""
+    from distributed_helpers import free_port
+
+    start = time.monotonic()
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    pending = _sweep_jobs(args)
+    free = list(range(args.gpus))
+    running: list[tuple[subprocess.Popen, list[int], str, Any]] = []
+    skipped: list[str] = []
+    common = [
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq-len",
+        str(args.seq_len), "--batch-size", str(args.batch_size), "--output", str(out),
+        "--runs-dir", args.runs_dir, *(["--compile"] if args.compile else []),
+    ]  # fmt: skip
+
+    def left() -> float:
+        return args.deadline - (time.monotonic() - start)
+
+    while pending or running:
+        for entry in list(running):
+            proc, gpus, tag, log = entry
+            if proc.poll() is not None:
+                running.remove(entry)
+                log.close()
+                free.extend(gpus)
+                print(f"[sweep +{time.monotonic() - start:.0f}s] {tag} exit {proc.returncode}",
+                      flush=True)  # fmt: skip
+        # Start jobs in order while a block fits; a job waiting for GPUs blocks later ones of
+        # its count only, so a 1-GPU job may start beside a running larger one.
+        for job in list(pending):
+            g, preset, routers = job
+            if left() < args.expected_s * len(routers):
+                pending.remove(job)
+                skipped += [f"{preset}:{router} on {g} GPUs" for router in routers]
+                continue
+            if len(free) < g:
+                break
+            free.sort()
+            gpus, free[:] = free[:g], free[g:]
+            pending.remove(job)
+            tag = f"gpus{g}_{preset}_{'_'.join(routers)}"
+            items = ",".join(f"{preset}:{router}" for router in routers)
+            script = [str(Path(__file__).resolve()), "run", "--runs", items, "--tag", tag,
+                      "--expert-parallel", str(g), *common]  # fmt: skip
+            if g == 1:
+                cmd = [sys.executable, *script]
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                       str(g), "--master-port", str(free_port()), *script]  # fmt: skip
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+            log = (out / f"{tag}.log").open("w")
+            # The job's own time limit: what is left of the sweep (SIGINT first, so a run that
+            # is cut keeps the rows it wrote).
+            limit = ["timeout", "-s", "INT", "-k", "15", str(max(int(left()), 10))]
+            proc = subprocess.Popen([*limit, *cmd], env=env, stdout=log, stderr=subprocess.STDOUT)
+            running.append((proc, gpus, tag, log))
+            print(f"[sweep +{time.monotonic() - start:.0f}s] {tag} on GPUs {gpus}", flush=True)
+        time.sleep(1.0)
+    (out / "skipped.json").write_text(json.dumps({"skipped": skipped}, indent=2) + "\n")
+    if skipped:
+        print("[sweep] skipped (no time left): " + "; ".join(skipped), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,12 +351,29 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         help="TrainConfig.gc_interval (default: its default; 0: Python's automatic collection)",
     )
+    w = sub.add_parser("sweep", help="run a grid of runs side by side within a deadline")
+    w.add_argument("--gpus", type=int, required=True, help="GPUs of the machine to use")
+    w.add_argument("--gpu-counts", default="1,2,4", help="expert-parallel sizes to time")
+    w.add_argument("--runs", default="base-2x64:gshard,base-2x64:maxscore")
+    w.add_argument("--batch-size", type=int, default=64, help="micro-batch per GPU")
+    w.add_argument("--seq-len", type=int, default=512)
+    w.add_argument("--steps", type=int, default=30)
+    w.add_argument("--warmup", type=int, default=15)
+    w.add_argument("--compile", action="store_true")
+    w.add_argument("--output", required=True)
+    w.add_argument("--runs-dir", default="/tmp/maxscore-ep-bench-runs")
+    w.add_argument("--deadline", type=float, default=600, help="seconds for the whole sweep")
+    w.add_argument(
+        "--expected-s", type=float, default=90, help="a job is started only if this much is left"
+    )
     s = sub.add_parser("summarize", help="join the rows of several run calls")
     s.add_argument("folder")
     s.add_argument("--output", required=True)
     args = parser.parse_args(argv)
     if args.command == "run":
         run(args)
+    elif args.command == "sweep":
+        sweep(args)
     else:
         summarize(args)
 

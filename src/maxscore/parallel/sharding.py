@@ -120,16 +120,26 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> ExpertSharding:
     return sharding
 
 
-def full_state_dict(model: nn.Module, sharding: ExpertSharding) -> dict[str, Tensor] | None:
-    """The model's state dict with every expert tensor whole (``[e, ...]``), for a checkpoint.
+def _whole(value: Tensor) -> Tensor:
+    """A DTensor (an FSDP2 shard) all-gathered to the whole tensor; anything else as it is."""
+    from torch.distributed.tensor import DTensor
 
-    A collective over the ``ep`` group of the processes with ``dp`` rank 0 (which include
-    global rank 0, the writer); every process must call it. Returns the state dict there and
-    ``None`` on the other processes.
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def full_state_dict(model: nn.Module, sharding: ExpertSharding) -> dict[str, Tensor] | None:
+    """The model's state dict with every tensor whole (experts ``[e, ...]``), for a checkpoint.
+
+    A collective that every process must call. Dense parameters sharded by FSDP2 (DTensors) are
+    all-gathered first, on every process (their groups span all processes); then the processes
+    with ``dp`` rank 0 (global rank 0, the writer, among them) gather the experts over their
+    ``ep`` group. Returns the state dict there and ``None`` on the other processes.
     """
+    state = {
+        name: _whole(value) for name, value in getattr(model, "module", model).state_dict().items()
+    }
     if sharding.dp_rank != 0:
         return None
-    state = dict(getattr(model, "module", model).state_dict())
     group = sharding.ep_group
     for name in sorted(sharding.layouts):  # the same order on every process
         state[name] = all_gather_rows(state[name].detach(), group)

@@ -110,6 +110,10 @@ class TrainConfig(DataConfig):
         expert_parallel: spread every MoE layer's experts over this many processes (all-to-all
             token exchange, ``maxscore.training.parallel``); must divide the number of
             processes and of experts. 1: every process holds every expert.
+        fsdp: shard the dense parameters (attention, embeddings, routers, norms) and their
+            optimizer state over all processes with FSDP2 instead of replicating them under DDP
+            (``maxscore.parallel.fsdp``); the experts stay expert-parallel. Needs
+            ``expert_parallel >= 2``.
         num_workers: DataLoader worker processes.
         gc_interval: Python's garbage collector during training: every N optimizer steps a
             collection of the young generations, and no automatic one
@@ -368,6 +372,15 @@ class TrainConfig(DataConfig):
             metavar="N",
             help="spread each MoE layer's experts over N processes (torchrun; N divides the "
             "processes and the experts; default {default})",
+        ),
+    )
+    fsdp: bool = field(
+        default=False,
+        metadata=option(
+            group="optimisation",
+            runtime=True,
+            help="with --expert-parallel: shard the dense parameters and their optimizer state "
+            "over all processes (FSDP2) instead of replicating them (DDP); default off",
         ),
     )
     num_workers: int = field(

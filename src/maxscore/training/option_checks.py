@@ -43,7 +43,17 @@ def validate_model_options(options: dict[str, Any]) -> None:
 
 def check_parallel_options(config: TrainConfig, world_size: int, model_config: Any) -> None:
     """Refuse an expert-parallel size that cannot work: with DeepSpeed, or not dividing the
-    processes or every MoE layer's experts."""
+    processes or every MoE layer's experts; and FSDP2 of the dense parameters without expert
+    parallelism or with compiled layers."""
+    if config.fsdp and config.expert_parallel == 1:
+        raise ConfigError(
+            "--fsdp shards the dense parameters around expert-parallel experts: it needs "
+            "--expert-parallel 2 or more"
+        )
+    if config.fsdp and config.compile:
+        # Compiled layers inside FSDP2's per-block modules are not tested here: refused rather
+        # than left to fail (or recompile) somewhere inside the first step.
+        raise ConfigError("--fsdp does not combine with --compile yet; pass --no-compile")
     if config.expert_parallel == 1:
         return
     if config.deepspeed is not None:

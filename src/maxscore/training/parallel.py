@@ -18,6 +18,13 @@ Checkpoints (:class:`ExpertParallelTrainer`):
   ``torch.distributed.checkpoint`` (:mod:`maxscore.parallel.checkpoint`), which reshards on load;
 * ``scheduler.pt``, ``rng_state_<rank>.pth`` and ``trainer_state.json`` as usual.
 
+With ``--fsdp`` the dense parameters are sharded over all processes by FSDP2 instead of being
+replicated under DDP (:func:`maxscore.parallel.fsdp.shard_dense_parameters`; the experts stay
+expert-parallel): the Trainer then prepares the model without DDP (autocast only), FSDP2
+averages the dense gradients, checkpoints all-gather the dense shards into the same whole
+``model.safetensors`` and the optimizer state goes into the same ``optimizer.dcp/``, so a run
+with ``--fsdp`` resumes without it and the other way round.
+
 So ``--resume`` works with the same layout and with another one (another ``P``, another number of
 processes, or one process without expert parallelism); a run without it resumes into one with it
 too (its ``optimizer.pt`` is cut to each process's experts). A resumed run on another number of
@@ -29,6 +36,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +51,7 @@ from maxscore.parallel.checkpoint import (
     load_optimizer_state,
     local_optimizer_state,
     save_optimizer_state,
+    scheduler_state_for,
 )
 from maxscore.parallel.config import ParallelConfig
 from maxscore.parallel.gradients import clip_grad_norm_, sync_expert_gradients, total_grad_norm
@@ -84,12 +94,32 @@ class ExpertParallelTrainer(MaxScoreTrainer):
     clipping over all processes, whole-expert model checkpoints, DCP optimizer state.
 
     ``sharding`` is ``None`` for a run without expert parallelism that resumes from a
-    checkpoint written with it (its optimizer state is in ``optimizer.dcp/``).
+    checkpoint written with it (its optimizer state is in ``optimizer.dcp/``). ``fsdp``: the
+    dense parameters were sharded by FSDP2 (:func:`trainer_for`).
     """
 
-    def __init__(self, *args: Any, sharding: ExpertSharding | None = None, **kwargs: Any):
+    def __init__(
+        self, *args: Any, sharding: ExpertSharding | None = None, fsdp: bool = False, **kwargs: Any
+    ):
         super().__init__(*args, **kwargs)
         self.sharding = sharding
+        self.fsdp = fsdp
+
+    # -- FSDP2 ----------------------------------------------------------------------------------
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        if not (self.fsdp and training) or getattr(model, "_is_accelerate_prepared", False):
+            return super()._wrap_model(model, training, dataloader)
+        # FSDP2 already reduces the dense gradients: accelerate's prepare would wrap the model
+        # in DDP, which refuses DTensor parameters. evaluation_mode prepares everything else
+        # (autocast) and marks the model prepared, so the Trainer's own prepare call that
+        # follows leaves it as it is.
+        return self.accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+
+    def create_optimizer(self, model: Any = None) -> Any:
+        optimizer = super().create_optimizer(model)
+        if self.fsdp:
+            _separate_dtensor_groups(getattr(optimizer, "optimizer", optimizer))
+        return optimizer
 
     # -- gradients ------------------------------------------------------------------------------
     def _expert_gradients_ready(self, model: Any) -> tuple[list, list]:
@@ -103,6 +133,8 @@ class ExpertParallelTrainer(MaxScoreTrainer):
             return super()._clip_grad_norm(model)
         dense, experts = self._expert_gradients_ready(model)
         plain = self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+        # Not under FSDP2: the fused step's grad_scale (a plain tensor) would meet DTensors.
+        plain = plain and not self.fsdp
         fused = fused_adam(self.optimizer) if plain and self.accelerator.scaler is None else None
         return clip_grad_norm_(dense, experts, self.sharding, self.args.max_grad_norm, fused)
 
@@ -119,7 +151,8 @@ class ExpertParallelTrainer(MaxScoreTrainer):
             return super().save_model(output_dir, _internal_call)
         state = full_state_dict(unwrap(self.model), self.sharding)  # a collective
         if self.args.should_save:
-            self._save(output_dir or self.args.output_dir, state_dict=state)
+            with _unsharded_class(unwrap(self.model)):
+                self._save(output_dir or self.args.output_dir, state_dict=state)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.sharding is None:
@@ -137,23 +170,74 @@ class ExpertParallelTrainer(MaxScoreTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if self.sharding is None:
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        target = model if model is not None else self.model
+        target = unwrap(model if model is not None else self.model)
         weights = local_state_dict(read_model_weights(resume_from_checkpoint), self.sharding)
-        self._issue_warnings_after_load(unwrap(target).load_state_dict(weights, strict=False))
+        if self.fsdp:
+            from maxscore.parallel.fsdp import distribute_like
+
+            weights = distribute_like(target, weights)
+        self._issue_warnings_after_load(target.load_state_dict(weights, strict=False))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         folder = Path(checkpoint or "")
         if checkpoint is not None and (folder / OPTIMIZER_DCP_DIR).is_dir():
             load_optimizer_state(self.model, self.optimizer, folder, self.sharding)
         elif checkpoint is not None and self.sharding is not None:
+            if self.fsdp:
+                raise ValueError(
+                    f"{checkpoint} holds its optimizer state in optimizer.pt (a run without "
+                    "expert parallelism): resume it without --fsdp first, whose next checkpoint "
+                    "writes optimizer.dcp/"
+                )
             full = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
             state = local_optimizer_state(full, self.model, self.optimizer, self.sharding)
             self.optimizer.load_state_dict(state)
         else:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        self.lr_scheduler.load_state_dict(
-            torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True)
-        )
+        saved = torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=True)
+        groups = len(getattr(self.optimizer, "optimizer", self.optimizer).param_groups)
+        self.lr_scheduler.load_state_dict(scheduler_state_for(saved, groups))
+
+
+@contextmanager
+def _unsharded_class(model: torch.nn.Module) -> Iterator[None]:
+    """The model as its own class while it is saved, not FSDP2's subclass of it.
+
+    ``fully_shard`` turns ``LlamaMoEForCausalLM`` into ``FSDPLlamaMoEForCausalLM`` (a subclass
+    defined inside torch); ``save_pretrained`` would record that class in ``config.json``'s
+    ``auto_map`` and copy torch's FSDP source files into the checkpoint instead of the model's
+    own code. Saving reads parameters only (no forward), so the swap is safe for its duration.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if not issubclass(cls, FSDPModule):
+        yield
+        return
+    model.__class__ = next(b for b in cls.__bases__ if not issubclass(b, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = cls
+
+
+def _separate_dtensor_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Split every parameter group into its FSDP2-sharded (DTensor) and its plain parameters.
+
+    A foreach or fused AdamW step handles one group's tensors in one call, which cannot mix
+    DTensors with plain tensors (the experts). Before the first step, so there is no state to
+    move; recent transformers versions split the groups themselves (then nothing changes here).
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: list[dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        kinds: dict[Any, list[Any]] = {}
+        for param in group["params"]:
+            mesh = param.device_mesh if isinstance(param, DTensor) else None
+            kinds.setdefault(mesh, []).append(param)
+        groups.extend({**group, "params": params} for params in kinds.values())
+    optimizer.param_groups[:] = groups
 
 
 def _ddp_ignores(model: torch.nn.Module, sharding: ExpertSharding) -> None:
@@ -180,5 +264,10 @@ def trainer_for(
     _ = args.device  # initialises the process group (accelerate's PartialState)
     mesh = build_device_mesh(ParallelConfig(config.expert_parallel))
     sharding = apply_expert_parallel(model, mesh)
-    _ddp_ignores(model, sharding)
-    return ExpertParallelTrainer, {"sharding": sharding}
+    if config.fsdp:
+        from maxscore.parallel.fsdp import shard_dense_parameters
+
+        shard_dense_parameters(model, sharding)
+    else:
+        _ddp_ignores(model, sharding)
+    return ExpertParallelTrainer, {"sharding": sharding, "fsdp": config.fsdp}

@@ -1,0 +1,277 @@
+"""The README's tables of one ``run_gpus.sh`` call, from the files it wrote (nothing typed by hand).
+
+    python3 benchmarks/expert_parallel/report.py OUT            # print the Markdown
+    python3 benchmarks/expert_parallel/report.py OUT --write    # keep the raw files, update README
+
+``OUT`` is the call's ``$OUT`` folder (``versions.txt``, ``gpu_tests.{txt,json}``,
+``layout_tests.{txt,json}``, ``expert_parallel_<G>gpu.json``). ``--write`` copies those files to
+``results/<G>gpu/`` beside this script and replaces the README's block between
+``<!-- report:<G>gpu -->`` and ``<!-- /report:<G>gpu -->`` (added before "## Not run" when
+missing) with the tables, so a README number always has its raw file next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+README = HERE / "README.md"
+RAW_FILES = (
+    "versions.txt",
+    "gpu_tests.json",
+    "gpu_tests.txt",
+    "layout_tests.json",
+    "layout_tests.txt",
+)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _pct(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def _sci(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def _outcomes(path: Path) -> str:
+    """pytest's closing summary line ("5 passed, 1 skipped in 212.3s"), or why there is none."""
+    if not path.is_file():
+        return "not run"
+    lines = [line.strip("= ") for line in path.read_text(errors="replace").splitlines()]
+    summary = [line for line in lines if re.search(r"\d+ (passed|failed|error|skipped)", line)]
+    return summary[-1] if summary else "no summary line (stopped by its time limit?)"
+
+
+def _test_rows(path: Path) -> list[str]:
+    """Each test's PASSED / FAILED / SKIPPED / XFAIL line of ``pytest -rA``."""
+    if not path.is_file():
+        return []
+    pattern = re.compile(r"^(PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR) (.+)$")
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        match = pattern.match(line)
+        if not match:
+            continue
+        outcome, rest = match.group(1).lower(), match.group(2)
+        if rest.startswith("["):  # SKIPPED [n] file:line: reason
+            rows.append(f"{outcome}: {rest.split(': ', 1)[-1]}")
+        else:
+            test, _, reason = rest.partition(" - ")
+            rows.append(f"{test.split('::')[-1]}: {outcome}" + (f" ({reason})" if reason else ""))
+    return rows
+
+
+def _step(value: int | None) -> str:
+    return "none" if value is None else f"step {value}"
+
+
+def _control(row: dict[str, Any]) -> str:
+    if not row:
+        return "-"
+    return (
+        f"{_pct(row.get('max_rel'))}, {_pct(row.get('mean_rel'), 3)}, "
+        f"{_step(row.get('first_differing_step'))}"
+    )
+
+
+def expert_parallel_table(tests: dict[str, Any]) -> list[str]:
+    rows = tests.get("expert_parallel_vs_one_gpu", {})
+    if not rows:
+        return []
+    gpus = tests.get("gpus", "?")
+    out = [
+        f"Expert parallelism on {gpus} GPUs against one GPU (100 steps), and the two controls "
+        f"against the same one-GPU run: plain DDP on {gpus} GPUs, and one GPU with the start "
+        "changed by 1e-7 (max gap, mean gap, first routing difference):",
+        "",
+        "| router | step 1: loss gap, routing differing | first routing difference "
+        "(flips, largest margin) | steps 1-10 max | max (step) | mean | last 20 steps' mean "
+        "| control: DDP | control: perturbed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for router, row in rows.items():
+        routing = row.get("routing", {})
+        step1 = routing.get("step1", {})
+        first = routing.get("at_first_difference") or {}
+        out.append(
+            f"| {router} | {_sci(row.get('step1_rel'))}, {step1.get('differing')} of "
+            f"{step1.get('tokens')} | {_step(routing.get('first_differing_step'))} "
+            f"({first.get('choice_flips', '-')}, {_sci(first.get('max_margin_flipped'))}) | "
+            f"{_sci(row.get('first10_max_rel'))} | {_pct(row.get('max_rel'))} "
+            f"({row.get('max_rel_step')}) | {_pct(row.get('mean_rel'), 3)} | "
+            f"{_pct(row.get('last20_mean_rel'), 3)} | {_control(row.get('control_ddp', {}))} | "
+            f"{_control(row.get('control_perturbed_one_gpu', {}))} |"
+        )
+    resume = tests.get("resume_after_kill")
+    zero = tests.get("deepspeed_vs_ddp", {})
+    if resume or zero:
+        out += ["", "| comparison | step 1 | max (step) | mean |", "|---|---|---|---|"]
+    if resume:
+        out.append(
+            f"| resumed after SIGKILL at checkpoint-50 vs uninterrupted (steps 51-55: "
+            f"{_sci(resume.get('first_steps_after_resume_max_rel'))}) | "
+            f"{_sci(resume.get('step1_rel'))} | {_pct(resume.get('max_rel'))} "
+            f"({resume.get('max_rel_step')}) | {_pct(resume.get('mean_rel'), 3)} |"
+        )
+    for stage, row in zero.items():
+        out.append(
+            f"| DeepSpeed {stage} vs DDP, 30 steps | {_sci(row.get('step1_rel'))} | "
+            f"{_pct(row.get('max_rel'))} ({row.get('max_rel_step')}) | "
+            f"{_pct(row.get('mean_rel'), 3)} |"
+        )
+    return out
+
+
+def layout_table(layouts: dict[str, Any]) -> list[str]:
+    if not layouts:
+        return []
+    w = layouts.get("processes", "?")
+    out = [
+        f"Launch and process layouts on {w} GPUs ({layouts.get('steps')} steps, maxscore):",
+        "",
+        "| comparison | step 1 | max (step) | mean | checkpoints: largest difference |",
+        "|---|---|---|---|---|",
+    ]
+    row = layouts.get("dp_ep_fsdp_vs_one")
+    if row:
+        out.append(
+            f"| dp 2 x ep {w // 2 if isinstance(w, int) else '?'} + FSDP2 vs 1 GPU | "
+            f"{_sci(row.get('step1_rel'))} | {_sci(row.get('max_rel'))} "
+            f"({row.get('max_rel_step')}) | {_sci(row.get('mean_rel'))} | - |"
+        )
+    row = layouts.get("two_agents_vs_one_launch")
+    if row:
+        worst = max((row.get("checkpoint_max_abs_diff") or {0: 0.0}).values())
+        out.append(
+            f"| two torchrun agents (--nnodes 2) vs one launch | {_sci(row.get('step1_rel'))} | "
+            f"{_sci(row.get('max_rel'))} | - | {_sci(worst)} |"
+        )
+    row = layouts.get("resume_one_launch_to_two_agents")
+    if row:
+        out.append(
+            f"| one launch's checkpoint resumed by two agents (c10d) vs uninterrupted | - | "
+            f"{_sci(row.get('max_rel'))} | - | {_sci(row.get('checkpoint_max_abs_diff'))} |"
+        )
+    chain = layouts.get("reshard_chain", {})
+    for key, label in (("w_to_half", f"{w} -> {w // 2 if isinstance(w, int) else '?'}"),
+                       ("half_to_one", "then -> 1")):  # fmt: skip
+        row = chain.get(key)
+        if row:
+            out.append(
+                f"| checkpoint resharded {label}, vs 1 GPU | - | {_sci(row.get('max_rel'))} "
+                f"({row.get('max_rel_step')}) | {_sci(row.get('mean_rel'))} | - |"
+            )
+    return out
+
+
+def throughput_table(bench: dict[str, Any]) -> list[str]:
+    scaling = bench.get("scaling", [])
+    runs = [r for r in bench.get("runs", []) if "error" not in r]
+    if not runs:
+        return []
+    meta = next(iter(bench.get("meta", {}).values()), {})
+    out = [
+        f"Throughput (compiled, bf16, micro-batch {runs[0].get('micro_batch_per_gpu')} x "
+        f"{meta.get('seq_len')} per GPU, steps {meta.get('warmup_steps_excluded', 0) + 1}-"
+        f"{meta.get('steps')} timed):",
+        "",
+        "| preset | router | GPUs | tokens/s | 1-GPU tokens/s | speedup | efficiency | "
+        "vs gshard | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    one = [r for r in runs if r["gpus"] == 1]
+    for r in sorted(one, key=lambda r: (r["preset"], r["router"])):
+        gshard = next(
+            (g for g in one if g["preset"] == r["preset"] and g["router"] == "gshard"), None
+        )
+        ratio = r["tokens_per_s"] / gshard["tokens_per_s"] if gshard else None
+        out.append(
+            f"| {r['preset']} | {r['router']} | 1 | {r['tokens_per_s']:,.0f} | - | - | - | "
+            f"{'-' if ratio is None else f'{ratio:.3f}'} | {_pct(r.get('mfu'), 1)} |"
+        )
+    for s in sorted(scaling, key=lambda s: (s["preset"], s["gpus"], s["router"])):
+
+        def fmt(value: float | None, spec: str) -> str:
+            return "-" if value is None else format(value, spec)
+
+        out.append(
+            f"| {s['preset']} | {s['router']} | {s['gpus']} | {s['tokens_per_s']:,.0f} | "
+            f"{fmt(s['one_gpu_tokens_per_s'], ',.0f')} | {fmt(s['speedup'], '.2f')} | "
+            f"{_pct(s['scaling_efficiency'], 1)} | {fmt(s['vs_gshard_same_gpus'], '.3f')} | "
+            f"{_pct(s['mfu'], 1)} |"
+        )
+    failed = [r for r in bench.get("runs", []) if "error" in r]
+    for r in failed:
+        out.append(f"\n{r['preset']} / {r['router']} failed: {r['error']}")
+    if bench.get("skipped"):
+        out += ["", "Not run (no time left in the call): " + "; ".join(bench["skipped"]) + "."]
+    return out
+
+
+def render(folder: Path) -> tuple[int | None, str]:
+    """The Markdown of one call's files, and its GPU count (None if nothing says it)."""
+    tests = _json(folder / "gpu_tests.json")
+    layouts = _json(folder / "layout_tests.json")
+    bench_files = sorted(folder.glob("expert_parallel_*gpu.json"))
+    bench = _json(bench_files[-1]) if bench_files else {}
+    gpus = tests.get("gpus") or layouts.get("processes")
+    if gpus is None and bench_files:
+        gpus = int(re.sub(r"\D", "", bench_files[-1].stem.split("_")[-1]) or 0) or None
+    versions = (folder / "versions.txt").read_text().strip().splitlines()
+    lines = [f"Measured: {'; '.join(v for v in versions if v)}.", ""]
+    lines += [f"`test_expert_parallel_gpu.py`: {_outcomes(folder / 'gpu_tests.txt')}."]
+    lines += [f"`test_expert_parallel_layouts.py`: {_outcomes(folder / 'layout_tests.txt')}."]
+    rows = _test_rows(folder / "gpu_tests.txt") + _test_rows(folder / "layout_tests.txt")
+    if rows:
+        lines += ["", *(f"* {row}" for row in rows)]
+    for table in (expert_parallel_table(tests), layout_table(layouts), throughput_table(bench)):
+        if table:
+            lines += ["", *table]
+    return gpus, "\n".join(lines) + "\n"
+
+
+def write(folder: Path, gpus: int, markdown: str) -> None:
+    raw = HERE / "results" / f"{gpus}gpu"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in RAW_FILES:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, raw / name)
+    for path in folder.glob("expert_parallel_*gpu.json"):
+        shutil.copyfile(path, raw / "expert_parallel.json")
+    start, end = f"<!-- report:{gpus}gpu -->", f"<!-- /report:{gpus}gpu -->"
+    block = f"{start}\n{markdown}{end}"
+    text = README.read_text()
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        heading = f"### {gpus} GPUs (raw files: `results/{gpus}gpu/`)\n\n{block}\n\n"
+        anchor = "## Not run"
+        text = text.replace(anchor, heading + anchor, 1) if anchor in text else text + heading
+    README.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="a run_gpus.sh call's $OUT")
+    parser.add_argument("--write", action="store_true", help="copy the files, update README.md")
+    args = parser.parse_args(argv)
+    gpus, markdown = render(args.folder)
+    print(markdown)
+    if args.write:
+        if gpus is None:
+            raise SystemExit("no file in the folder says how many GPUs the call used")
+        write(args.folder, int(gpus), markdown)
+        print(f"README.md updated; raw files in {HERE / 'results' / f'{gpus}gpu'}")
+
+
+if __name__ == "__main__":
+    main()
