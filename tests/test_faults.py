@@ -492,7 +492,7 @@ def test_compare_overwrite_stopped_in_its_first_router_keeps_the_old_comparison(
     # the previous comparison; the next --overwrite replaces the stopped one.
     from types import SimpleNamespace
 
-    import maxscore.training.run as run_module
+    import maxscore.training.compare as compare_module
     from maxscore.training.compare import ComparisonStopped, compare
     from maxscore.training.run_dir import previous_run_path
 
@@ -504,7 +504,7 @@ def test_compare_overwrite_stopped_in_its_first_router_keeps_the_old_comparison(
         (Path(cfg.output_dir) / "checkpoint-1").mkdir(parents=True)
         return SimpleNamespace(interrupted=True, exit_status=143)
 
-    monkeypatch.setattr(run_module, "train", stopped)
+    monkeypatch.setattr(compare_module, "train", stopped)
     cfg = small_config(tmp_path, max_steps=2, save_steps=2)
     with pytest.raises(ComparisonStopped) as stop:
         compare(["gshard", "maxscore"], cfg, out, overwrite=True)
