@@ -24,21 +24,29 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from maxscore.models.config_names import FOREIGN_NAMES, apply_foreign_names, check_unknown_keys
+
 #: Router settings that also have a top-level name, and the RouterConfig field each one is:
-#: transformers' MoE configs call the aux-loss coefficient ``router_aux_loss_coef``. The
+#: transformers' MoE configs call the aux-loss coefficient ``router_aux_loss_coef`` and the
+#: renormalisation of the top-k weights ``norm_topk_prob`` (Qwen-MoE, OLMoE). The
 #: constructor, ``from_pretrained`` and ``--model-option`` accept them; reading and writing them
 #: reads and writes ``router_config``, their one home (they are not saved separately).
 ROUTER_SETTING_ALIASES: dict[str, str] = {
     "router_aux_loss_coef": "aux_loss_coef",
     "router_z_loss_coef": "z_loss_coef",
     "eval_routing": "eval_routing",
+    "norm_topk_prob": "normalize_weights",
 }
 #: The types the aliases accept (``None`` for a coefficient: the preset's value).
 ROUTER_SETTING_TYPES: dict[str, Any] = {
     "router_aux_loss_coef": float | None,
     "router_z_loss_coef": float | None,
     "eval_routing": str,
+    "norm_topk_prob": bool,
 }
+
+#: Attention kinds of ``layer_types`` (transformers' names).
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 
 def _router_setting(alias: str) -> property:
@@ -66,7 +74,12 @@ class LlamaMoEConfig(PreTrainedConfig):
         head_dim: per-head width; ``None`` = ``hidden_size // num_attention_heads``.
         max_position_embeddings: longest sequence the model is meant for (RoPE needs no table;
             kept for tooling such as ``generate`` and lm-eval).
-        rope_theta: RoPE base frequency.
+        rope_theta: RoPE base frequency (the same value as ``rope_parameters["rope_theta"]``;
+            setting either sets both).
+        rope_parameters: transformers' RoPE description: ``{"rope_type": "default"}`` (plain
+            RoPE) or a scaled RoPE of ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``
+            (``"linear"``, ``"dynamic"``, ``"yarn"``, ``"longrope"``, ``"llama3"``) with its
+            parameters. ``rope_scaling`` (the older name) is read into it.
         rms_norm_eps: epsilon of the RMSNorms.
         initializer_range: std of the normal init of every weight matrix.
         tie_word_embeddings: share input embedding and LM head (the paper's models do not).
@@ -103,14 +116,26 @@ class LlamaMoEConfig(PreTrainedConfig):
             all heads' concatenated width, as OLMoE).
         clip_qkv: clamp queries, keys and values to ``[-clip_qkv, clip_qkv]`` after the norms
             (OLMoE); ``None`` = no clamp.
-        sliding_window: attend to at most this many previous tokens in every layer (Mixtral's
-            ``sliding_window``); ``None`` = full causal attention.
+        sliding_window: attend to at most this many previous tokens (Mixtral's
+            ``sliding_window``) in every layer, or with ``layer_types`` in its
+            ``"sliding_attention"`` layers; ``None`` (or 0) = full causal attention.
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (transformers'
+            name; Qwen2 / Qwen2-MoE / Qwen3 windows on some layers only); ``None`` = every layer
+            as ``sliding_window`` says.
         shared_expert_gate: scale the shared experts' output by a learned per-token sigmoid gate
             (Qwen2-MoE).
         source_family: the Hugging Face model family the weights were converted from
             (``maxscore.models.convert.FAMILIES``), ``None`` for native models; with
             ``source_config`` (the original configuration) it lets ``export`` write the model
-            back in that family's format.
+            back in that family's format. For an upcycled model: the MoE family whose layout
+            holds it (Mixtral for Llama / Mistral, Qwen3-MoE for Qwen3), so it exports the same
+            way; ``None`` when no family does.
+        upcycled_from: ``model_type`` of the dense checkpoint an upcycled model was made from
+            (:mod:`maxscore.models.upcycle`), ``None`` otherwise.
+
+    Names other families give the same settings (``num_local_experts``, ``mlp_only_layers``,
+    ``decoder_sparse_step``, ``norm_topk_prob``, ``rope_scaling``, ...) are honoured or refused
+    with the reason (:mod:`maxscore.models.config_names`); any other unknown key is refused.
     """
 
     model_type = "maxscore_llama_moe"
@@ -124,6 +149,7 @@ class LlamaMoEConfig(PreTrainedConfig):
     head_dim: int | None = None
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    rope_parameters: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
@@ -149,38 +175,101 @@ class LlamaMoEConfig(PreTrainedConfig):
     qk_norm: str | None = None
     clip_qkv: float | None = None
     sliding_window: int | None = None
+    layer_types: list[str] | None = None
     shared_expert_gate: bool = False
     source_family: str | None = None
     source_config: dict[str, Any] | None = None
+    upcycled_from: str | None = None
 
     # Views of router_config (not dataclass fields: no annotation), see ROUTER_SETTING_ALIASES.
     router_aux_loss_coef = _router_setting("router_aux_loss_coef")
     router_z_loss_coef = _router_setting("router_z_loss_coef")
     eval_routing = _router_setting("eval_routing")
+    norm_topk_prob = _router_setting("norm_topk_prob")
 
     def __post_init__(self, **kwargs: Any) -> None:
         settings = {alias: kwargs.pop(alias) for alias in ROUTER_SETTING_ALIASES if alias in kwargs}
+        apply_foreign_names(self, kwargs)
+        check_unknown_keys(kwargs, [*LlamaMoEConfig.__annotations__, *ROUTER_SETTING_ALIASES])
+        self._standardize_rope(kwargs.pop("rope_scaling", None))
         self._validate_shapes()
         self._validate_architecture()
         self._resolve_router(settings=settings)
         super().__post_init__(**kwargs)
+        self._validate_rope()
 
     def __setattr__(self, key: str, value: Any) -> None:
+        constructed = self.__dict__.get("_router_resolved")
         # After construction, a new preset or router fields (what `from_pretrained(path,
         # router=..., router_config={...})` sets) are resolved at once, keeping the stored
         # config complete and valid.
-        if key in ("router", "router_config") and self.__dict__.get("_router_resolved"):
+        if key in ("router", "router_config") and constructed:
             if key == "router":
                 self._resolve_router(router=value)
             else:
                 self._resolve_router(fields=value)
             return
+        if key in FOREIGN_NAMES and constructed:
+            # Another family's name (`from_pretrained(path, num_local_experts=8)` sets it).
+            apply_foreign_names(self, {key: value})
+            return
+        if key in ("rope_parameters", "rope_scaling") and self.__dict__.get("_post_init_done"):
+            self.__dict__["rope_parameters"] = None  # replaced, not merged
+            self._standardize_rope(value)
+            self._validate_rope()
+            return
         super().__setattr__(key, value)
+        if key == "rope_theta" and self.__dict__.get("rope_parameters") is not None:
+            # rope_theta and rope_parameters["rope_theta"] are one setting.
+            self.rope_parameters["rope_theta"] = value
+
+    def __getattr__(self, key: str) -> Any:
+        # Only reached when normal lookup fails: other families' names read our fields.
+        entry = FOREIGN_NAMES.get(key)
+        if entry is not None and entry.read is not None and "_router_resolved" in self.__dict__:
+            return entry.read(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out.pop("_router_resolved", None)  # bookkeeping, not configuration
         return out
+
+    # -- RoPE ---------------------------------------------------------------------------------------
+
+    def _standardize_rope(self, rope_scaling: dict[str, Any] | None = None) -> None:
+        """``rope_parameters`` (or the older ``rope_scaling``) as transformers standardises it,
+        with ``rope_theta`` in it and in the top-level field alike."""
+        params = dict(rope_scaling or self.__dict__.get("rope_parameters") or {})
+        if "type" in params:  # the older key of rope_type
+            params.setdefault("rope_type", params.pop("type"))
+        params.setdefault("rope_type", "default")
+        if params.get("rope_theta") is not None:
+            self.__dict__["rope_theta"] = float(params["rope_theta"])
+        params["rope_theta"] = self.rope_theta
+        if params["rope_type"] in ("llama3", "yarn", "longrope"):
+            # The pretraining length the scaling is relative to (transformers' default).
+            params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        self.__dict__["rope_parameters"] = params
+
+    def _validate_rope(self) -> None:
+        """The RoPE type is one transformers computes, with the parameters it needs."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = self.rope_parameters
+        rope_type = params["rope_type"]
+        known = ["default", *ROPE_INIT_FUNCTIONS]
+        if rope_type not in known:
+            raise ValueError(f"rope_parameters: unknown rope_type {rope_type!r}; known: {known}")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                "rope_parameters: partial_rotary_factor (RoPE on part of each head) is not "
+                "implemented by the Llama-MoE model; use 1.0"
+            )
+        try:
+            self.validate_rope()
+        except KeyError as err:  # transformers' "Missing required keys in rope_parameters"
+            raise ValueError(f"rope_parameters: {err.args[0] if err.args else err}") from None
 
     # -- validation -------------------------------------------------------------------------------
 
@@ -252,12 +341,24 @@ class LlamaMoEConfig(PreTrainedConfig):
             raise ValueError(f"qk_norm must be None, 'head' or 'full', got {self.qk_norm!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise ValueError(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
+        if self.sliding_window == 0:
+            self.sliding_window = None  # Qwen writes 0 for "no window"
         if self.sliding_window is not None and (
             not isinstance(self.sliding_window, int) or self.sliding_window < 1
         ):
             raise ValueError(
                 f"sliding_window must be a positive int or None, got {self.sliding_window!r}"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or any(
+                kind not in LAYER_TYPES for kind in self.layer_types
+            ):
+                raise ValueError(
+                    f"layer_types must list one of {LAYER_TYPES} per layer "
+                    f"({self.num_hidden_layers}), got {self.layer_types!r}"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has 'sliding_attention' layers but no sliding_window")
         if self.shared_expert_gate and self.num_shared_experts < 1:
             raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
         for index in self.dense_layers or []:
@@ -328,6 +429,12 @@ class LlamaMoEConfig(PreTrainedConfig):
         if layer_idx in (self.dense_layers or []):
             return False
         return (layer_idx - self.first_k_dense) % self.moe_layer_freq == 0
+
+    def layer_attention(self, layer_idx: int) -> str:
+        """``"sliding_attention"`` or ``"full_attention"``: the attention of layer ``layer_idx``."""
+        if self.layer_types is not None:
+            return self.layer_types[layer_idx]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
 
     def get_router_config(self) -> Any:
         """The resolved :class:`~maxscore.routing.config.RouterConfig` of every MoE layer (a new

@@ -42,23 +42,17 @@ def _llama(config: Any) -> dict[str, Any]:
 
 
 def _mistral(config: Any) -> dict[str, Any]:
-    return {"sliding_window": config.sliding_window}
+    # Llama's attention with a sliding window, which common_config_fields maps.
+    return {}
 
 
 def _qwen2(config: Any) -> dict[str, Any]:
-    if getattr(config, "use_sliding_window", False):
-        raise ConversionError("qwen2: use_sliding_window=True (per-layer sliding) is not supported")
     return {"attention_qkv_bias": True}
 
 
 def _qwen3(config: Any) -> dict[str, Any]:
     bias = bool(config.attention_bias)
-    return {
-        "attention_qkv_bias": bias,
-        "attention_output_bias": bias,
-        "qk_norm": "head",
-        "sliding_window": config.sliding_window if config.use_sliding_window else None,
-    }
+    return {"attention_qkv_bias": bias, "attention_output_bias": bias, "qk_norm": "head"}
 
 
 #: Dense families by ``model_type`` -> (transformers class, their attention switches).

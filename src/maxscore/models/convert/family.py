@@ -25,7 +25,9 @@ __all__ = [
     "common_config_fields",
     "family_to_maxscore_state",
     "maxscore_to_family_state",
+    "rope_fields",
     "softmax_topk_routing",
+    "window_fields",
 ]
 
 
@@ -63,16 +65,33 @@ class FamilySpec:
     note: str = ""
 
 
-def _rope_theta(config: Any) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in ("default", None):
+def rope_fields(config: Any) -> dict[str, Any]:
+    """A family config's RoPE as :class:`LlamaMoEConfig` fields (``rope_parameters`` of any type
+    transformers computes: plain, ``llama3``, ``yarn``, ``dynamic``, ``linear``, ``longrope``)."""
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
+    if any(isinstance(value, dict) for value in params.values()):
         raise ConversionError(
-            f"{config.model_type}: RoPE scaling {rope_type!r} is not implemented in the Llama-MoE "
-            "model (only plain RoPE); convert a checkpoint without rope scaling"
+            f"{config.model_type}: RoPE differs between layer types ({sorted(params)}); the "
+            "Llama-MoE model has one RoPE for all layers"
         )
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    return float(theta if theta is not None else 10000.0)
+    params["rope_theta"] = float(theta if theta is not None else 10000.0)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return {"rope_theta": params["rope_theta"], "rope_parameters": params}
+
+
+def window_fields(config: Any) -> dict[str, Any]:
+    """A family config's sliding window: in every layer (Mixtral, Mistral, Qwen3-MoE) or in the
+    layers its ``layer_types`` name (Qwen2, Qwen2-MoE, Qwen3)."""
+    window = getattr(config, "sliding_window", None) or None  # Qwen2-MoE writes 0 for none
+    if getattr(config, "use_sliding_window", True) is False or window is None:
+        return {"sliding_window": None}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "full_attention" in layer_types:
+        return {"sliding_window": window, "layer_types": list(layer_types)}
+    return {"sliding_window": window}
 
 
 def common_config_fields(config: Any) -> dict[str, Any]:
@@ -98,7 +117,8 @@ def common_config_fields(config: Any) -> dict[str, Any]:
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
         "head_dim": head_dim,
         "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": _rope_theta(config),
+        **rope_fields(config),
+        **window_fields(config),
         "rms_norm_eps": config.rms_norm_eps,
         "initializer_range": config.initializer_range,
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
