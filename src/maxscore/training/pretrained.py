@@ -205,8 +205,9 @@ def pretrained_model_config(config: TrainConfig) -> Any:
 
     from maxscore.models import LlamaMoEConfig
     from maxscore.models.convert import NATIVE_ROUTER, ConversionError, maxscore_config_from_family
-    from maxscore.models.convert.load import _unsupported_message
+    from maxscore.models.convert.load import _unsupported_message, checkpoint_config
     from maxscore.routing.presets import ROUTER_PRESETS
+    from maxscore.training.option_checks import validate_model_options
 
     if config.router not in ROUTER_PRESETS and config.router != NATIVE_ROUTER:
         raise ConfigError(
@@ -220,16 +221,11 @@ def pretrained_model_config(config: TrainConfig) -> Any:
             f"unknown model preset {config.model!r} (presets: {sorted(MODEL_PRESETS)}), and not "
             f"a readable checkpoint directory or hub name either: {type(err).__name__}: {err}"
         ) from err
+    validate_model_options(config.model_overrides)
     kwargs = _router_kwargs(config)
     try:
         if hf_config.model_type == LlamaMoEConfig.model_type:
-            if kwargs["router"] == NATIVE_ROUTER:
-                kwargs.pop("router")
-            return LlamaMoEConfig.from_pretrained(
-                config.model,
-                **{k: v for k, v in kwargs.items() if v is not None},
-                **config.model_overrides,
-            )
+            return checkpoint_config(config.model, **kwargs, **config.model_overrides)
         return maxscore_config_from_family(hf_config, **kwargs, **config.model_overrides)
     except ConversionError as err:
         raise ConfigError(str(err)) from err

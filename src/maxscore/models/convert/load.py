@@ -22,9 +22,11 @@ __all__ = [
     "DENSE_FAMILIES",
     "NATIVE_ROUTER",
     "UNSUPPORTED_FAMILIES",
+    "checkpoint_config",
     "convert_model",
     "load_pretrained",
     "maxscore_config_from_family",
+    "native_routing",
 ]
 
 #: Router name meaning "route as the checkpoint's own family does" (converted models only).
@@ -134,6 +136,69 @@ def _unsupported_message(model_type: str | None) -> str:
     return f"model_type {model_type!r} is not a supported MoE family (supported: {supported})"
 
 
+def native_routing(config: LlamaMoEConfig) -> Any:
+    """The :class:`~maxscore.routing.config.RouterConfig` of ``router="native"`` for a maxscore
+    checkpoint: the routing of the family in ``config.source_family`` (the family it was
+    converted from, or whose layout holds an upcycled model), rebuilt from ``source_config``.
+
+    Raises :class:`ConversionError` for a checkpoint that has no such family (trained from
+    scratch, or upcycled from a dense family no MoE family holds): "native" would name no
+    routing, and keeping the trained router instead would not be what was asked.
+    """
+    from maxscore.routing.presets import get_router_config
+
+    family, source = config.source_family, config.source_config
+    if family not in FAMILIES or source is None:
+        origin = (
+            f"upcycled from a dense {config.upcycled_from} model no MoE family holds"
+            if config.upcycled_from
+            else "not converted from a Hugging Face MoE family"
+        )
+        raise ConversionError(
+            f"router {NATIVE_ROUTER!r} means the routing of the Hugging Face family a checkpoint "
+            f"was converted from, and this checkpoint (trained with router {config.router!r}) "
+            f"was {origin}; pass a router preset instead (for instance {config.router!r})"
+        )
+    family_config = AutoConfig.for_model(family, **_without_bookkeeping(source))
+    name, fields = _router_settings(family_config, NATIVE_ROUTER, None)
+    return get_router_config(name, **fields)
+
+
+def _without_bookkeeping(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's fields without what ``save_pretrained`` adds (version, class names)."""
+    skip = ("transformers_version", "architectures", "model_type", "auto_map")
+    return {key: value for key, value in config_dict.items() if key not in skip}
+
+
+def checkpoint_config(
+    source: str,
+    router: str | None = None,
+    router_config: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> LlamaMoEConfig:
+    """The config of the maxscore checkpoint ``source`` with ``overrides``, routed by ``router``.
+
+    ``overrides`` are applied by building the config anew from the stored fields and them, so
+    they are checked like constructor arguments (an unknown key is refused, another family's
+    name such as ``norm_topk_prob`` is honoured, shapes are validated). ``router``: a preset
+    re-resolves the routing keeping the checkpoint's own overrides; ``"native"`` is the family's
+    routing (:func:`native_routing`); ``None`` keeps the stored router. ``router_config`` is
+    merged into the router fields last.
+    """
+    config = LlamaMoEConfig.from_pretrained(source)
+    if overrides:
+        config = LlamaMoEConfig(**{**_without_bookkeeping(config.to_dict()), **overrides})
+    if router == NATIVE_ROUTER:
+        native = native_routing(config)
+        config.router = "dropless"
+        config.router_config = native  # a RouterConfig replaces every stored field
+    elif router is not None:
+        config.router = router
+    if router_config:
+        config.router_config = router_config
+    return config
+
+
 def load_pretrained(
     source: str,
     router: str | None = None,
@@ -143,8 +208,9 @@ def load_pretrained(
 ) -> LlamaMoEForCausalLM:
     """Load a checkpoint directory or hub name as a Llama-MoE model routed by ``router``.
 
-    * a maxscore checkpoint: ``from_pretrained`` with ``router`` / ``router_config`` /
-      ``overrides`` (they really change the routing);
+    * a maxscore checkpoint: its weights in :func:`checkpoint_config` (``router`` /
+      ``router_config`` / ``overrides`` really change the routing; ``"native"`` is refused for a
+      checkpoint converted from no family);
     * a supported family (:data:`FAMILIES`): loaded with its transformers class, then converted
       (``router=None`` / ``"native"`` keeps the family's routing);
     * anything else: :class:`ConversionError` saying what is supported (dense checkpoints are
@@ -156,12 +222,13 @@ def load_pretrained(
         raise ConversionError(f"cannot read a model config from {source!r}: {err}") from err
     model_type = getattr(hf_config, "model_type", None)
     if model_type == LlamaMoEConfig.model_type:
-        kwargs: dict[str, Any] = dict(overrides)
-        if router is not None and router != NATIVE_ROUTER:
-            kwargs["router"] = router
-        if router_config:
-            kwargs["router_config"] = router_config
-        return LlamaMoEForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        try:
+            config = checkpoint_config(source, router, router_config, **overrides)
+        except (TypeError, ValueError) as err:
+            if isinstance(err, ConversionError):
+                raise
+            raise ConversionError(f"invalid model/router settings for {source!r}: {err}") from err
+        return LlamaMoEForCausalLM.from_pretrained(source, config=config, dtype=dtype)
     if model_type not in FAMILIES:
         raise ConversionError(_unsupported_message(model_type))
     model_class = getattr(transformers, FAMILIES[model_type].model_class)
