@@ -114,28 +114,47 @@ def test_flash_attention_matches_sdpa_on_a_gpu(tmp_path: Path) -> None:
 
 def test_report_to_names_are_validated() -> None:
     assert reporting.parse_report_to("wandb, tensorboard") == ["wandb", "tensorboard"]
-    with pytest.raises(ConfigError, match="unknown report_to"):
-        TrainConfig(report_to="neptunium")
-    with pytest.raises(ConfigError, match="unknown report_to"):
+    assert reporting.parse_report_to("all") == ["all"]
+    with pytest.raises(ConfigError, match="stand alone"):
         TrainConfig(report_to="auto,wandb")
-    TrainConfig(report_to="mlflow,trackio")  # names only: nothing imported yet
+    with pytest.raises(ConfigError, match="not tracker names"):
+        TrainConfig(report_to="wandb;mlflow")
+    TrainConfig(report_to="neptunium")  # the form only: nothing imported yet
+    with pytest.raises(ConfigError, match=r"unknown report_to tracker\(s\) \['neptunium'\]"):
+        reporting.check_report_to("neptunium")
+
+
+def test_every_integration_of_the_trainer_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    monkeypatch.setattr(reporting, "tracker_installed", lambda name: True)
+    for name in INTEGRATION_TO_CALLBACK:
+        reporting.check_report_to(name)
+    reporting.check_report_to(",".join(INTEGRATION_TO_CALLBACK))
+    for value in ("all", "auto", "none"):
+        reporting.check_report_to(value)
 
 
 def test_trackers_pass_through_and_tensorboard_stays_ours() -> None:
+    from transformers.integrations import get_available_reporting_integrations
+
     assert reporting.trainer_report_to("wandb,mlflow,tensorboard") == ["wandb", "mlflow"]
     assert reporting.trainer_report_to("tensorboard") == ["none"]
     assert reporting.trainer_report_to("auto") == ["none"]
+    installed = [n for n in get_available_reporting_integrations() if n != "tensorboard"]
+    assert reporting.trainer_report_to("all") == (installed or ["none"])
     assert reporting.wants_tensorboard("wandb,tensorboard") == "required"
     assert reporting.wants_tensorboard("auto") == "if-installed"
+    assert reporting.wants_tensorboard("all") == "if-installed"
     assert reporting.wants_tensorboard("trackio") == "no"
 
 
-@pytest.mark.parametrize("tracker", ["wandb", "mlflow", "trackio"])
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow", "trackio", "azure_ml"])
 def test_missing_tracker_is_refused_with_the_package_to_install(
     tracker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, package = reporting.REPORT_BACKENDS[tracker]
-    monkeypatch.setitem(reporting.REPORT_BACKENDS, tracker, (lambda: False, package))
+    monkeypatch.setattr(reporting, "tracker_installed", lambda name: False)
+    package = reporting.TRACKER_PACKAGES.get(tracker, tracker)
     with pytest.raises(ConfigError, match=f"pip install {package}"):
         reporting.check_report_to(tracker)
 
@@ -146,7 +165,7 @@ def test_training_arguments_get_the_trackers(
     """prepare() accepts an installed tracker and the Trainer's arguments carry it."""
     from maxscore.training.run import prepare, training_arguments
 
-    monkeypatch.setitem(reporting.REPORT_BACKENDS, "mlflow", (lambda: True, "mlflow"))
+    monkeypatch.setattr(reporting, "tracker_installed", lambda name: True)
     config = TrainConfig(
         model="tiny",
         model_overrides={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2},

@@ -214,8 +214,9 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
     )
     g.add_argument(
         "--report-to",
-        help="auto (TensorBoard if installed), none, or comma-separated trackers: tensorboard, "
-        "wandb, mlflow, trackio (passed to the HF Trainer)",
+        help="auto (TensorBoard if installed), none, all (every installed tracker), or "
+        "comma-separated trackers the HF Trainer knows: tensorboard, wandb, mlflow, trackio, "
+        "comet_ml, clearml, dvclive, swanlab, ... (pip install 'maxscore[trackers]')",
     )
     g.add_argument("--quiet", action="store_true", default=None, help="no progress bar")
     if not compare:

@@ -65,7 +65,13 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_analyze_command(args: argparse.Namespace) -> int:
     """Entry point of ``maxscore analyze``; returns the exit code."""
-    from maxscore.analysis.analyze import analyze
+    try:
+        from maxscore.analysis.analyze import analyze
+    except ImportError as err:
+        if err.name != "matplotlib":
+            raise
+        print(f"maxscore analyze: error: {err}", file=sys.stderr)
+        return 2
     from maxscore.evaluation.runner import EvaluationError
 
     output = args.output or (

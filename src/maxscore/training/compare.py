@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -418,8 +419,16 @@ def write_comparison(
 
 
 def plot_comparison(rows: list[dict[str, Any]], out: Path) -> None:
-    """``loss_curves.png`` (mean over seeds) and ``loss_differences.png`` from the run dirs."""
-    from maxscore.analysis import plots
+    """``loss_curves.png`` (mean over seeds) and ``loss_differences.png`` from the run dirs
+    (skipped with a note when matplotlib, the ``plots`` extra, is not installed: the tables are
+    the comparison, the figures draw them)."""
+    try:
+        from maxscore.analysis import plots
+    except ImportError as err:
+        if err.name != "matplotlib":
+            raise
+        print(f"maxscore: note: no loss_curves.png: {err}", file=sys.stderr)
+        return
     from maxscore.analysis.runs import load_run
 
     runs: dict[str, dict[int, Any]] = {}

@@ -135,8 +135,10 @@ class TrainConfig:
             Python's automatic collection on. An automatic full collection walks every object
             the process holds, torch.compile's graphs included, and stalls the step it falls in
             (0.4-0.6 s for a compiled 128-expert model's objects).
-        report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, or a comma-separated list
-            of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio`` (``maxscore.training.reporting``).
+        report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, ``"all"`` (every installed
+            tracker), or a comma-separated list of the HF Trainer's integrations
+            (``tensorboard``, ``wandb``, ``mlflow``, ``trackio``, ...;
+            ``maxscore.training.reporting``).
         quiet: no progress bar.
         recipe: ``None``, ``"paper"`` or ``"paper-shape"`` (:data:`RECIPES`); applied by
             :func:`apply_recipe`.

@@ -58,6 +58,7 @@ from maxscore.training.config import PAPER_GLOBAL_BATCH, ConfigError, TrainConfi
 from maxscore.training.continue_command import how_to_continue
 from maxscore.training.data import TrainingData, build_training_data, collate_blocks, load_tokenizer
 from maxscore.training.distributed import (
+    check_deepspeed_installed,
     deepspeed_config_path,
     is_main_process,
     mark_zero3_leaf_modules,
@@ -76,7 +77,12 @@ from maxscore.training.metrics import (
 from maxscore.training.model_build import build_model, build_model_config
 from maxscore.training.option_checks import check_parallel_options
 from maxscore.training.precision import resolve_precision
-from maxscore.training.reporting import check_report_to, trainer_report_to
+from maxscore.training.reporting import (
+    TrackerStartError,
+    check_report_to,
+    guard_tracker_start,
+    trainer_report_to,
+)
 from maxscore.training.run_dir import (
     CONFIG_FILE,
     RunDirectory,
@@ -182,6 +188,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         DeterministicAlgorithms.check(config.compile)
     if config.deepspeed is not None:
         deepspeed_config_path(config.deepspeed)
+        check_deepspeed_installed()
         if config.compile and zero_stage(config.deepspeed) == 3:
             raise ConfigError(
                 "--compile is not supported with ZeRO-3 (DeepSpeed partitions parameters with "
@@ -418,7 +425,9 @@ def train(
             result = _train(run, [*(callbacks or []), RunDirectoryCallback(directory)])
         except BaseException as err:
             if main:
-                directory.close(failed=True)
+                # A tracker that did not start is the environment's fault, not the run's: its
+                # directory (which the tracker may have written into) stays for the next try.
+                directory.close(failed=True, keep=isinstance(err, TrackerStartError))
                 _advise(err, directory.resumable)
             raise
         if main:
@@ -497,6 +506,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     tensorboard = tensorboard_callback(run.run_dir, cfg.report_to)
     if tensorboard is not None:
         trainer.add_callback(tensorboard)
+    guard_tracker_start(trainer)
 
     if run.resume_from is not None:
         step = int(run.resume_from.name.split("-")[-1])
