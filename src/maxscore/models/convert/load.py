@@ -16,6 +16,7 @@ from maxscore.models.convert.family import (
     family_to_maxscore_state,
 )
 from maxscore.models.convert.registry import FAMILIES
+from maxscore.models.convert.warm_start import warm_start_fields
 from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
 
 __all__ = [
@@ -59,6 +60,8 @@ def _router_settings(
             aux_loss_granularity="micro-batch",
         )
     fields.update(router_config or {})
+    # The experts were trained under softmax weights: a SoftTopk preset starts at t = 0.
+    fields.update(warm_start_fields(router, fields))
     return router, fields
 
 
@@ -181,9 +184,10 @@ def checkpoint_config(
     ``overrides`` are applied by building the config anew from the stored fields and them, so
     they are checked like constructor arguments (an unknown key is refused, another family's
     name such as ``norm_topk_prob`` is honoured, shapes are validated). ``router``: a preset
-    re-resolves the routing keeping the checkpoint's own overrides; ``"native"`` is the family's
-    routing (:func:`native_routing`); ``None`` keeps the stored router. ``router_config`` is
-    merged into the router fields last.
+    re-resolves the routing keeping the checkpoint's own overrides (for the weights of a family
+    or an upcycling, a SoftTopk schedule starts at ``t = 0``: :mod:`.warm_start`); ``"native"``
+    is the family's routing (:func:`native_routing`); ``None`` keeps the stored router.
+    ``router_config`` is merged into the router fields last.
     """
     config = LlamaMoEConfig.from_pretrained(source)
     if overrides:
@@ -192,8 +196,12 @@ def checkpoint_config(
         native = native_routing(config)
         config.router = "dropless"
         config.router_config = native  # a RouterConfig replaces every stored field
-    elif router is not None:
+    elif router is not None and router != config.router:
         config.router = router
+        if config.source_family is not None or config.upcycled_from is not None:
+            # Weights of a family or an upcycling given a new router (warm_start.py's rule).
+            fields = {**config.router_config, **(router_config or {})}
+            config.router_config = warm_start_fields(router, fields, given=router_config or {})
     if router_config:
         config.router_config = router_config
     return config
