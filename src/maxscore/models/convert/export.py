@@ -15,6 +15,7 @@ from maxscore.models.convert.family import (
     maxscore_to_family_state,
 )
 from maxscore.models.convert.registry import FAMILIES
+from maxscore.models.convert.upcycled_layout import upcycled_layout
 from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
 
 __all__ = ["TOKENIZER_FILES", "export_pretrained", "to_family_model"]
@@ -68,7 +69,8 @@ def _check_routing(model: LlamaMoEForCausalLM, allow_routing_change: bool) -> di
 def to_family_model(
     model: LlamaMoEForCausalLM, allow_routing_change: bool = False
 ) -> PreTrainedModel:
-    """The model as an instance of its source family's transformers class (same weights).
+    """The model as an instance of its source family's transformers class (same weights): the
+    family it was converted from, or for an upcycled model the family whose layout holds it.
 
     In ``eval()`` mode the result's logits equal ``model``'s (the routing check guarantees the
     family routes as ``model`` does in evaluation). Raises :class:`ConversionError` for a model
@@ -76,6 +78,8 @@ def to_family_model(
     ``allow_routing_change`` (then the weights are exported and the family's routing applies).
     """
     config = model.config
+    if config.upcycled_from is not None and config.source_family is None:
+        upcycled_layout(config)  # raises with the reason no family holds it
     if config.source_family not in FAMILIES or config.source_config is None:
         raise ConversionError(
             "this model was not converted from a Hugging Face MoE family (no source_family / "

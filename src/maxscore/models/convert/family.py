@@ -216,7 +216,7 @@ def build_with_weights(
     ``may_be_missing(name)`` says which of the model's tensors ``state`` may lack (state only
     the target model has, a tied LM head); any other missing or unexpected name raises a
     :class:`ConversionError` naming ``what`` was being built. Buffers of the new model that are
-    not in ``state`` (router state) are zeroed.
+    not in ``state`` (router state) are zeroed, rotary frequency tables computed.
     """
     import torch
     from transformers.initialization import no_init_weights
@@ -235,6 +235,11 @@ def build_with_weights(
         for name, buffer in model.named_buffers():
             if name not in state:  # created uninitialised under no_init_weights
                 buffer.zero_()
+        for module in model.modules():
+            if hasattr(module, "original_inv_freq"):
+                # A transformers rotary embedding: its frequency tables are computed, not
+                # loaded (the model's own initialiser computes them from its config).
+                model._init_weights(module)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     return model
