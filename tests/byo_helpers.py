@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,38 @@ def save_tiny_tokenizer(path: Path) -> Path:
         unk_token="<unk>",
     )
     fast.save_pretrained(path)
+    return path
+
+
+#: A ChatML-style template (as Qwen's), so chat records render offline with the tiny tokenizer.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def save_chat_tokenizer(path: Path) -> Path:
+    """:func:`save_tiny_tokenizer` with :data:`CHAT_TEMPLATE` (written as chat_template.jinja)."""
+    from transformers import AutoTokenizer
+
+    save_tiny_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_chat_data(path: Path, records: int = 64) -> Path:
+    """A local chat dataset: ``messages`` records of a user question and an assistant answer."""
+    lines = [line for line in TEXT.split(". ") if line]
+    with path.open("w") as handle:
+        for i in range(records):
+            question, answer = lines[i % len(lines)], lines[(i + 1) % len(lines)]
+            messages = [
+                {"role": "user", "content": f"{i} {question}"},
+                {"role": "assistant", "content": answer},
+            ]
+            handle.write(json.dumps({"messages": messages}) + "\n")
     return path
 
 

@@ -96,6 +96,20 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         f"(lines empty or only white space), lines = every non-blank line (default {d.txt_documents})",
     )
     g.add_argument(
+        "--data-format",
+        choices=["auto", "text", "chat", "prompt-completion"],
+        help="text (a document per record), chat (a 'messages' list, rendered with the "
+        "tokenizer's chat template) or prompt-completion ('prompt' + 'completion'); auto "
+        "(default): from a .jsonl's first record",
+    )
+    g.add_argument(
+        "--completion-only-loss",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="chat / prompt-completion data: loss on the completion (assistant turns) only "
+        "(default on)",
+    )
+    g.add_argument(
         "--streaming",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -179,6 +193,19 @@ def _add_train_options(parser: argparse.ArgumentParser, compare: bool = False) -
         ":4096:8, inductor's deterministic mode with --compile (slower; default off)",
     )
     g.add_argument("--deepspeed", help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path")
+    g.add_argument(
+        "--lora",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="train LoRA adapters (peft; pip install 'maxscore[lora]') instead of every weight",
+    )
+    g.add_argument("--lora-r", type=int, help=f"LoRA rank (default {d.lora_r})")
+    g.add_argument("--lora-alpha", type=float, help=f"LoRA scale alpha (default {d.lora_alpha})")
+    g.add_argument(
+        "--lora-targets",
+        help=f"comma-separated: attention, experts, mlp (LoRA), router (trained in full) "
+        f"(default {d.lora_targets})",
+    )
     g.add_argument(
         "--expert-parallel",
         type=int,

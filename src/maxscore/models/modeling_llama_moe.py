@@ -532,6 +532,10 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         if use_cache is None:
             # A cache is only useful for generation; don't build one in every training step.
             use_cache = self.config.use_cache and not self.training
+        # An empty cache made here changes no mask, but transformers' mask builder only reads
+        # packed sequences (position_ids restarting at 0, instruction blocks) without a cache,
+        # so the builder sees the caller's cache only.
+        mask_cache = past_key_values
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if output_router_logits is None:
@@ -562,7 +566,7 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             "inputs_embeds": inputs_embeds,
             "attention_mask": attention_mask,
             "position_ids": given_position_ids,
-            _MASK_CACHE_ARGUMENT: past_key_values,
+            _MASK_CACHE_ARGUMENT: mask_cache,
         }
         kinds = {self.config.layer_attention(i) for i in range(len(self.layers))}
         masks = {kind: _MASK_BUILDERS[kind](**mask_arguments) for kind in kinds}

@@ -35,6 +35,8 @@ CompileMode = Literal["default", "max-autotune-no-cudagraphs"]
 COMPILE_MODES: tuple[str, ...] = ("default", "max-autotune-no-cudagraphs")
 TxtDocuments = Literal["paragraphs", "lines"]
 TXT_DOCUMENTS: tuple[str, ...] = ("paragraphs", "lines")
+DataFormat = Literal["auto", "text", "chat", "prompt-completion"]
+DATA_FORMATS: tuple[str, ...] = ("auto", "text", "chat", "prompt-completion")
 
 #: Fields that may differ between a run directory's stored config and a ``--resume`` of it
 #: without a warning: they say where/how to run, not what is trained.
@@ -76,6 +78,13 @@ class TrainConfig:
             (default): documents are separated by blank lines (lines that are empty or only white
             space); ``"lines"``: every non-blank line is a document. Refused for a source
             without ``.txt`` files (:mod:`maxscore.training.data`).
+        data_format: what a record is: ``"text"`` (a document in ``text_field``), ``"chat"``
+            (``messages``, rendered with the tokenizer's chat template) or
+            ``"prompt-completion"`` (``prompt`` + ``completion``); ``"auto"``: chat or
+            prompt-completion when a local .jsonl's first record has those fields and no
+            ``text_field``, else text (:mod:`maxscore.training.instruction_data`).
+        completion_only_loss: for chat / prompt-completion records, the loss on the completion
+            tokens (assistant turns) only; false: on every token.
         validation_fraction: share of documents held out when the source has no validation split.
         max_train_documents: use only the first N (seed-shuffled) training documents.
         max_eval_blocks: validation blocks per evaluation, evenly spaced over the split so every
@@ -118,6 +127,12 @@ class TrainConfig:
             mode (no autotuning by timing); refused with ``compile`` on a torch without that
             mode. Set for the run and restored after it
             (:class:`~maxscore.training.callbacks.DeterministicAlgorithms`); slower.
+        lora: train LoRA adapters (``peft``) instead of every weight
+            (:mod:`maxscore.training.lora`); checkpoints hold the adapter, the run's ``base/``
+            the model it adapts.
+        lora_r, lora_alpha: the adapters' rank and scale (``alpha / r`` multiplies ``B A``).
+        lora_targets: comma-separated :data:`maxscore.models.adapters.LORA_TARGETS`:
+            ``attention``, ``experts``, ``mlp`` (LoRA) and ``router`` (the gate, in full).
         output_dir: run directory (``None``: ``runs/<model>-<router>``).
         eval_steps, save_steps, logging_steps: intervals in optimizer steps (0 disables).
         save_total_limit: checkpoints kept (oldest deleted after a new one is complete).
@@ -153,6 +168,8 @@ class TrainConfig:
     text_field: str = "text"
     streaming: bool | None = None
     txt_documents: TxtDocuments = "paragraphs"
+    data_format: DataFormat = "auto"
+    completion_only_loss: bool = True
     validation_fraction: float = 0.01
     max_train_documents: int | None = None
     max_eval_blocks: int | None = None
@@ -183,6 +200,10 @@ class TrainConfig:
     compile: bool = False
     compile_mode: CompileMode = "default"
     deterministic: bool = False
+    lora: bool = False
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: str = "attention,experts,router"
     output_dir: str | None = None
     # Every 250 steps: one evaluation of the whole validation split (195k tokens) costs about a
     # sixth of the default 250-step CPU run, so the default run evaluates once, at its end.
@@ -245,6 +266,10 @@ class TrainConfig:
             raise ConfigError(
                 f"txt_documents must be one of {', '.join(TXT_DOCUMENTS)} (documents of a .txt "
                 f"file: separated by blank lines, or one per line), got {self.txt_documents!r}"
+            )
+        if self.data_format not in DATA_FORMATS:
+            raise ConfigError(
+                f"data_format must be one of {', '.join(DATA_FORMATS)}, got {self.data_format!r}"
             )
         if self.precision not in ("auto", "bf16", "fp16", "fp32"):
             raise ConfigError(f"precision must be auto, bf16, fp16 or fp32, got {self.precision!r}")

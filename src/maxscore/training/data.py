@@ -31,7 +31,7 @@ import json
 import random
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,9 +187,8 @@ def _read_txt(file: Path, rule: str = "paragraphs") -> list[str]:
     return split_txt_documents(text, rule)
 
 
-def _read_jsonl(file: Path, text_field: str) -> list[str]:
-    """Documents of a ``.jsonl`` file: one JSON object per line, text in ``text_field``."""
-    docs: list[str] = []
+def _read_jsonl_records(file: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of a ``.jsonl`` file: one JSON object per non-blank line."""
     with file.open("rb") as handle:
         for line_no, raw in enumerate(handle, 1):
             try:
@@ -207,20 +206,26 @@ def _read_jsonl(file: Path, text_field: str) -> list[str]:
                 raise DataError(f"{file}:{line_no}: not valid JSON ({err})") from err
             if not isinstance(record, dict):
                 raise DataError(
-                    f"{file}:{line_no}: expected a JSON object such as "
-                    f'{{"{text_field}": "..."}}, got {type(record).__name__}'
+                    f"{file}:{line_no}: expected a JSON object, got {type(record).__name__}"
                 )
-            if text_field not in record:
-                raise DataError(
-                    f"{file}:{line_no}: no field {text_field!r} (fields: "
-                    f"{sorted(record)}); set --text-field"
-                )
-            value = record[text_field]
-            if not isinstance(value, str):
-                raise DataError(
-                    f"{file}:{line_no}: field {text_field!r} holds {type(value).__name__}, not text"
-                )
-            docs.append(value)
+            yield line_no, record
+
+
+def _read_jsonl(file: Path, text_field: str) -> list[str]:
+    """Documents of a ``.jsonl`` file: one JSON object per line, text in ``text_field``."""
+    docs: list[str] = []
+    for line_no, record in _read_jsonl_records(file):
+        if text_field not in record:
+            raise DataError(
+                f"{file}:{line_no}: no field {text_field!r} (fields: {sorted(record)}); set "
+                "--text-field, or --data-format for chat / prompt-completion records"
+            )
+        value = record[text_field]
+        if not isinstance(value, str):
+            raise DataError(
+                f"{file}:{line_no}: field {text_field!r} holds {type(value).__name__}, not text"
+            )
+        docs.append(value)
     return docs
 
 
@@ -411,6 +416,153 @@ def load_text_splits(config: TrainConfig) -> TextSplits:
 
 
 # ------------------------------------------------------------------------------------------------
+# instruction records (maxscore.training.instruction_data)
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class InstructionSplits:
+    """Instruction records of a source (``data_format``: a key of ``RECORD_FORMATS``)."""
+
+    train: list[dict[str, Any]]
+    validation: list[dict[str, Any]]
+    data_format: str
+    description: str
+
+
+def _first_record(config: TrainConfig) -> dict[str, Any] | None:
+    """The first record of a local .jsonl source or a (downloaded) HF dataset; None for .txt,
+    streamed and embedded sources (plain text)."""
+    if config.dataset in ("default", "embedded") or config.dataset in DATASET_ALIASES:
+        return None
+    path = Path(config.dataset).expanduser()
+    if path.exists():
+        jsonl = [f for f in _local_files(path) if f.suffix == ".jsonl"]
+        return (
+            next((record for _, record in _read_jsonl_records(jsonl[0])), None) if jsonl else None
+        )
+    return None
+
+
+def _instruction_format(config: TrainConfig, first: dict[str, Any] | None) -> str | None:
+    """The instruction format of the source, or None for plain text (``data_format``)."""
+    from maxscore.training.instruction_data import detect_format
+
+    if config.data_format == "text":
+        return None
+    if config.data_format != "auto":
+        return config.data_format
+    if first is None or config.text_field in first:
+        return None
+    return detect_format(first)
+
+
+def load_instruction_splits(config: TrainConfig) -> InstructionSplits | None:
+    """The instruction records of ``config.dataset`` split into train and validation, or None
+    when the source is plain text (``data_format="auto"``: a .jsonl whose first record has
+    ``messages`` or ``prompt`` + ``completion`` and no ``text_field``)."""
+    from maxscore.training.instruction_data import split_records
+
+    path = Path(config.dataset).expanduser()
+    local = path.exists()
+    first = _first_record(config) if local else None
+    if not local and config.data_format not in ("auto", "text"):
+        return _hf_instruction_splits(config, config.data_format)
+    data_format = _instruction_format(config, first)
+    if data_format is None:
+        return None
+    files = [f for f in _local_files(path) if f.suffix == ".jsonl"]
+    if not files or len(files) != len(_local_files(path)):
+        raise DataError(
+            f"--data-format {data_format} reads .jsonl records, and {config.dataset!r} holds "
+            "other files"
+        )
+    records = [record for file in files for _, record in _read_jsonl_records(file)]
+    if len(records) < 2:
+        raise DataError(
+            f"dataset {config.dataset!r} gives no validation records: "
+            + _too_few_for_fraction(len(records), config.validation_fraction)
+        )
+    train, validation = split_records(records, config.validation_fraction, config.seed)
+    return InstructionSplits(
+        train, validation, data_format, f"local {config.dataset} ({data_format})"
+    )
+
+
+def _hf_instruction_splits(config: TrainConfig, data_format: str) -> InstructionSplits:
+    """Instruction records of a Hugging Face dataset (downloaded, not streamed)."""
+    from maxscore.training.instruction_data import split_records
+
+    if config.streaming:
+        raise DataError(f"--data-format {data_format} needs a downloaded dataset (--no-streaming)")
+    import datasets
+
+    try:
+        train = datasets.load_dataset(config.dataset, config.dataset_config, split="train")
+    except Exception as err:  # hub / file-not-found / offline errors come in many types
+        raise DataError(
+            f"cannot load dataset {config.dataset!r}: {type(err).__name__}: {err}"
+        ) from err
+    try:
+        validation = list(
+            datasets.load_dataset(config.dataset, config.dataset_config, split="validation")
+        )
+        records = list(train)
+    except Exception:
+        records, validation = split_records(list(train), config.validation_fraction, config.seed)
+    return InstructionSplits(records, validation, data_format, f"{config.dataset} ({data_format})")
+
+
+def build_instruction_data(
+    config: TrainConfig,
+    tokenizer: Any,
+    splits: InstructionSplits,
+    min_train_blocks: int = 1,
+    max_train_blocks: int | None = None,
+) -> TrainingData:
+    """Encode and pack instruction records (``maxscore.training.instruction_data``)."""
+    from maxscore.training.instruction_data import (
+        InstructionDataset,
+        InstructionValidation,
+        encode_records,
+        pack_examples,
+    )
+
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+
+    def pack(records: list[dict[str, Any]], which: str, limit: int | None) -> Any:
+        examples = encode_records(
+            records, splits.data_format, tokenizer, config.completion_only_loss, which
+        )
+        packed = pack_examples(examples, config.seq_len, pad_id, max_blocks=limit)
+        if packed.truncated:
+            print(
+                f"maxscore: warning: {packed.truncated} {which} example(s) longer than "
+                f"seq_len={config.seq_len} tokens were cut to it; a longer --seq-len keeps them",
+                file=sys.stderr,
+            )
+        return packed
+
+    train_records = list(splits.train)
+    random.Random(config.seed).shuffle(train_records)
+    if config.max_train_documents is not None:
+        train_records = train_records[: config.max_train_documents]
+    train = pack(train_records, f"{config.dataset} training", max_train_blocks)
+    validation = pack(splits.validation, f"{config.dataset} validation", config.max_eval_blocks)
+    if len(validation) == 0:
+        raise DataError(f"the validation records of {config.dataset!r} give no block to evaluate")
+    if len(train) < min_train_blocks:
+        raise DataError(
+            f"training data of {config.dataset!r} is too small: {len(train_records)} records give "
+            f"{len(train)} blocks of {config.seq_len} tokens, fewer than one global batch of "
+            f"{min_train_blocks} sequences"
+        )
+    return TrainingData(
+        InstructionDataset(train), InstructionValidation(validation), splits.description
+    )
+
+
+# ------------------------------------------------------------------------------------------------
 # the datasets the trainer uses
 # ------------------------------------------------------------------------------------------------
 @dataclass
@@ -442,6 +594,11 @@ def build_training_data(
             large corpus only to train on its first part wastes minutes on a CPU. The blocks kept
             are a prefix of the full packing, so a longer budget sees the same first blocks.
     """
+    instruction = load_instruction_splits(config)
+    if instruction is not None:
+        return build_instruction_data(
+            config, tokenizer, instruction, min_train_blocks, max_train_blocks
+        )
     splits = load_text_splits(config)
     if not splits.validation:
         if splits.held_out_fraction is not None:

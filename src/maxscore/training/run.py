@@ -67,6 +67,7 @@ from maxscore.training.distributed import (
     zero_stage,
 )
 from maxscore.training.integrity import newest_intact
+from maxscore.training.lora import RouterStepsOnResume, apply_lora, check_lora_options
 from maxscore.training.metrics import (
     METRICS_FILE,
     MetricsJsonlCallback,
@@ -222,6 +223,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
             + ("; pass --tokenizer with the checkpoint's own tokenizer" if pretrained else "")
         )
     check_parallel_options(config, ws, model_config)
+    check_lora_options(config, model_config)
     plan = check_run_dir(config) if is_main_process() else _follower_plan(config)
     try:
         total_steps = config.total_steps(ws)
@@ -478,6 +480,10 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     mark_zero3_leaf_modules(model, cfg.deepspeed)
+    extra_callbacks: list[TrainerCallback] = []
+    if cfg.lora:
+        model = apply_lora(model, cfg, run.run_dir, run.tokenizer)
+        extra_callbacks.append(RouterStepsOnResume())
     if cfg.compile:
         model.compile_layers(mode=cfg.compile_mode)
 
@@ -496,7 +502,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
         data_collator=collate_blocks,
         tokens_per_step=cfg.tokens_per_step(run.world_size),
         save_total_limit=cfg.save_total_limit,
-        callbacks=[RouterStepCallback(), final_cb, gc_cb, *callbacks],
+        callbacks=[RouterStepCallback(), *extra_callbacks, final_cb, gc_cb, *callbacks],
         **parallel_kwargs,
     )
     trainer.remove_callback(PrinterCallback)

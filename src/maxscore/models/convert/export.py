@@ -113,12 +113,18 @@ def export_pretrained(
     """Save ``model`` (or the maxscore checkpoint at that path) in its source family's format.
 
     The output loads with the family's transformers class (``AutoModelForCausalLM``, no remote
-    code). Tokenizer files of a checkpoint directory are copied along.
+    code). Tokenizer files of a checkpoint directory are copied along. A LoRA run's checkpoint
+    (a peft adapter) is merged into its base first.
     """
     source_dir: Path | None = None
     if not isinstance(model, LlamaMoEForCausalLM):
+        from maxscore.models.adapters import is_adapter_checkpoint, load_merged
+
         source_dir = Path(model)
-        model = LlamaMoEForCausalLM.from_pretrained(str(source_dir))
+        if is_adapter_checkpoint(source_dir):
+            model = load_merged(source_dir)  # a LoRA checkpoint: its adapter merged into the base
+        else:
+            model = LlamaMoEForCausalLM.from_pretrained(str(source_dir))
     hf_model = to_family_model(model, allow_routing_change)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
