@@ -29,8 +29,9 @@ Behaviour worth knowing:
   (plain, ``llama3``, ``yarn``, ``dynamic``, ``linear``, ``longrope``; ``config.rope_parameters``).
 * **Architecture variants** (for models converted from other families,
   :mod:`maxscore.models.convert`): q/k/v and output biases, QK-norm per head or over the full
-  width, q/k/v clamping, a sliding attention window (in every layer or per `layer_types`), gated shared experts, dense layers at given
-  indices. All off by default (Llama).
+  width, q/k/v clamping, a sliding attention window (in every layer or in the layers
+  ``layer_types`` names), gated shared experts, dense layers at given indices. All off by
+  default (Llama).
 * **Statistics.** Every MoE layer keeps the detached routing statistics of the last forward
   (device tensors, no host sync); :meth:`LlamaMoEForCausalLM.routing_statistics` returns them.
 * **Gradient checkpointing.** Decoder blocks are
