@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from byo_helpers import family_model
 from maxscore.models import LlamaMoEConfig, LlamaMoEForCausalLM
@@ -119,6 +120,10 @@ def test_from_pretrained_honours_other_families_names(tmp_path: Path) -> None:
     config = LlamaMoEConfig.from_pretrained(tmp_path, num_local_experts=4, norm_topk_prob=True)
     assert config.num_experts == 4
     assert config.router_config["normalize_weights"] is True
+    with pytest.raises(ValueError, match=r"unknown Llama-MoE config key\(s\) \['bogus_key'\]"):
+        LlamaMoEConfig.from_pretrained(tmp_path, bogus_key=1)
+    with pytest.raises(ValueError, match="bogus_key"):
+        AutoConfig.from_pretrained(tmp_path, bogus_key=1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -230,6 +230,18 @@ class LlamaMoEConfig(PreTrainedConfig):
             return entry.read(self)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> Any:
+        """transformers' ``from_dict``, except that a keyword this config does not know is refused
+        instead of dropped (``LlamaMoEConfig.from_pretrained(path, bogus=1)``); with
+        ``return_unused_kwargs`` (how ``from_pretrained`` of a model asks) they go back as usual."""
+        if kwargs.get("return_unused_kwargs"):
+            return super().from_dict(config_dict, **kwargs)
+        config, unused = super().from_dict(config_dict, **kwargs, return_unused_kwargs=True)
+        unknown = {k: v for k, v in unused.items() if not k.startswith("_")}
+        check_unknown_keys(unknown, [*LlamaMoEConfig.__annotations__, *ROUTER_SETTING_ALIASES])
+        return config
+
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         out.pop("_router_resolved", None)  # bookkeeping, not configuration

@@ -158,6 +158,9 @@ def _default_rope_parameters(config: Any, device: Any = None, **_: Any) -> tuple
 #: RoPE types whose frequencies depend on the sequence length (transformers recomputes them when
 #: a forward goes beyond the pretraining length: ``dynamic_rope_update``).
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+#: Tables kept before the cache starts again (a generation past a dynamic RoPE's pretraining
+#: length makes one per length).
+_MAX_ROPE_TABLES = 64
 
 
 class LlamaMoERotaryEmbedding(nn.Module):
@@ -187,6 +190,8 @@ class LlamaMoERotaryEmbedding(nn.Module):
         # The parameters are part of the key: a config changed after construction recomputes.
         key = (repr(sorted(params.items())), str(device), seq_len)
         if key not in self._tables:
+            if len(self._tables) >= _MAX_ROPE_TABLES:  # dynamic RoPE: one table per length
+                self._tables.clear()
             compute = ROPE_INIT_FUNCTIONS.get(params["rope_type"], _default_rope_parameters)
             inv_freq, scaling = compute(self.config, device, seq_len=seq_len)
             self._tables[key] = (inv_freq.to(device=device, dtype=torch.float32), float(scaling))
