@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,10 +10,12 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    MistralConfig,
     MixtralConfig,
     OlmoeConfig,
     PreTrainedModel,
     Qwen2MoeConfig,
+    Qwen3Config,
     Qwen3MoeConfig,
 )
 
@@ -31,53 +34,60 @@ _COMMON: dict[str, Any] = {
 }
 
 
+#: Per family: its config class and the tiny settings exercising its special features.
+_FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
+    "mixtral": (
+        MixtralConfig,
+        {"intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen2_moe": (
+        Qwen2MoeConfig,
+        {
+            "intermediate_size": 48,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+            "qkv_bias": True,
+        },
+    ),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        {
+            "head_dim": 12,
+            "intermediate_size": 48,
+            "moe_intermediate_size": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 2,
+            "norm_topk_prob": True,
+            "attention_bias": True,
+        },
+    ),
+    "olmoe": (
+        OlmoeConfig,
+        {
+            "intermediate_size": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "clip_qkv": 0.6,
+            "attention_bias": True,
+        },
+    ),
+    "llama": (LlamaConfig, {"intermediate_size": 48}),
+    "mistral": (MistralConfig, {"intermediate_size": 48, "sliding_window": None}),
+    "qwen3": (Qwen3Config, {"head_dim": 12, "intermediate_size": 48, "attention_bias": True}),
+}
+
+
 def family_config(family: str, **overrides: Any) -> Any:
-    """A tiny config of ``family`` exercising its special features (norms, biases, layouts)."""
-    if family == "mixtral":
-        config = MixtralConfig(
-            **_COMMON, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2
-        )
-    elif family == "qwen2_moe":
-        config = Qwen2MoeConfig(
-            **_COMMON,
-            intermediate_size=48,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=24,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[1],
-            norm_topk_prob=False,
-            qkv_bias=True,
-        )
-    elif family == "qwen3_moe":
-        config = Qwen3MoeConfig(
-            **_COMMON,
-            head_dim=12,
-            intermediate_size=48,
-            moe_intermediate_size=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=2,
-            norm_topk_prob=True,
-            attention_bias=True,
-        )
-    elif family == "olmoe":
-        config = OlmoeConfig(
-            **_COMMON,
-            intermediate_size=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            clip_qkv=0.6,
-            attention_bias=True,
-        )
-    elif family == "llama":
-        config = LlamaConfig(**_COMMON, intermediate_size=48)
-    else:
-        raise KeyError(family)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return config
+    """A tiny config of ``family`` exercising its special features (norms, biases, layouts);
+    ``overrides`` go to the constructor (so derived settings such as ``layer_types`` follow)."""
+    config_class, settings = _FAMILIES[family]
+    return config_class(**{**_COMMON, **settings, **overrides})
 
 
 def family_model(family: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
@@ -133,6 +143,38 @@ def save_tiny_tokenizer(path: Path) -> Path:
         unk_token="<unk>",
     )
     fast.save_pretrained(path)
+    return path
+
+
+#: A ChatML-style template (as Qwen's), so chat records render offline with the tiny tokenizer.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def save_chat_tokenizer(path: Path) -> Path:
+    """:func:`save_tiny_tokenizer` with :data:`CHAT_TEMPLATE` (written as chat_template.jinja)."""
+    from transformers import AutoTokenizer
+
+    save_tiny_tokenizer(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_chat_data(path: Path, records: int = 64) -> Path:
+    """A local chat dataset: ``messages`` records of a user question and an assistant answer."""
+    lines = [line for line in TEXT.split(". ") if line]
+    with path.open("w") as handle:
+        for i in range(records):
+            question, answer = lines[i % len(lines)], lines[(i + 1) % len(lines)]
+            messages = [
+                {"role": "user", "content": f"{i} {question}"},
+                {"role": "assistant", "content": answer},
+            ]
+            handle.write(json.dumps({"messages": messages}) + "\n")
     return path
 
 

@@ -130,7 +130,10 @@ def test_export_from_a_saved_checkpoint(tmp_path: Path) -> None:
 
 
 def test_export_refuses_routing_the_family_cannot_express() -> None:
-    boosted = convert_model(family_model("mixtral"), router="maxscore")
+    # A SoftTopk schedule started above 0 on purpose (the default starts a converted model at 0).
+    boosted = convert_model(
+        family_model("mixtral"), router="maxscore", router_config={"temperature": {"start": 3.0}}
+    )
     with pytest.raises(ConversionError, match="SoftTopk scale t"):
         to_family_model(boosted)
     sigmoid = convert_model(family_model("olmoe"), router="deepseek-v3")

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
         "maxscore.compiled",
         "maxscore.preset_tables",
         "maxscore.host_memory",
+        "maxscore.file_modes",
     ),
     ("maxscore.routing",),
     ("maxscore.moe",),

@@ -66,8 +66,15 @@ def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_analyze_command(args: argparse.Namespace) -> int:
     """Entry point of ``maxscore analyze``; returns the exit code."""
-    # On use: the command line reads this module at start-up, analyze loads matplotlib.
-    from maxscore.analysis.analyze import analyze
+    # On use: the command line reads this module at start-up, analyze loads matplotlib (an
+    # optional dependency: maxscore[plots]).
+    try:
+        from maxscore.analysis.analyze import analyze
+    except ImportError as err:
+        if err.name != "matplotlib":
+            raise
+        print(f"maxscore analyze: error: {err}", file=sys.stderr)
+        return 2
 
     output = args.output or (
         Path(args.runs[0]) / "analysis" if len(args.runs) == 1 else Path("maxscore-analysis")

@@ -21,13 +21,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+#: What to do when matplotlib is missing (the figures are the ``plots`` extra).
+PLOTS_MISSING = (
+    "the figures need matplotlib, which is not installed: pip install 'maxscore[plots]' "
+    "(or pip install matplotlib)"
+)
+
+try:
+    import matplotlib
+except ImportError as err:  # an optional dependency: the `plots` extra
+    raise ImportError(PLOTS_MISSING, name="matplotlib") from err
 
 matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
+import matplotlib.pyplot as plt  # noqa: E402 (after the matplotlib check)
+from matplotlib.figure import Figure  # noqa: E402
 
-from maxscore.analysis.runs import RoutingSnapshot
+from maxscore.analysis.runs import RoutingSnapshot  # noqa: E402 (after the matplotlib check)
 
 RANK_NAMES = ("1st", "2nd", "3rd")
 

@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 from maxscore.config_types import ConfigError, at_least, check_fields, option, within
 
-__all__ = ["DataConfig", "TxtDocuments"]
+__all__ = ["DataConfig", "DataFormat", "TxtDocuments"]
 
 TxtDocuments = Literal["paragraphs", "lines"]
+DataFormat = Literal["auto", "text", "chat", "prompt-completion"]
 
 _POSITIVE = (at_least(1),)
 _SHARE = (within(0, 1),)
@@ -39,6 +40,13 @@ class DataConfig:
             (default): documents are separated by blank lines (lines that are empty or only white
             space); ``"lines"``: every non-blank line is a document. Refused for a source
             without ``.txt`` files (:mod:`maxscore.data.sources`).
+        data_format: what a record is: ``"text"`` (a document in ``text_field``), ``"chat"``
+            (``messages``, rendered with the tokenizer's chat template) or
+            ``"prompt-completion"`` (``prompt`` + ``completion``); ``"auto"``: chat or
+            prompt-completion when a local .jsonl's first record has those fields and no
+            ``text_field``, else text (:mod:`maxscore.training.instruction_data`).
+        completion_only_loss: for chat / prompt-completion records, the loss on the completion
+            tokens (assistant turns) only; false: on every token.
         validation_fraction: share of documents held out when the source has no validation split.
         max_train_documents: use only the first N (seed-shuffled) training documents.
         max_eval_blocks: validation blocks per evaluation, evenly spaced over the split so every
@@ -77,6 +85,23 @@ class DataConfig:
             group="data",
             help="how a .txt file is cut into documents: paragraphs = separated by blank lines "
             "(lines empty or only white space), lines = every non-blank line (default {default})",
+        ),
+    )
+    data_format: DataFormat = field(
+        default="auto",
+        metadata=option(
+            group="data",
+            help="text (a document per record), chat (a 'messages' list, rendered with the "
+            "tokenizer's chat template) or prompt-completion ('prompt' + 'completion'); auto "
+            "(default): from a .jsonl's first record",
+        ),
+    )
+    completion_only_loss: bool = field(
+        default=True,
+        metadata=option(
+            group="data",
+            help="chat / prompt-completion data: loss on the completion (assistant turns) only "
+            "(default on)",
         ),
     )
     validation_fraction: float = field(

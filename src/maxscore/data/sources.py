@@ -22,7 +22,7 @@ import json
 import random
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,8 @@ __all__ = [
     "DataError",
     "TextSplits",
     "load_text_splits",
+    "local_files",
+    "read_jsonl_records",
     "split_txt_documents",
     "too_few_for_fraction",
 ]
@@ -138,9 +140,8 @@ def _read_txt(file: Path, rule: str = "paragraphs") -> list[str]:
     return split_txt_documents(text, rule)
 
 
-def _read_jsonl(file: Path, text_field: str) -> list[str]:
-    """Documents of a ``.jsonl`` file: one JSON object per line, text in ``text_field``."""
-    docs: list[str] = []
+def read_jsonl_records(file: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of a ``.jsonl`` file: one JSON object per non-blank line."""
     with file.open("rb") as handle:
         for line_no, raw in enumerate(handle, 1):
             try:
@@ -158,20 +159,26 @@ def _read_jsonl(file: Path, text_field: str) -> list[str]:
                 raise DataError(f"{file}:{line_no}: not valid JSON ({err})") from err
             if not isinstance(record, dict):
                 raise DataError(
-                    f"{file}:{line_no}: expected a JSON object such as "
-                    f'{{"{text_field}": "..."}}, got {type(record).__name__}'
+                    f"{file}:{line_no}: expected a JSON object, got {type(record).__name__}"
                 )
-            if text_field not in record:
-                raise DataError(
-                    f"{file}:{line_no}: no field {text_field!r} (fields: "
-                    f"{sorted(record)}); set --text-field"
-                )
-            value = record[text_field]
-            if not isinstance(value, str):
-                raise DataError(
-                    f"{file}:{line_no}: field {text_field!r} holds {type(value).__name__}, not text"
-                )
-            docs.append(value)
+            yield line_no, record
+
+
+def _read_jsonl(file: Path, text_field: str) -> list[str]:
+    """Documents of a ``.jsonl`` file: one JSON object per line, text in ``text_field``."""
+    docs: list[str] = []
+    for line_no, record in read_jsonl_records(file):
+        if text_field not in record:
+            raise DataError(
+                f"{file}:{line_no}: no field {text_field!r} (fields: {sorted(record)}); set "
+                "--text-field, or --data-format for chat / prompt-completion records"
+            )
+        value = record[text_field]
+        if not isinstance(value, str):
+            raise DataError(
+                f"{file}:{line_no}: field {text_field!r} holds {type(value).__name__}, not text"
+            )
+        docs.append(value)
     return docs
 
 
@@ -182,7 +189,7 @@ _LOCAL_READERS: dict[str, Callable[[Path, str, str], list[str]]] = {
 }
 
 
-def _local_files(path: Path) -> list[Path]:
+def local_files(path: Path) -> list[Path]:
     """The data files of a local source: the file itself, or a folder's .txt / .jsonl files."""
     if not path.is_dir():
         return [path]
@@ -194,7 +201,7 @@ def _local_files(path: Path) -> list[Path]:
 
 def _read_local(path: Path, text_field: str, txt_documents: str = "paragraphs") -> list[str]:
     docs: list[str] = []
-    for file in _local_files(path):
+    for file in local_files(path):
         reader = _LOCAL_READERS.get(file.suffix)
         if reader is None:
             raise DataError(
@@ -206,7 +213,7 @@ def _read_local(path: Path, text_field: str, txt_documents: str = "paragraphs") 
 
 def _why_too_few_documents(path: Path, docs: list[str], config: DataConfig) -> str:
     """Why a local source of fewer than two documents gives no validation document."""
-    files = _local_files(path)
+    files = local_files(path)
     one = len(files) == 1 and not path.is_dir()
     if not docs:
         if all(f.stat().st_size == 0 for f in files):
@@ -335,7 +342,7 @@ def load_text_splits(config: DataConfig) -> TextSplits:
         if not path.exists():
             raise DataError(f"data file or folder {source!r} does not exist")
         if config.txt_documents != "paragraphs" and not any(
-            f.suffix == ".txt" for f in _local_files(path)
+            f.suffix == ".txt" for f in local_files(path)
         ):
             raise DataError(
                 f"--txt-documents {config.txt_documents} applies to .txt files, and {source!r} "

@@ -40,6 +40,7 @@ from maxscore.evaluation.registry import (
     resolve_tasks,
 )
 from maxscore.evaluation.results import checkpoint_validation
+from maxscore.models.adapters import is_adapter_checkpoint, load_merged
 from maxscore.routing.config import EvalRouting, RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,10 @@ class EvaluationError(RuntimeError):
 
 
 def is_checkpoint_dir(path: Path) -> bool:
-    """A Hugging Face model directory: a ``config.json`` with a ``model_type`` and weights."""
+    """A Hugging Face model directory: a ``config.json`` with a ``model_type`` and weights, or a
+    LoRA adapter checkpoint (``adapter_config.json``; its base is merged in when loaded)."""
+    if is_adapter_checkpoint(path):
+        return True
     config = path / "config.json"
     if not config.is_file() or not any((path / f).is_file() for f in _WEIGHT_FILES):
         return False
@@ -257,11 +261,14 @@ def load_model(
     verify_checkpoint_files(checkpoint)
     model: Any
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(checkpoint), dtype=torch_dtype, trust_remote_code=True
-        )
+        if is_adapter_checkpoint(checkpoint):
+            model = load_merged(checkpoint, dtype=torch_dtype)  # a LoRA run's checkpoint
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(checkpoint), dtype=torch_dtype, trust_remote_code=True
+            )
         tokenizer = AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=True)
-    except (OSError, ValueError, SafetensorError) as err:
+    except (OSError, ValueError, SafetensorError, ImportError) as err:
         raise EvaluationError(f"cannot load checkpoint {checkpoint}: {err}") from err
     check_finite_weights(model, checkpoint)
     model.to(device)

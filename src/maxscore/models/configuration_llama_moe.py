@@ -25,8 +25,10 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from maxscore.config_types import check_value
+from maxscore.models.config_names import FOREIGN_NAMES, apply_foreign_names, check_unknown_keys
 from maxscore.routing.config import EvalRouting, RouterConfig
 from maxscore.routing.presets import ROUTER_PRESETS
 from maxscore.routing.resolve import (
@@ -39,7 +41,8 @@ from maxscore.routing.resolve import (
 QkNorm = Literal["head", "full"]
 
 #: Router settings that also have a top-level name, and the RouterConfig field each one is:
-#: transformers' MoE configs call the aux-loss coefficient ``router_aux_loss_coef``. The
+#: transformers' MoE configs call the aux-loss coefficient ``router_aux_loss_coef`` and the
+#: renormalisation of the top-k weights ``norm_topk_prob`` (Qwen-MoE, OLMoE). The
 #: constructor, ``from_pretrained`` and ``--model-option`` accept them; reading them reads
 #: ``router_config``, their one home, and setting one resolves the router with it (they are not
 #: saved separately).
@@ -47,13 +50,18 @@ ROUTER_SETTING_ALIASES: dict[str, str] = {
     "router_aux_loss_coef": "aux_loss_coef",
     "router_z_loss_coef": "z_loss_coef",
     "eval_routing": "eval_routing",
+    "norm_topk_prob": "normalize_weights",
 }
 #: The types the aliases accept (``None`` for a coefficient: the preset's value).
 ROUTER_SETTING_TYPES: dict[str, Any] = {
     "router_aux_loss_coef": float | None,
     "router_z_loss_coef": float | None,
     "eval_routing": EvalRouting,
+    "norm_topk_prob": bool,
 }
+
+#: Attention kinds of ``layer_types`` (transformers' names).
+LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
 
 
 def _setting_overrides(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,7 +103,12 @@ class LlamaMoEConfig(PreTrainedConfig):
         head_dim: per-head width; ``None`` = ``hidden_size // num_attention_heads``.
         max_position_embeddings: longest sequence the model is meant for (RoPE needs no table;
             kept for tooling such as ``generate`` and lm-eval).
-        rope_theta: RoPE base frequency.
+        rope_theta: RoPE base frequency (the same value as ``rope_parameters["rope_theta"]``;
+            setting either sets both).
+        rope_parameters: transformers' RoPE description: ``{"rope_type": "default"}`` (plain
+            RoPE) or a scaled RoPE of ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS``
+            (``"linear"``, ``"dynamic"``, ``"yarn"``, ``"longrope"``, ``"llama3"``) with its
+            parameters. ``rope_scaling`` (the older name) is read into it.
         rms_norm_eps: epsilon of the RMSNorms.
         initializer_range: std of the normal init of every weight matrix.
         tie_word_embeddings: share input embedding and LM head (the paper's models do not).
@@ -131,14 +144,26 @@ class LlamaMoEConfig(PreTrainedConfig):
             all heads' concatenated width, as OLMoE).
         clip_qkv: clamp queries, keys and values to ``[-clip_qkv, clip_qkv]`` after the norms
             (OLMoE); ``None`` = no clamp.
-        sliding_window: attend to at most this many previous tokens in every layer (Mixtral's
-            ``sliding_window``); ``None`` = full causal attention.
+        sliding_window: attend to at most this many previous tokens (Mixtral's
+            ``sliding_window``) in every layer, or with ``layer_types`` in its
+            ``"sliding_attention"`` layers; ``None`` (or 0) = full causal attention.
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"`` (transformers'
+            name; Qwen2 / Qwen2-MoE / Qwen3 windows on some layers only); ``None`` = every layer
+            as ``sliding_window`` says.
         shared_expert_gate: scale the shared experts' output by a learned per-token sigmoid gate
             (Qwen2-MoE).
         source_family: the Hugging Face model family the weights were converted from
             (``maxscore.models.convert.FAMILIES``), ``None`` for native models; with
             ``source_config`` (the original configuration) it lets ``export`` write the model
-            back in that family's format.
+            back in that family's format. For an upcycled model: the MoE family whose layout
+            holds it (Mixtral for Llama / Mistral, Qwen3-MoE for Qwen3), so it exports the same
+            way; ``None`` when no family does.
+        upcycled_from: ``model_type`` of the dense checkpoint an upcycled model was made from
+            (:mod:`maxscore.models.upcycle`), ``None`` otherwise.
+
+    Names other families give the same settings (``num_local_experts``, ``mlp_only_layers``,
+    ``decoder_sparse_step``, ``norm_topk_prob``, ``rope_scaling``, ...) are honoured or refused
+    with the reason (:mod:`maxscore.models.config_names`); any other unknown key is refused.
     """
 
     model_type = "maxscore_llama_moe"
@@ -152,6 +177,7 @@ class LlamaMoEConfig(PreTrainedConfig):
     head_dim: int | None = None
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
+    rope_parameters: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     tie_word_embeddings: bool = False
@@ -177,21 +203,28 @@ class LlamaMoEConfig(PreTrainedConfig):
     qk_norm: QkNorm | None = None
     clip_qkv: float | None = None
     sliding_window: int | None = None
+    layer_types: list[str] | None = None
     shared_expert_gate: bool = False
     source_family: str | None = None
     source_config: dict[str, Any] | None = None
+    upcycled_from: str | None = None
 
     # Views of router_config (not dataclass fields: no annotation), see ROUTER_SETTING_ALIASES.
     router_aux_loss_coef = _router_setting("router_aux_loss_coef")
     router_z_loss_coef = _router_setting("router_z_loss_coef")
     eval_routing = _router_setting("eval_routing")
+    norm_topk_prob = _router_setting("norm_topk_prob")
 
     def __post_init__(self, **kwargs: Any) -> None:
         settings = {alias: kwargs.pop(alias) for alias in ROUTER_SETTING_ALIASES if alias in kwargs}
+        apply_foreign_names(self, kwargs)
+        check_unknown_keys(kwargs, [*LlamaMoEConfig.__annotations__, *ROUTER_SETTING_ALIASES])
+        self._standardize_rope(kwargs.pop("rope_scaling", None))
         self._validate_shapes()
         self._validate_architecture()
         self.router_config = self._resolve_router(settings)
         super().__post_init__(**kwargs)
+        self._validate_rope()
 
     def _resolve_router(self, settings: Mapping[str, Any]) -> RouterConfig:
         """The RouterConfig of ``router`` + ``router_config`` + top-level ``settings``, for this
@@ -208,14 +241,35 @@ class LlamaMoEConfig(PreTrainedConfig):
         return resolve_router(self.router, {**(given or {}), **overrides}, self.router_sizes())
 
     def __setattr__(self, key: str, value: Any) -> None:
+        constructed = isinstance(self.__dict__.get("router_config"), RouterConfig)
         # The router is resolved once, when the config is made; a later `router = ...` would
         # only rename it. Routers change through a new config or from_pretrained(router=...).
-        if key == "router" and isinstance(self.__dict__.get("router_config"), RouterConfig):
+        if key == "router" and constructed:
             raise AttributeError(
                 "the router is set when the config is made: LlamaMoEConfig(router=...), "
                 "get_model_config(preset, router=...) or from_pretrained(path, router=...)"
             )
+        if key in FOREIGN_NAMES and constructed:
+            # Another family's name (`from_pretrained(path, num_local_experts=8)` sets it).
+            apply_foreign_names(self, {key: value})
+            return
+        if key in ("rope_parameters", "rope_scaling") and self.__dict__.get("_post_init_done"):
+            self.__dict__["rope_parameters"] = None  # replaced, not merged
+            self._standardize_rope(value)
+            self._validate_rope()
+            return
         super().__setattr__(key, value)
+        if key == "rope_theta" and self.__dict__.get("rope_parameters") is not None:
+            # rope_theta and rope_parameters["rope_theta"] are one setting.
+            self.rope_parameters["rope_theta"] = value
+
+    def __getattr__(self, key: str) -> Any:
+        # Only reached when normal lookup fails: other families' names read our fields.
+        entry = FOREIGN_NAMES.get(key)
+        constructed = isinstance(self.__dict__.get("router_config"), RouterConfig)
+        if entry is not None and entry.read is not None and constructed:
+            return entry.read(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
 
     def router_sizes(self) -> RouterSizes:
         """The sizes every MoE layer's router is resolved for."""
@@ -232,6 +286,10 @@ class LlamaMoEConfig(PreTrainedConfig):
         ``router_config=`` (fields, or a RouterConfig replacing the router) and the top-level
         settings (``router_aux_loss_coef=``; ``None``: the preset's) change it further. Top-level
         settings saved by older versions win over the saved fields, as they did then.
+
+        A keyword this config does not know is refused instead of dropped
+        (``LlamaMoEConfig.from_pretrained(path, bogus=1)``); with ``return_unused_kwargs`` (how
+        ``from_pretrained`` of a model asks) they go back as usual.
         """
         data = dict(config_dict)
         name = data.get("router", cls.router)
@@ -254,13 +312,52 @@ class LlamaMoEConfig(PreTrainedConfig):
         }
         data["router"] = name
         data["router_config"] = resolve_router(saved, overrides)
-        return super().from_dict(data, **kwargs)
+        if kwargs.get("return_unused_kwargs"):
+            return super().from_dict(data, **kwargs)
+        config, unused = super().from_dict(data, **kwargs, return_unused_kwargs=True)
+        unknown = {k: v for k, v in unused.items() if not k.startswith("_")}
+        check_unknown_keys(unknown, [*LlamaMoEConfig.__annotations__, *ROUTER_SETTING_ALIASES])
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()
         if isinstance(self.router_config, RouterConfig):
             out["router_config"] = self.router_config.to_dict()
         return out
+
+    # -- RoPE ---------------------------------------------------------------------------------------
+
+    def _standardize_rope(self, rope_scaling: dict[str, Any] | None = None) -> None:
+        """``rope_parameters`` (or the older ``rope_scaling``) as transformers standardises it,
+        with ``rope_theta`` in it and in the top-level field alike."""
+        params = dict(rope_scaling or self.__dict__.get("rope_parameters") or {})
+        if "type" in params:  # the older key of rope_type
+            params.setdefault("rope_type", params.pop("type"))
+        params.setdefault("rope_type", "default")
+        if params.get("rope_theta") is not None:
+            self.__dict__["rope_theta"] = float(params["rope_theta"])
+        params["rope_theta"] = self.rope_theta
+        if params["rope_type"] in ("llama3", "yarn", "longrope"):
+            # The pretraining length the scaling is relative to (transformers' default).
+            params.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        self.__dict__["rope_parameters"] = params
+
+    def _validate_rope(self) -> None:
+        """The RoPE type is one transformers computes, with the parameters it needs."""
+        params = self.rope_parameters
+        rope_type = params["rope_type"]
+        known = ["default", *ROPE_INIT_FUNCTIONS]
+        if rope_type not in known:
+            raise ValueError(f"rope_parameters: unknown rope_type {rope_type!r}; known: {known}")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                "rope_parameters: partial_rotary_factor (RoPE on part of each head) is not "
+                "implemented by the Llama-MoE model; use 1.0"
+            )
+        try:
+            self.validate_rope()
+        except KeyError as err:  # transformers' "Missing required keys in rope_parameters"
+            raise ValueError(f"rope_parameters: {err.args[0] if err.args else err}") from None
 
     # -- validation -------------------------------------------------------------------------------
 
@@ -333,12 +430,24 @@ class LlamaMoEConfig(PreTrainedConfig):
             raise ValueError(problem)
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise ValueError(f"clip_qkv must be > 0 or None, got {self.clip_qkv}")
+        if self.sliding_window == 0:
+            self.sliding_window = None  # Qwen writes 0 for "no window"
         if self.sliding_window is not None and (
             not isinstance(self.sliding_window, int) or self.sliding_window < 1
         ):
             raise ValueError(
                 f"sliding_window must be a positive int or None, got {self.sliding_window!r}"
             )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or any(
+                kind not in LAYER_TYPES for kind in self.layer_types
+            ):
+                raise ValueError(
+                    f"layer_types must list one of {LAYER_TYPES} per layer "
+                    f"({self.num_hidden_layers}), got {self.layer_types!r}"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("layer_types has 'sliding_attention' layers but no sliding_window")
         if self.shared_expert_gate and self.num_shared_experts < 1:
             raise ValueError("shared_expert_gate needs num_shared_experts >= 1")
         for index in self.dense_layers or []:
@@ -362,6 +471,12 @@ class LlamaMoEConfig(PreTrainedConfig):
         if layer_idx in (self.dense_layers or []):
             return False
         return (layer_idx - self.first_k_dense) % self.moe_layer_freq == 0
+
+    def layer_attention(self, layer_idx: int) -> str:
+        """``"sliding_attention"`` or ``"full_attention"``: the attention of layer ``layer_idx``."""
+        if self.layer_types is not None:
+            return self.layer_types[layer_idx]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
 
 
 def _saved_router(name: str, saved: Any) -> RouterConfig:

@@ -1,8 +1,7 @@
 """Llama-MoE causal language model: Llama blocks whose MLPs are :class:`maxscore.moe.MoE` layers.
 
 Architecture (the paper's model): token embedding, ``num_hidden_layers`` pre-norm decoder blocks
-(RMSNorm → grouped-query self-attention with RoPE through
-:func:`torch.nn.functional.scaled_dot_product_attention` → residual; RMSNorm → MoE or dense SwiGLU
+(RMSNorm → grouped-query self-attention with RoPE → residual; RMSNorm → MoE or dense SwiGLU
 MLP → residual), a final RMSNorm and an untied LM head.
 
 Behaviour worth knowing:
@@ -22,15 +21,17 @@ Behaviour worth knowing:
   slot, and counts in no router loss or statistic, so the real tokens' logits, losses and
   routing do not depend on what the padding holds (in training and evaluation mode, for every
   router preset; ``tests/test_padding.py``).
-* **Attention backends.** ``attn_implementation="sdpa"`` (default) runs PyTorch SDPA;
-  ``"eager"`` the explicit ``softmax(q k^T / sqrt(d)) v`` in fp32 (for debugging and
-  attention weights). Flash-attention and flex-attention are not implemented; transformers
-  refuses them when loading, and a config switched to them afterwards raises at the first
-  forward.
+* **Attention backends.** Attention runs through transformers' attention interface
+  (``ALL_ATTENTION_FUNCTIONS``): ``attn_implementation="sdpa"`` (default), ``"eager"`` (the
+  explicit fp32 softmax, which also returns the weights for ``output_attentions=True``),
+  ``"flash_attention_2"`` / ``"flash_attention_3"`` and ``"flex_attention"`` where installed,
+  with the masks transformers builds for each. RoPE comes from transformers' RoPE functions
+  (plain, ``llama3``, ``yarn``, ``dynamic``, ``linear``, ``longrope``; ``config.rope_parameters``).
 * **Architecture variants** (for models converted from other families,
   :mod:`maxscore.models.convert`): q/k/v and output biases, QK-norm per head or over the full
-  width, q/k/v clamping, a sliding attention window, gated shared experts, dense layers at given
-  indices. All off by default (Llama).
+  width, q/k/v clamping, a sliding attention window (in every layer or in the layers
+  ``layer_types`` names), gated shared experts, dense layers at given indices. All off by
+  default (Llama).
 * **Statistics.** Every MoE layer keeps the detached routing statistics of the last forward
   (device tensors, no host sync); :meth:`LlamaMoEForCausalLM.routing_statistics` returns them.
 * **Gradient checkpointing.** Decoder blocks are
@@ -60,6 +61,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import can_return_tuple
 
 from maxscore.moe import DenseMLP, MoE
@@ -79,6 +82,13 @@ _OUTPUT_CACHE_FIELD = (
     if "cache" in {f.name for f in dataclasses.fields(MoeModelOutputWithPast)}
     else "past_key_values"
 )
+
+
+#: The mask builder of each attention kind of ``config.layer_types``.
+_MASK_BUILDERS = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
 
 
 def _output_cache(outputs: Any) -> Cache | None:
@@ -138,22 +148,65 @@ class LlamaMoERMSNorm(nn.Module):
         return (self.weight * x32).to(dtype)
 
 
-def rotary_cos_sin(
-    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """RoPE tables for ``position_ids[B, L]`` -> ``cos, sin`` of shape ``[B, 1, L, head_dim]``.
+def _default_rope_parameters(config: Any, device: Any = None, **_: Any) -> tuple[Tensor, float]:
+    """Plain RoPE's inverse frequencies ``theta^(-2i / head_dim)`` (transformers' default, which
+    its models define themselves rather than in ``ROPE_INIT_FUNCTIONS``)."""
+    dim = config.head_dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    return 1.0 / (config.rope_parameters["rope_theta"] ** exponent), 1.0
 
-    Frequencies are recomputed per call (``head_dim / 2`` values, negligible) rather than kept in a
-    buffer, so nothing needs re-initialising after meta-device construction in ``from_pretrained``.
-    The angles are computed in fp32 (bf16 positions would lose precision beyond ~256).
+
+#: RoPE types whose frequencies depend on the sequence length (transformers recomputes them when
+#: a forward goes beyond the pretraining length: ``dynamic_rope_update``).
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+#: Tables kept before the cache starts again (a generation past a dynamic RoPE's pretraining
+#: length makes one per length).
+_MAX_ROPE_TABLES = 64
+
+
+class LlamaMoERotaryEmbedding(nn.Module):
+    """RoPE tables ``cos, sin`` for ``position_ids[B, L]``, shape ``[B, 1, L, head_dim]``.
+
+    The inverse frequencies come from transformers' RoPE functions
+    (``modeling_rope_utils.ROPE_INIT_FUNCTIONS``: ``linear``, ``dynamic``, ``yarn``,
+    ``longrope``, ``llama3``) or plain RoPE, as ``config.rope_parameters`` says, so a converted
+    Llama-3.x or YaRN checkpoint rotates exactly as in transformers. They are kept in a plain
+    per-device cache rather than a buffer: nothing to re-initialise after meta-device
+    construction, conversion or ``from_pretrained``. ``dynamic`` and ``longrope`` recompute them
+    from this forward's length (``max(position_ids) + 1``, one host sync, as transformers'
+    ``dynamic_rope_update``); transformers keeps a grown ``dynamic`` table until a forward is
+    shorter than the pretraining length, this one follows each forward. Angles are computed in
+    fp32 and scaled by the RoPE type's attention factor (YaRN's ``mscale``).
     """
-    device = position_ids.device
-    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponent)  # [head_dim / 2]
-    angles = position_ids.float()[..., None] * inv_freq  # [B, L, head_dim / 2]
-    # Each frequency drives the pair (i, i + head_dim/2): the "split halves" RoPE layout.
-    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, L, head_dim]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def __init__(self, config: LlamaMoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._tables: dict[tuple[str, str, int | None], tuple[Tensor, float]] = {}
+
+    def _inverse_frequencies(
+        self, device: torch.device, seq_len: int | None
+    ) -> tuple[Tensor, float]:
+        params = self.config.rope_parameters
+        # The parameters are part of the key: a config changed after construction recomputes.
+        key = (repr(sorted(params.items())), str(device), seq_len)
+        if key not in self._tables:
+            if len(self._tables) >= _MAX_ROPE_TABLES:  # dynamic RoPE: one table per length
+                self._tables.clear()
+            compute = ROPE_INIT_FUNCTIONS.get(params["rope_type"], _default_rope_parameters)
+            inv_freq, scaling = compute(self.config, device, seq_len=seq_len)
+            self._tables[key] = (inv_freq.to(device=device, dtype=torch.float32), float(scaling))
+        return self._tables[key]
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        seq_len = None
+        if self.config.rope_parameters["rope_type"] in _LENGTH_DEPENDENT_ROPE:
+            seq_len = int(position_ids.max()) + 1
+        inv_freq, scaling = self._inverse_frequencies(position_ids.device, seq_len)
+        angles = position_ids.float()[..., None] * inv_freq  # [B, L, head_dim / 2]
+        # Each frequency drives the pair (i, i + head_dim/2): the "split halves" RoPE layout.
+        angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, L, head_dim]
+        return (angles.cos() * scaling).to(dtype), (angles.sin() * scaling).to(dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -163,11 +216,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
-    """Share each of the ``x[B, kv_heads, S, hd]`` heads among ``num_heads / kv_heads`` queries.
-
-    An explicit expand + copy rather than SDPA's ``enable_gqa``, whose kernel support differs
-    between torch versions and backends; a no-op for multi-head attention (the paper's models).
-    """
+    """Share each of the ``x[B, kv_heads, S, hd]`` heads among ``num_heads / kv_heads`` queries."""
     b, kv_heads, s, hd = x.shape
     if kv_heads == num_heads:
         return x
@@ -175,35 +224,68 @@ def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
     return x[:, :, None].expand(b, kv_heads, rep, s, hd).reshape(b, num_heads, s, hd)
 
 
-#: ``attn_implementation`` values the attention layer runs (transformers' names).
-ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager")
+def eager_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor]:
+    """``softmax(q k^T * scaling + mask) v`` with an fp32 softmax: transformers' eager attention
+    (same signature and outputs: ``[B, L, H, hd]`` and the ``[B, H, L, S]`` weights).
 
-
-def eager_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """``softmax(q k^T / sqrt(d) + mask) v`` with an fp32 softmax (transformers' eager path).
-
-    ``mask``: ``None`` (plain causal, aligned to the end of the keys), a bool mask (True =
-    attend) or an additive float mask, broadcastable to ``[B, H, q_len, kv_len]``.
+    ``attention_mask``: ``None`` (plain causal, aligned to the end of the keys), a bool mask
+    (True = attend) or an additive float mask (what transformers' mask builder gives for eager),
+    broadcastable to ``[B, H, q_len, kv_len]``.
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    q_len, kv_len = q.shape[-2], k.shape[-2]
-    if mask is None and q_len > 1:
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+    del kwargs  # sliding_window / position_ids: the mask already holds them
+    key, value = _repeat_kv(key, query.shape[1]), _repeat_kv(value, query.shape[1])
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if attention_mask is None and q_len > 1:
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
         scores = scores.masked_fill(~keep, float("-inf"))
-    elif mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    elif mask is not None:
-        scores = scores + mask
-    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.matmul(weights, v)
+    elif attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    elif attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def attention_function(implementation: str | None) -> Any:
+    """The attention kernel of ``attn_implementation``: our eager one, or transformers' registry
+    (``ALL_ATTENTION_FUNCTIONS``: ``sdpa``, ``flash_attention_2`` / ``_3``, ``flex_attention``,
+    and any kernel registered there). ``get_interface`` in the source is also how transformers
+    recognises a model whose kernel ``set_attn_implementation`` may switch."""
+    implementation = implementation or "sdpa"
+    try:
+        if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+            return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention)
+        return (
+            eager_attention
+            if implementation == "eager"
+            else ALL_ATTENTION_FUNCTIONS[implementation]
+        )
+    except KeyError:
+        raise ValueError(
+            f"attn_implementation={implementation!r} is not a registered attention kernel; use "
+            f"eager or one of {sorted(ALL_ATTENTION_FUNCTIONS.keys())}"
+        ) from None
 
 
 class LlamaMoEAttention(nn.Module):
-    """Grouped-query self-attention with RoPE and a KV cache (PyTorch SDPA, or eager).
+    """Grouped-query self-attention with RoPE and a KV cache, through transformers' attention
+    interface (``config._attn_implementation``: sdpa, eager, flash-attention, flex-attention).
 
     Optional, for converted models: q/k/v and output biases, QK-norm (``"head"``: RMSNorm over
     each head's width with one shared weight; ``"full"``: over all heads' width, before the
-    heads are split) and clamping of q/k/v (``clip_qkv``), in that order, before RoPE.
+    heads are split) and clamping of q/k/v (``clip_qkv``), in that order, before RoPE; a sliding
+    window in the layers ``config.layer_attention`` says.
     """
 
     def __init__(self, config: LlamaMoEConfig, layer_idx: int) -> None:
@@ -213,6 +295,15 @@ class LlamaMoEAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        # What transformers' attention kernels read from the module they are given.
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        self.sliding_window = (
+            config.sliding_window
+            if config.layer_attention(layer_idx) == "sliding_attention"
+            else None
+        )
         d = config.hidden_size
         qkv_bias, out_bias = config.attention_qkv_bias, config.attention_output_bias
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=qkv_bias)
@@ -251,39 +342,36 @@ class LlamaMoEAttention(nn.Module):
         sin: Tensor,
         attention_mask: Tensor | None = None,
         past_key_values: Cache | None = None,
-    ) -> Tensor:
+        position_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The attention output ``[B, L, D]`` and, from the eager kernel, its weights."""
         b, length, _ = hidden_states.shape
         q, k, v = self._project(hidden_states)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if past_key_values is not None:
             # The cache stores rotated keys, so cached positions never need re-rotation.
             k, v = past_key_values.update(k, v, self.layer_idx)
-        k, v = _repeat_kv(k, self.num_heads), _repeat_kv(v, self.num_heads)
-        implementation = self.config._attn_implementation or "sdpa"
-        if implementation == "eager":
-            out = eager_attention(q, k, v, attention_mask)
-        elif implementation == "sdpa":
-            # `create_causal_mask` returns None when a plain causal (or, for one query, a full)
-            # mask is exact; SDPA's `is_causal` is top-left aligned, which is right only when
-            # q_len == kv_len.
-            is_causal = attention_mask is None and length > 1
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, is_causal=is_causal
-            )
-        else:
-            raise ValueError(
-                f"attn_implementation={implementation!r} is not supported by the Llama-MoE model; "
-                f"use one of {', '.join(ATTENTION_IMPLEMENTATIONS)}"
-            )
-        return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
+        out, weights = attention_function(self.config._attn_implementation)(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            position_ids=position_ids,
+        )
+        return self.o_proj(out.reshape(b, length, -1)), weights
 
 
 class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: ``x + Attn(Norm(x))`` then ``x + MLP(Norm(x))`` with an MoE or dense MLP.
 
-    ``forward`` returns a tuple of tensors ``(hidden, router_logits, aux_loss, z_loss)`` (the last
-    three ``None`` for a dense layer) instead of a :class:`RoutingResult`, so gradient checkpointing
-    (re-entrant or not) carries the router losses' gradients. The layer's detached routing
+    ``forward`` returns a tuple of tensors ``(hidden, router_logits, aux_loss, z_loss,
+    attention_weights)`` (the router entries ``None`` for a dense layer, the weights ``None``
+    unless the eager kernel computed them) instead of a :class:`RoutingResult`, so gradient
+    checkpointing (re-entrant or not) carries the router losses' gradients. The layer's detached routing
     statistics of the last call are kept in :attr:`last_routing_stats`.
     """
 
@@ -322,14 +410,21 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         past_key_values: Cache | None = None,
         use_cache: bool = False,
         token_mask: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        position_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
         del use_cache  # accepted so GradientCheckpointingLayer can switch it off; the cache decides
-        h = hidden_states + self.self_attn(
-            self.input_layernorm(hidden_states), cos, sin, attention_mask, past_key_values
+        attended, weights = self.self_attn(
+            self.input_layernorm(hidden_states),
+            cos,
+            sin,
+            attention_mask,
+            past_key_values,
+            position_ids,
         )
+        h = hidden_states + attended
         normed = self.post_attention_layernorm(h)
         if not self.is_moe:
-            return h + self.mlp(normed), None, None, None
+            return h + self.mlp(normed), None, None, None, weights
         y, routing = self.mlp(normed, token_mask)
         # Detached device tensors only: reading them later is the caller's (single) host sync.
         # The routing statistics are lazy (evaluated when routing_statistics() reads them).
@@ -338,7 +433,7 @@ class LlamaMoEDecoderLayer(GradientCheckpointingLayer):
         )
         # A batch padded to whole routing groups (MoE._pad_to_whole_groups) routed extra rows.
         logits = routing.logits[: y.shape[0] * y.shape[1]]
-        return h + y.to(h.dtype), logits, routing.aux_loss, routing.z_loss
+        return h + y.to(h.dtype), logits, routing.aux_loss, routing.z_loss, weights
 
 
 # --------------------------------------------------------------------------------------------------
@@ -355,9 +450,11 @@ class LlamaMoEPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _no_split_modules = ["LlamaMoEDecoderLayer"]  # noqa: RUF012 (transformers class attribute)
     _skip_keys_device_placement = ["past_key_values"]  # noqa: RUF012
+    # Attention goes through transformers' interface (LlamaMoEAttention), so every kernel works.
     _supports_sdpa = True
-    _supports_flash_attn = False
-    _supports_flex_attn = False
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
     # Routing uses data-dependent shapes in some strategies; let callers opt in to compile.
     _can_compile_fullgraph = False
 
@@ -385,6 +482,7 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             LlamaMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = LlamaMoERMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = LlamaMoERotaryEmbedding(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -405,6 +503,7 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         **kwargs: Any,
     ) -> LlamaMoEModelOutputWithPast:
         """Run the decoder stack.
@@ -418,10 +517,21 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             use_cache: return a KV cache; default ``config.use_cache`` outside training.
             output_router_logits: return every MoE layer's ``[B*L, e]`` fp32 gate logits.
             output_hidden_states: return the input of every block plus the final output.
+            output_attentions: return every layer's attention weights ``[B, H, L, S]``; needs
+                ``attn_implementation="eager"`` (the other kernels never form the weights).
         """
         if past_key_values is None:
             past_key_values = kwargs.pop("cache", None)  # newer transformers' name for it
         del kwargs  # HF passes extras (e.g. return_dict handled by the caller); none are used
+        if output_attentions is None:
+            output_attentions = self.config.output_attentions
+        if output_attentions and self.config._attn_implementation != "eager":
+            raise ValueError(
+                "output_attentions=True needs the eager attention kernel (attn_implementation="
+                f"{self.config._attn_implementation!r} never forms the attention weights); load "
+                "the model with attn_implementation='eager' or call "
+                "model.set_attn_implementation('eager')"
+            )
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -429,6 +539,10 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         if use_cache is None:
             # A cache is only useful for generation; don't build one in every training step.
             use_cache = self.config.use_cache and not self.training
+        # An empty cache made here changes no mask, but transformers' mask builder only reads
+        # packed sequences (position_ids restarting at 0, instruction blocks) without a cache,
+        # so the builder sees the caller's cache only.
+        mask_cache = past_key_values
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
         if output_router_logits is None:
@@ -450,22 +564,20 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
                 )
                 position_ids = position_ids.unsqueeze(0).expand(inputs_embeds.shape[0], -1)
 
-        # transformers' mask builder: None when SDPA's is_causal is exact, else a 4D mask
-        # (padding + causal, aligned to the cache; additive float for eager). A sliding window
-        # gets the windowed variant.
-        build_mask = create_causal_mask
-        if self.config.sliding_window is not None:
-            build_mask = create_sliding_window_causal_mask
-        mask = build_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=given_position_ids,
-            **{_MASK_CACHE_ARGUMENT: past_key_values},
-        )
-        cos, sin = rotary_cos_sin(
-            position_ids, self.config.head_dim, self.config.rope_theta, inputs_embeds.dtype
-        )
+        # transformers' mask builders, in the format of the attention kernel (None when SDPA's
+        # is_causal is exact; a 4D mask with padding + causal aligned to the cache, additive
+        # for eager; 2D for flash-attention; a BlockMask for flex), one per attention kind
+        # the layers use (full / sliding window).
+        mask_arguments = {
+            "config": self.config,
+            "inputs_embeds": inputs_embeds,
+            "attention_mask": attention_mask,
+            "position_ids": given_position_ids,
+            _MASK_CACHE_ARGUMENT: mask_cache,
+        }
+        kinds = {self.config.layer_attention(i) for i in range(len(self.layers))}
+        masks = {kind: _MASK_BUILDERS[kind](**mask_arguments) for kind in kinds}
+        cos, sin = self.rotary_emb(position_ids, inputs_embeds.dtype)
 
         # The routers see which positions are padding (a 2-D mask only; a prepared 4-D mask
         # carries no per-token flag).
@@ -476,20 +588,23 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
         hidden = inputs_embeds
         all_hidden: list[Tensor] = []
         router_logits: list[Tensor] = []
+        attentions: list[Tensor | None] = []
         aux_total: Tensor | None = None
         z_total: Tensor | None = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if output_hidden_states:
                 all_hidden.append(hidden)
-            hidden, logits, aux, z = layer(
+            hidden, logits, aux, z, weights = layer(
                 hidden,
                 cos,
                 sin,
-                attention_mask=mask,
+                attention_mask=masks[self.config.layer_attention(i)],
                 past_key_values=past_key_values,
                 use_cache=use_cache,
                 token_mask=token_mask,
+                position_ids=position_ids,
             )
+            attentions.append(weights)
             if logits is not None:
                 aux_total = aux if aux_total is None else aux_total + aux
                 z_total = z if z_total is None else z_total + z
@@ -504,6 +619,7 @@ class LlamaMoEModel(LlamaMoEPreTrainedModel):
             **{_OUTPUT_CACHE_FIELD: past_key_values if use_cache else None},
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             router_logits=tuple(router_logits) if output_router_logits else None,
+            attentions=tuple(attentions) if output_attentions else None,
             aux_loss=aux_total,
             z_loss=z_total,
         )
@@ -573,6 +689,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         logits_to_keep: int | Tensor = 0,
         **kwargs: Any,
     ) -> LlamaMoECausalLMOutputWithPast:
@@ -595,6 +712,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_router_logits=output_router_logits,
             output_hidden_states=output_hidden_states,
+            output_attentions=output_attentions,
         )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -623,6 +741,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
             logits=logits,
             **{_OUTPUT_CACHE_FIELD: _output_cache(outputs)},
             hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
             router_logits=outputs.router_logits,
             z_loss=outputs.z_loss,
             lm_loss=lm_loss,
@@ -676,7 +795,6 @@ LlamaMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 LlamaMoEModel.register_for_auto_class("AutoModel")
 
 __all__ = [
-    "ATTENTION_IMPLEMENTATIONS",
     "LlamaMoECausalLMOutputWithPast",
     "LlamaMoEForCausalLM",
     "LlamaMoEModel",

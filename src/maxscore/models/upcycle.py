@@ -11,11 +11,16 @@ model starts with the dense model's logits under dropless routing (tested), and 
 router only dropped slots differ. Pass ``router_config={"normalize_weights": False}`` for the
 paper's unnormalised weights (outputs then start scaled by the top-k probability mass).
 
-Supported dense families (:data:`DENSE_FAMILIES`): Llama, Mistral, Qwen2, Qwen3.
+Supported dense families (:data:`DENSE_FAMILIES`): Llama, Mistral, Qwen2, Qwen3. The result
+records ``upcycled_from`` and, where one holds it, the MoE family of its layout (Mixtral for
+Llama / Mistral, Qwen3-MoE for Qwen3: :mod:`maxscore.models.convert.upcycled_layout`), so it
+exports to that family's format after fine-tuning. A SoftTopk router starts at ``t = 0``
+(:mod:`maxscore.models.convert.warm_start`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +34,8 @@ from maxscore.models.convert.family import (
     build_with_weights,
     common_config_fields,
 )
+from maxscore.models.convert.upcycled_layout import upcycled_layout
+from maxscore.models.convert.warm_start import warm_start_fields
 from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
 
 __all__ = ["DENSE_FAMILIES", "upcycle", "upcycle_config", "upcycle_model"]
@@ -42,23 +49,17 @@ def _llama(config: Any) -> dict[str, Any]:
 
 
 def _mistral(config: Any) -> dict[str, Any]:
-    return {"sliding_window": config.sliding_window}
+    # Llama's attention with a sliding window, which common_config_fields maps.
+    return {}
 
 
 def _qwen2(config: Any) -> dict[str, Any]:
-    if getattr(config, "use_sliding_window", False):
-        raise ConversionError("qwen2: use_sliding_window=True (per-layer sliding) is not supported")
     return {"attention_qkv_bias": True}
 
 
 def _qwen3(config: Any) -> dict[str, Any]:
     bias = bool(config.attention_bias)
-    return {
-        "attention_qkv_bias": bias,
-        "attention_output_bias": bias,
-        "qk_norm": "head",
-        "sliding_window": config.sliding_window if config.use_sliding_window else None,
-    }
+    return {"attention_qkv_bias": bias, "attention_output_bias": bias, "qk_norm": "head"}
 
 
 #: Dense families by ``model_type`` -> (transformers class, their attention switches).
@@ -93,11 +94,17 @@ def upcycle_config(
         intermediate_size=dense_config.intermediate_size,
     )
     fields.update(overrides)
-    return LlamaMoEConfig(
-        **fields,
-        router=router,
-        router_config={"normalize_weights": True, **(router_config or {})},
+    router_fields = {"normalize_weights": True, **(router_config or {})}
+    # The copied MLP was trained under plain weights: a SoftTopk schedule starts at t = 0.
+    router_fields.update(warm_start_fields(router, router_fields))
+    config = LlamaMoEConfig(
+        **fields, router=router, router_config=router_fields, upcycled_from=model_type
     )
+    # The MoE family whose layout holds it: export and `native` work as for a conversion. When
+    # no family holds it, nothing is recorded and export says why (upcycled_layout's message).
+    with contextlib.suppress(ConversionError):
+        config.source_family, config.source_config = upcycled_layout(config)
+    return config
 
 
 @torch.no_grad()

@@ -159,7 +159,9 @@ class MoE(nn.Module):
         shape, dtype = x.shape, x.dtype
         if not x.is_floating_point():
             raise ValueError(f"MoE input must be a floating-point tensor, got {x.dtype}")
-        weight_dtype = self.experts.gate_up.dtype
+        # A LoRA wrapper (peft's ParamWrapper) holds the experts as its base layer.
+        experts = getattr(self.experts, "get_base_layer", lambda: self.experts)()
+        weight_dtype = experts.gate_up.dtype
         cast = dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type)
         if cast:
             x = x.to(weight_dtype)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -411,8 +412,16 @@ def write_comparison(
 
 
 def plot_comparison(rows: list[dict[str, Any]], out: Path) -> None:
-    """``loss_curves.png`` (mean over seeds) and ``loss_differences.png`` from the run dirs."""
-    from maxscore.analysis import plots  # matplotlib loads only when a comparison is plotted
+    """``loss_curves.png`` (mean over seeds) and ``loss_differences.png`` from the run dirs
+    (skipped with a note when matplotlib, the ``plots`` extra, is not installed: the tables are
+    the comparison, the figures draw them)."""
+    try:  # matplotlib (optional: the plots extra) loads only when a comparison is plotted
+        from maxscore.analysis import plots
+    except ImportError as err:
+        if err.name != "matplotlib":
+            raise
+        print(f"maxscore: note: no loss_curves.png: {err}", file=sys.stderr)
+        return
 
     runs: dict[str, dict[int, Any]] = {}
     for row in rows:

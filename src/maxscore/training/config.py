@@ -107,6 +107,12 @@ class TrainConfig(DataConfig):
         resume: continue from the last checkpoint in ``output_dir``.
         overwrite: delete an existing ``output_dir`` first.
         deepspeed: a DeepSpeed config: ``"zero2"`` / ``"zero3"`` (shipped) or a JSON path.
+        lora: train LoRA adapters (``peft``) instead of every weight
+            (:mod:`maxscore.training.lora`); checkpoints hold the adapter, the run's ``base/``
+            the model it adapts.
+        lora_r, lora_alpha: the adapters' rank and scale (``alpha / r`` multiplies ``B A``).
+        lora_targets: comma-separated :data:`maxscore.models.adapters.LORA_TARGETS`:
+            ``attention``, ``experts``, ``mlp`` (LoRA) and ``router`` (the gate, in full).
         expert_parallel: spread every MoE layer's experts over this many processes (all-to-all
             token exchange, ``maxscore.training.parallel``); must divide the number of
             processes and of experts. 1: every process holds every expert.
@@ -121,9 +127,10 @@ class TrainConfig(DataConfig):
             Python's automatic collection on. An automatic full collection walks every object
             the process holds, torch.compile's graphs included, and stalls the step it falls in
             (0.4-0.6 s for a compiled 128-expert model's objects).
-        report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, or a comma-separated list
-            of ``tensorboard``, ``wandb``, ``mlflow``, ``trackio``
-            (``maxscore.training.reporting``).
+        report_to: ``"auto"`` (TensorBoard if installed), ``"none"``, ``"all"`` (every installed
+            tracker), or a comma-separated list of the HF Trainer's integrations
+            (``tensorboard``, ``wandb``, ``mlflow``, ``trackio``, ...;
+            ``maxscore.training.reporting``).
         quiet: no progress bar.
         recipe: ``None``, ``"paper"`` or ``"paper-shape"``
             (:data:`~maxscore.training.recipes.RECIPES`); applied by :func:`apply_recipe`.
@@ -363,6 +370,29 @@ class TrainConfig(DataConfig):
             help="zero2, zero3 (shipped configs) or a DeepSpeed JSON path",
         ),
     )
+    lora: bool = field(
+        default=False,
+        metadata=option(
+            group="optimisation",
+            help="train LoRA adapters (peft; pip install 'maxscore[lora]') instead of every weight",
+        ),
+    )
+    lora_r: int = field(
+        default=16,
+        metadata=option(group="optimisation", help="LoRA rank (default {default})"),
+    )
+    lora_alpha: float = field(
+        default=32.0,
+        metadata=option(group="optimisation", help="LoRA scale alpha (default {default})"),
+    )
+    lora_targets: str = field(
+        default="attention,experts,router",
+        metadata=option(
+            group="optimisation",
+            help="comma-separated: attention, experts, mlp (LoRA), router (trained in full) "
+            "(default {default})",
+        ),
+    )
     expert_parallel: int = field(
         default=1,
         metadata=option(
@@ -405,8 +435,9 @@ class TrainConfig(DataConfig):
         metadata=option(
             group="run directory",
             runtime=True,
-            help="auto (TensorBoard if installed), none, or comma-separated trackers: tensorboard, "
-            "wandb, mlflow, trackio (passed to the HF Trainer)",
+            help="auto (TensorBoard if installed), none, all (every installed tracker), or "
+            "comma-separated trackers the HF Trainer knows: tensorboard, wandb, mlflow, trackio, "
+            "comet_ml, clearml, dvclive, swanlab, ... (pip install 'maxscore[trackers]')",
         ),
     )
     quiet: bool = field(

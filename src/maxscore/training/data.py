@@ -19,7 +19,9 @@ the number of blocks produced; on resume the Trainer re-reads and skips the cons
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -27,11 +29,33 @@ from transformers import AutoTokenizer
 from maxscore.config_types import ConfigError
 from maxscore.data import load_default_tokenizer
 from maxscore.data.packing import PackedDataset, PackedStream, pack_documents
-from maxscore.data.sources import DataError, load_text_splits, too_few_for_fraction
+from maxscore.data.sources import (
+    DATASET_ALIASES,
+    DataError,
+    load_text_splits,
+    local_files,
+    read_jsonl_records,
+    too_few_for_fraction,
+)
 from maxscore.training.config import TrainConfig
+from maxscore.training.instruction_data import (
+    InstructionDataset,
+    InstructionValidation,
+    detect_format,
+    encode_records,
+    pack_examples,
+    split_records,
+)
 from maxscore.training.validation_set import ValidationDataset, pack_validation
 
-__all__ = ["TrainingData", "build_training_data", "load_tokenizer"]
+__all__ = [
+    "InstructionSplits",
+    "TrainingData",
+    "build_instruction_data",
+    "build_training_data",
+    "load_instruction_splits",
+    "load_tokenizer",
+]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -70,6 +94,139 @@ class TrainingData:
         return len(self.train) if isinstance(self.train, PackedDataset) else None
 
 
+# ------------------------------------------------------------------------------------------------
+# instruction records (maxscore.training.instruction_data)
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class InstructionSplits:
+    """Instruction records of a source (``data_format``: a key of ``RECORD_FORMATS``)."""
+
+    train: list[dict[str, Any]]
+    validation: list[dict[str, Any]]
+    data_format: str
+    description: str
+
+
+def _first_record(config: TrainConfig) -> dict[str, Any] | None:
+    """The first record of a local .jsonl source; None for .txt, hub and embedded sources
+    (plain text)."""
+    if config.dataset in ("default", "embedded") or config.dataset in DATASET_ALIASES:
+        return None
+    path = Path(config.dataset).expanduser()
+    if path.exists():
+        jsonl = [f for f in local_files(path) if f.suffix == ".jsonl"]
+        return next((record for _, record in read_jsonl_records(jsonl[0])), None) if jsonl else None
+    return None
+
+
+def _instruction_format(config: TrainConfig, first: dict[str, Any] | None) -> str | None:
+    """The instruction format of the source, or None for plain text (``data_format``)."""
+    if config.data_format == "text":
+        return None
+    if config.data_format != "auto":
+        return config.data_format
+    if first is None or config.text_field in first:
+        return None
+    return detect_format(first)
+
+
+def load_instruction_splits(config: TrainConfig) -> InstructionSplits | None:
+    """The instruction records of ``config.dataset`` split into train and validation, or None
+    when the source is plain text (``data_format="auto"``: a .jsonl whose first record has
+    ``messages`` or ``prompt`` + ``completion`` and no ``text_field``)."""
+    path = Path(config.dataset).expanduser()
+    local = path.exists()
+    first = _first_record(config) if local else None
+    if not local and config.data_format not in ("auto", "text"):
+        return _hf_instruction_splits(config, config.data_format)
+    data_format = _instruction_format(config, first)
+    if data_format is None:
+        return None
+    files = [f for f in local_files(path) if f.suffix == ".jsonl"]
+    if not files or len(files) != len(local_files(path)):
+        raise DataError(
+            f"--data-format {data_format} reads .jsonl records, and {config.dataset!r} holds "
+            "other files"
+        )
+    records = [record for file in files for _, record in read_jsonl_records(file)]
+    if len(records) < 2:
+        raise DataError(
+            f"dataset {config.dataset!r} gives no validation records: "
+            + too_few_for_fraction(len(records), config.validation_fraction)
+        )
+    train, validation = split_records(records, config.validation_fraction, config.seed)
+    return InstructionSplits(
+        train, validation, data_format, f"local {config.dataset} ({data_format})"
+    )
+
+
+def _hf_instruction_splits(config: TrainConfig, data_format: str) -> InstructionSplits:
+    """Instruction records of a Hugging Face dataset (downloaded, not streamed)."""
+    if config.streaming:
+        raise DataError(f"--data-format {data_format} needs a downloaded dataset (--no-streaming)")
+    # On use: `datasets` is slow to import and only a Hub source needs it.
+    import datasets
+
+    try:
+        train = datasets.load_dataset(config.dataset, config.dataset_config, split="train")
+    except Exception as err:  # hub / file-not-found / offline errors come in many types
+        raise DataError(
+            f"cannot load dataset {config.dataset!r}: {type(err).__name__}: {err}"
+        ) from err
+    try:
+        validation = list(
+            datasets.load_dataset(config.dataset, config.dataset_config, split="validation")
+        )
+        records = list(train)
+    except Exception:
+        records, validation = split_records(list(train), config.validation_fraction, config.seed)
+    return InstructionSplits(records, validation, data_format, f"{config.dataset} ({data_format})")
+
+
+def build_instruction_data(
+    config: TrainConfig,
+    tokenizer: Any,
+    splits: InstructionSplits,
+    min_train_blocks: int = 1,
+    max_train_blocks: int | None = None,
+) -> TrainingData:
+    """Encode and pack instruction records (``maxscore.training.instruction_data``)."""
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+
+    def pack(records: list[dict[str, Any]], which: str, limit: int | None) -> Any:
+        examples = encode_records(
+            records, splits.data_format, tokenizer, config.completion_only_loss, which
+        )
+        packed = pack_examples(examples, config.seq_len, pad_id, max_blocks=limit)
+        if packed.truncated:
+            print(
+                f"maxscore: warning: {packed.truncated} {which} example(s) longer than "
+                f"seq_len={config.seq_len} tokens were cut to it; a longer --seq-len keeps them",
+                file=sys.stderr,
+            )
+        return packed
+
+    train_records = list(splits.train)
+    random.Random(config.seed).shuffle(train_records)
+    if config.max_train_documents is not None:
+        train_records = train_records[: config.max_train_documents]
+    train = pack(train_records, f"{config.dataset} training", max_train_blocks)
+    validation = pack(splits.validation, f"{config.dataset} validation", config.max_eval_blocks)
+    if len(validation) == 0:
+        raise DataError(f"the validation records of {config.dataset!r} give no block to evaluate")
+    if len(train) < min_train_blocks:
+        raise DataError(
+            f"training data of {config.dataset!r} is too small: {len(train_records)} records give "
+            f"{len(train)} blocks of {config.seq_len} tokens, fewer than one global batch of "
+            f"{min_train_blocks} sequences"
+        )
+    return TrainingData(
+        InstructionDataset(train), InstructionValidation(validation), splits.description
+    )
+
+
 def build_training_data(
     config: TrainConfig,
     tokenizer: Any,
@@ -86,6 +243,11 @@ def build_training_data(
             large corpus only to train on its first part wastes minutes on a CPU. The blocks kept
             are a prefix of the full packing, so a longer budget sees the same first blocks.
     """
+    instruction = load_instruction_splits(config)
+    if instruction is not None:
+        return build_instruction_data(
+            config, tokenizer, instruction, min_train_blocks, max_train_blocks
+        )
     splits = load_text_splits(config)
     if not splits.validation:
         if splits.held_out_fraction is not None:

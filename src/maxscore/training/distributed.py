@@ -8,6 +8,7 @@ launcher variables for a run started without a launcher, and ZeRO-3 leaf modules
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ from maxscore.training.config import ConfigError
 
 __all__ = [
     "DEEPSPEED_CONFIGS",
+    "check_deepspeed_installed",
     "deepspeed_config_path",
     "is_main_process",
     "mark_zero3_leaf_modules",
@@ -63,6 +65,21 @@ def deepspeed_config_path(name: str) -> str:
     return name
 
 
+#: What to do when ``--deepspeed`` is given without the package.
+DEEPSPEED_MISSING = (
+    "--deepspeed needs the deepspeed package, which is not installed: pip install "
+    "'maxscore[deepspeed]' (or pip install deepspeed; it builds its ops on a machine with the "
+    "CUDA toolkit), or train without --deepspeed"
+)
+
+
+def check_deepspeed_installed() -> None:
+    """Refuse ``--deepspeed`` without the package, before anything is written (the Trainer would
+    fail later with ``PackageNotFoundError`` from inside accelerate)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(DEEPSPEED_MISSING)
+
+
 def zero_stage(deepspeed: str) -> int | None:
     """The ZeRO stage of a DeepSpeed config (shipped name or JSON path)."""
     config = json.loads(Path(deepspeed_config_path(deepspeed)).read_text())
@@ -80,9 +97,7 @@ def mark_zero3_leaf_modules(model: Any, deepspeed: str | None) -> None:
     try:  # an optional package, needed only under ZeRO-3
         from deepspeed.utils import set_z3_leaf_modules
     except ImportError as err:
-        raise ConfigError(
-            "--deepspeed needs the deepspeed package (pip install deepspeed)"
-        ) from err
+        raise ConfigError(DEEPSPEED_MISSING) from err
     set_z3_leaf_modules(model, [MoE])
 
 

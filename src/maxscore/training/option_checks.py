@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from maxscore.config_types import annotations_of, check_value
+from maxscore.models.config_names import FOREIGN_NAMES
 from maxscore.models.configuration_llama_moe import ROUTER_SETTING_TYPES, LlamaMoEConfig
 from maxscore.parallel.config import ParallelConfig, ParallelConfigError
 from maxscore.training.config import ConfigError, TrainConfig
@@ -22,9 +23,13 @@ _OWN_FLAGS = {"router": "--router", "router_config": "--router-option KEY=VALUE"
 
 
 def model_option_types() -> dict[str, Any]:
-    """``--model-option`` keys (the Llama-MoE config's own fields and the top-level names of
-    router settings, such as ``eval_routing``) and their types."""
-    hints = {**annotations_of(LlamaMoEConfig, own_only=True), **ROUTER_SETTING_TYPES}
+    """``--model-option`` keys (the Llama-MoE config's own fields, the top-level names of router
+    settings such as ``eval_routing`` and ``norm_topk_prob``, and other families' names of our
+    fields) and their types."""
+    # Other families' names (num_local_experts, mlp_only_layers, ...) are checked by the config,
+    # which maps or refuses each.
+    foreign = dict.fromkeys(FOREIGN_NAMES, Any)
+    hints = {**foreign, **annotations_of(LlamaMoEConfig, own_only=True), **ROUTER_SETTING_TYPES}
     return {name: hint for name, hint in hints.items() if name not in _OWN_FLAGS}
 
 

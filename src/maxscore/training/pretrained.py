@@ -199,8 +199,9 @@ def pretrained_model_config(config: TrainConfig) -> Any:
     from transformers import AutoConfig
 
     from maxscore.models import LlamaMoEConfig
-    from maxscore.models.convert import NATIVE_ROUTER, ConversionError, maxscore_config_from_family
-    from maxscore.models.convert.load import unsupported_message
+    from maxscore.models.convert import ConversionError, maxscore_config_from_family
+    from maxscore.models.convert.load import checkpoint_config, unsupported_message
+    from maxscore.training.option_checks import validate_model_options
 
     try:
         hf_config = AutoConfig.from_pretrained(config.model)
@@ -209,15 +210,15 @@ def pretrained_model_config(config: TrainConfig) -> Any:
             f"unknown model preset {config.model!r} (presets: {sorted(MODEL_PRESETS)}), and not "
             f"a readable checkpoint directory or hub name either: {type(err).__name__}: {err}"
         ) from err
-    # The checkpoint's saved router, with --router (unless 'native') and --router-option.
+    validate_model_options(config.model_overrides)
+    # The checkpoint's saved router, with --router ('native': the family's routing, refused for
+    # a checkpoint of no family) and --router-option.
     kwargs: dict[str, Any] = {"router": config.router}
     if config.router_overrides:
         kwargs["router_config"] = dict(config.router_overrides)
     try:
         if hf_config.model_type == LlamaMoEConfig.model_type:
-            if kwargs["router"] == NATIVE_ROUTER:
-                kwargs.pop("router")
-            return LlamaMoEConfig.from_pretrained(config.model, **kwargs, **config.model_overrides)
+            return checkpoint_config(config.model, **kwargs, **config.model_overrides)
         return maxscore_config_from_family(hf_config, **kwargs, **config.model_overrides)
     except ConversionError as err:
         raise ConfigError(str(err)) from err

@@ -67,6 +67,7 @@ from maxscore.training.config import ConfigError, TrainConfig
 from maxscore.training.continue_command import how_to_continue
 from maxscore.training.data import TrainingData, build_training_data, load_tokenizer
 from maxscore.training.distributed import (
+    check_deepspeed_installed,
     deepspeed_config_path,
     is_main_process,
     mark_zero3_leaf_modules,
@@ -74,6 +75,7 @@ from maxscore.training.distributed import (
     world_size,
     zero_stage,
 )
+from maxscore.training.lora import RouterStepsOnResume, apply_lora, check_lora_options
 from maxscore.training.metrics import (
     MetricsJsonlCallback,
     peak_memory_gb,
@@ -90,7 +92,12 @@ from maxscore.training.pretrained import (
     pretrained_tokenizer,
 )
 from maxscore.training.recipes import PAPER_GLOBAL_BATCH
-from maxscore.training.reporting import check_report_to, trainer_report_to
+from maxscore.training.reporting import (
+    TrackerStartError,
+    check_report_to,
+    guard_tracker_start,
+    trainer_report_to,
+)
 from maxscore.training.run_dir import RunDirectory, RunDirPlan, check_run_dir
 from maxscore.training.run_lock import lock_run_dir
 from maxscore.training.temperature import (
@@ -189,6 +196,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
         DeterministicAlgorithms.check(config.compile)
     if config.deepspeed is not None:
         deepspeed_config_path(config.deepspeed)
+        check_deepspeed_installed()
         if config.compile and zero_stage(config.deepspeed) == 3:
             raise ConfigError(
                 "--compile is not supported with ZeRO-3 (DeepSpeed partitions parameters with "
@@ -217,6 +225,7 @@ def prepare(config: TrainConfig) -> PreparedRun:
             + ("; pass --tokenizer with the checkpoint's own tokenizer" if pretrained else "")
         )
     check_parallel_options(config, ws, model_config)
+    check_lora_options(config, model_config)
     plan = check_run_dir(config) if is_main_process() else _follower_plan(config)
     try:
         total_steps = config.total_steps(ws)
@@ -418,7 +427,9 @@ def train(
             result = _train(run, [*(callbacks or []), RunDirectoryCallback(directory)])
         except BaseException as err:
             if main:
-                directory.close(failed=True)
+                # A tracker that did not start is the environment's fault, not the run's: its
+                # directory (which the tracker may have written into) stays for the next try.
+                directory.close(failed=True, keep=isinstance(err, TrackerStartError))
                 _advise(err, directory.resumable)
             raise
         if main:
@@ -472,6 +483,10 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     mark_zero3_leaf_modules(model, cfg.deepspeed)
+    extra_callbacks: list[TrainerCallback] = []
+    if cfg.lora:
+        model = apply_lora(model, cfg, run.run_dir, run.tokenizer)
+        extra_callbacks.append(RouterStepsOnResume())
     if cfg.compile:
         model.compile_layers(mode=cfg.compile_mode)
 
@@ -489,7 +504,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
         data_collator=collate_blocks,
         tokens_per_step=cfg.tokens_per_step(run.world_size),
         save_total_limit=cfg.save_total_limit,
-        callbacks=[RouterStepCallback(), final_cb, gc_cb, *callbacks],
+        callbacks=[RouterStepCallback(), *extra_callbacks, final_cb, gc_cb, *callbacks],
         **parallel_kwargs,
     )
     trainer.remove_callback(PrinterCallback)
@@ -499,6 +514,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     tensorboard = tensorboard_callback(run.run_dir, cfg.report_to)
     if tensorboard is not None:
         trainer.add_callback(tensorboard)
+    guard_tracker_start(trainer)
 
     if run.resume_from is not None:
         step = int(run.resume_from.name.split("-")[-1])

@@ -292,13 +292,14 @@ class RunDirectory:
         _say(f"replaced the previous run in {self.path} (--overwrite)")
         self.previous = None
 
-    def close(self, failed: bool, interrupted: bool = False) -> None:
+    def close(self, failed: bool, interrupted: bool = False, keep: bool = False) -> None:
         """Settle the directory at the end of the run (``failed``: it raised; ``interrupted``:
-        a stop signal ended it early, at a checkpoint)."""
+        a stop signal ended it early, at a checkpoint; ``keep``: a failure that leaves the
+        directory as it is, like one with a checkpoint, e.g. a tracker that did not start)."""
         if not failed and not interrupted:
             self.checkpoint_written()
             return
-        if not failed or self._has_checkpoint:
+        if not failed or self._has_checkpoint or keep:
             if self.previous is not None:  # resumable: keep everything
                 _say(
                     f"the previous run of {self.path} stays as {self.previous.name} (`maxscore "

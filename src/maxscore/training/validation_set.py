@@ -142,9 +142,18 @@ class DocumentLosses:
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         losses = per_token_loss(logits, inputs["input_ids"])
         targets = documents.to(self.loss_sum.device)[:, 1:].reshape(-1)
-        self.loss_sum.index_add_(0, targets, losses.reshape(-1).to(self.loss_sum))
-        self.tokens.index_add_(0, targets, torch.ones_like(targets, dtype=torch.float64))
-        return losses.mean()
+        # Only targets count (instruction data: the completion; weights, not a boolean index,
+        # so nothing waits for the device).
+        labels = inputs.get("labels")
+        weight = (
+            torch.ones_like(losses, dtype=torch.float64)
+            if labels is None
+            else (labels[:, 1:] != -100).to(torch.float64)
+        ).reshape(-1)
+        self.loss_sum.index_add_(0, targets, losses.reshape(-1).to(self.loss_sum) * weight)
+        self.tokens.index_add_(0, targets, weight)
+        mean = (losses.reshape(-1) * weight).sum() / weight.sum().clamp(min=1)
+        return mean.to(losses.dtype)
 
     def gather(self) -> tuple[list[float], list[float]]:
         """``(loss sums, token counts)`` per document, summed over all processes.

@@ -10,12 +10,14 @@ import transformers
 from transformers import AutoConfig, PreTrainedModel
 
 from maxscore.file_modes import give_default_file_modes
+from maxscore.models.adapters import is_adapter_checkpoint, load_merged
 from maxscore.models.convert.family import (
     ConversionError,
     build_with_weights,
     maxscore_to_family_state,
 )
 from maxscore.models.convert.registry import FAMILIES
+from maxscore.models.convert.upcycled_layout import upcycled_layout
 from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
 from maxscore.routing.router import Router
 
@@ -68,7 +70,8 @@ def _check_routing(model: LlamaMoEForCausalLM, allow_routing_change: bool) -> di
 def to_family_model(
     model: LlamaMoEForCausalLM, allow_routing_change: bool = False
 ) -> PreTrainedModel:
-    """The model as an instance of its source family's transformers class (same weights).
+    """The model as an instance of its source family's transformers class (same weights): the
+    family it was converted from, or for an upcycled model the family whose layout holds it.
 
     In ``eval()`` mode the result's logits equal ``model``'s (the routing check guarantees the
     family routes as ``model`` does in evaluation). Raises :class:`ConversionError` for a model
@@ -76,6 +79,8 @@ def to_family_model(
     ``allow_routing_change`` (then the weights are exported and the family's routing applies).
     """
     config = model.config
+    if config.upcycled_from is not None and config.source_family is None:
+        upcycled_layout(config)  # raises with the reason no family holds it
     if config.source_family not in FAMILIES or config.source_config is None:
         raise ConversionError(
             "this model was not converted from a Hugging Face MoE family (no source_family / "
@@ -109,12 +114,16 @@ def export_pretrained(
     """Save ``model`` (or the maxscore checkpoint at that path) in its source family's format.
 
     The output loads with the family's transformers class (``AutoModelForCausalLM``, no remote
-    code). Tokenizer files of a checkpoint directory are copied along.
+    code). Tokenizer files of a checkpoint directory are copied along. A LoRA run's checkpoint
+    (a peft adapter) is merged into its base first.
     """
     source_dir: Path | None = None
     if not isinstance(model, LlamaMoEForCausalLM):
         source_dir = Path(model)
-        model = LlamaMoEForCausalLM.from_pretrained(str(source_dir))
+        if is_adapter_checkpoint(source_dir):
+            model = load_merged(source_dir)  # a LoRA checkpoint: its adapter merged into the base
+        else:
+            model = LlamaMoEForCausalLM.from_pretrained(str(source_dir))
     hf_model = to_family_model(model, allow_routing_change)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,9 @@ __all__ = [
     "common_config_fields",
     "family_to_maxscore_state",
     "maxscore_to_family_state",
+    "rope_fields",
     "softmax_topk_routing",
+    "window_fields",
 ]
 
 
@@ -65,16 +67,33 @@ class FamilySpec:
     note: str = ""
 
 
-def _rope_theta(config: Any) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in ("default", None):
+def rope_fields(config: Any) -> dict[str, Any]:
+    """A family config's RoPE as :class:`LlamaMoEConfig` fields (``rope_parameters`` of any type
+    transformers computes: plain, ``llama3``, ``yarn``, ``dynamic``, ``linear``, ``longrope``)."""
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
+    if any(isinstance(value, dict) for value in params.values()):
         raise ConversionError(
-            f"{config.model_type}: RoPE scaling {rope_type!r} is not implemented in the Llama-MoE "
-            "model (only plain RoPE); convert a checkpoint without rope scaling"
+            f"{config.model_type}: RoPE differs between layer types ({sorted(params)}); the "
+            "Llama-MoE model has one RoPE for all layers"
         )
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    return float(theta if theta is not None else 10000.0)
+    params["rope_theta"] = float(theta if theta is not None else 10000.0)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return {"rope_theta": params["rope_theta"], "rope_parameters": params}
+
+
+def window_fields(config: Any) -> dict[str, Any]:
+    """A family config's sliding window: in every layer (Mixtral, Mistral, Qwen3-MoE) or in the
+    layers its ``layer_types`` name (Qwen2, Qwen2-MoE, Qwen3)."""
+    window = getattr(config, "sliding_window", None) or None  # Qwen2-MoE writes 0 for none
+    if getattr(config, "use_sliding_window", True) is False or window is None:
+        return {"sliding_window": None}
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "full_attention" in layer_types:
+        return {"sliding_window": window, "layer_types": list(layer_types)}
+    return {"sliding_window": window}
 
 
 def common_config_fields(config: Any) -> dict[str, Any]:
@@ -100,7 +119,8 @@ def common_config_fields(config: Any) -> dict[str, Any]:
         "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
         "head_dim": head_dim,
         "max_position_embeddings": config.max_position_embeddings,
-        "rope_theta": _rope_theta(config),
+        **rope_fields(config),
+        **window_fields(config),
         "rms_norm_eps": config.rms_norm_eps,
         "initializer_range": config.initializer_range,
         "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
@@ -198,7 +218,7 @@ def build_with_weights(
     ``may_be_missing(name)`` says which of the model's tensors ``state`` may lack (state only
     the target model has, a tied LM head); any other missing or unexpected name raises a
     :class:`ConversionError` naming ``what`` was being built. Buffers of the new model that are
-    not in ``state`` (router state) are zeroed.
+    not in ``state`` (router state) are zeroed, rotary frequency tables computed.
     """
     reference = next(iter(state.values()))
     with no_init_weights(), torch.device(reference.device):
@@ -214,6 +234,11 @@ def build_with_weights(
         for name, buffer in model.named_buffers():
             if name not in state:  # created uninitialised under no_init_weights
                 buffer.zero_()
+        for module in model.modules():
+            if hasattr(module, "original_inv_freq"):
+                # A transformers rotary embedding: its frequency tables are computed, not
+                # loaded (the model's own initialiser computes them from its config).
+                model._init_weights(module)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     return model

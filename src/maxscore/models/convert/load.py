@@ -16,15 +16,19 @@ from maxscore.models.convert.family import (
     family_to_maxscore_state,
 )
 from maxscore.models.convert.registry import FAMILIES
+from maxscore.models.convert.warm_start import warm_start_fields
 from maxscore.models.modeling_llama_moe import LlamaMoEForCausalLM
+from maxscore.routing.resolve import resolve_router
 
 __all__ = [
     "DENSE_FAMILIES",
     "NATIVE_ROUTER",
     "UNSUPPORTED_FAMILIES",
+    "checkpoint_config",
     "convert_model",
     "load_pretrained",
     "maxscore_config_from_family",
+    "native_routing",
     "unsupported_message",
 ]
 
@@ -58,6 +62,8 @@ def _router_settings(
             aux_loss_granularity="micro-batch",
         )
     fields.update(router_config or {})
+    # The experts were trained under softmax weights: a SoftTopk preset starts at t = 0.
+    fields.update(warm_start_fields(router, fields))
     return router, fields
 
 
@@ -140,6 +146,76 @@ def unsupported_message(model_type: str | None) -> str:
     return f"model_type {model_type!r} is not a supported MoE family (supported: {supported})"
 
 
+def native_routing(config: LlamaMoEConfig) -> Any:
+    """The :class:`~maxscore.routing.config.RouterConfig` of ``router="native"`` for a maxscore
+    checkpoint: the routing of the family in ``config.source_family`` (the family it was
+    converted from, or whose layout holds an upcycled model), rebuilt from ``source_config``.
+
+    Raises :class:`ConversionError` for a checkpoint that has no such family (trained from
+    scratch, or upcycled from a dense family no MoE family holds): "native" would name no
+    routing, and keeping the trained router instead would not be what was asked.
+    """
+    family, source = config.source_family, config.source_config
+    if family not in FAMILIES or source is None:
+        origin = (
+            f"upcycled from a dense {config.upcycled_from} model no MoE family holds"
+            if config.upcycled_from
+            else "not converted from a Hugging Face MoE family"
+        )
+        raise ConversionError(
+            f"router {NATIVE_ROUTER!r} means the routing of the Hugging Face family a checkpoint "
+            f"was converted from, and this checkpoint (trained with router {config.router!r}) "
+            f"was {origin}; pass a router preset instead (for instance {config.router!r})"
+        )
+    family_config = AutoConfig.for_model(family, **_without_bookkeeping(source))
+    name, fields = _router_settings(family_config, NATIVE_ROUTER, None)
+    return resolve_router(name, fields)
+
+
+def _without_bookkeeping(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's fields without what ``save_pretrained`` adds (version, class names)."""
+    skip = ("transformers_version", "architectures", "model_type", "auto_map")
+    return {key: value for key, value in config_dict.items() if key not in skip}
+
+
+def checkpoint_config(
+    source: str,
+    router: str | None = None,
+    router_config: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> LlamaMoEConfig:
+    """The config of the maxscore checkpoint ``source`` with ``overrides``, routed by ``router``.
+
+    ``overrides`` are applied by building the config anew from the stored fields and them, so
+    they are checked like constructor arguments (an unknown key is refused, another family's
+    name such as ``norm_topk_prob`` is honoured, shapes are validated). ``router``: a preset
+    re-resolves the routing keeping the checkpoint's own overrides (for the weights of a family
+    or an upcycling, a SoftTopk schedule starts at ``t = 0``: :mod:`.warm_start`); ``"native"``
+    is the family's routing (:func:`native_routing`); ``None`` keeps the stored router.
+    ``router_config`` is merged into the router fields last.
+    """
+    stored = LlamaMoEConfig.from_pretrained(source)
+    given = dict(router_config or {})
+    kwargs: dict[str, Any] = {"router_config": given} if given else {}
+    if router == NATIVE_ROUTER:
+        # A RouterConfig replaces every stored field (LlamaMoEConfig.from_dict).
+        kwargs = {
+            "router": "dropless",
+            "router_config": resolve_router(native_routing(stored), given),
+        }
+    elif router is not None and router != stored.router:
+        kwargs["router"] = router
+        if stored.source_family is not None or stored.upcycled_from is not None:
+            # Weights of a family or an upcycling given a new router (warm_start.py's rule).
+            switched = LlamaMoEConfig.from_pretrained(source, **kwargs).router_config
+            start = warm_start_fields(router, switched.to_dict(), given=given)
+            kwargs["router_config"] = {**given, **start}
+    config = LlamaMoEConfig.from_pretrained(source, **kwargs)
+    if overrides:
+        config = LlamaMoEConfig(**{**_without_bookkeeping(config.to_dict()), **overrides})
+    return config
+
+
 def load_pretrained(
     source: str,
     router: str | None = None,
@@ -154,8 +230,9 @@ def load_pretrained(
     ``config``: the model config, when the caller already resolved it (``maxscore train`` does,
     before any weight is read); ``router``, ``router_config`` and ``overrides`` then do not apply.
 
-    * a maxscore checkpoint: ``from_pretrained`` with ``router`` / ``router_config`` /
-      ``overrides`` (they really change the routing);
+    * a maxscore checkpoint: its weights in :func:`checkpoint_config` (``router`` /
+      ``router_config`` / ``overrides`` really change the routing; ``"native"`` is refused for a
+      checkpoint converted from no family);
     * a supported family (:data:`FAMILIES`): loaded with its transformers class, then converted
       (``router=None`` / ``"native"`` keeps the family's routing);
     * anything else: :class:`ConversionError` saying what is supported (dense checkpoints are
@@ -169,12 +246,13 @@ def load_pretrained(
     if model_type == LlamaMoEConfig.model_type and config is not None:
         return LlamaMoEForCausalLM.from_pretrained(source, dtype=dtype, config=config)
     if model_type == LlamaMoEConfig.model_type:
-        kwargs: dict[str, Any] = dict(overrides)
-        if router is not None and router != NATIVE_ROUTER:
-            kwargs["router"] = router
-        if router_config:
-            kwargs["router_config"] = router_config
-        return LlamaMoEForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+        try:
+            config = checkpoint_config(source, router, router_config, **overrides)
+        except (TypeError, ValueError) as err:
+            if isinstance(err, ConversionError):
+                raise
+            raise ConversionError(f"invalid model/router settings for {source!r}: {err}") from err
+        return LlamaMoEForCausalLM.from_pretrained(source, config=config, dtype=dtype)
     if model_type not in FAMILIES:
         raise ConversionError(unsupported_message(model_type))
     model_class = getattr(transformers, FAMILIES[model_type].model_class)

@@ -1,5 +1,7 @@
 """Mixtral (``MixtralForCausalLM``): Llama attention (GQA, optional sliding window), top-k experts.
 
+The window and RoPE (any transformers RoPE type) map in ``family.common_config_fields``.
+
 Router: ``softmax(x W_g)`` in fp32, the top-k probabilities renormalised to sum to 1 (always;
 Mixtral has no ``norm_topk_prob`` switch), no capacity. ``router_jitter_noise`` (training only)
 is not applied by our router.
@@ -18,7 +20,6 @@ def _config_fields(config: Any) -> dict[str, Any]:
         "num_experts": config.num_local_experts,
         "moe_intermediate_size": config.intermediate_size,
         "intermediate_size": config.intermediate_size,
-        "sliding_window": config.sliding_window,
     }
 
 

@@ -4,7 +4,8 @@ Both: router ``softmax(x W_g)`` in fp32, top-k, renormalised when ``norm_topk_pr
 layers where ``layer_idx in mlp_only_layers`` or ``(layer_idx + 1) % decoder_sparse_step != 0``
 (width ``intermediate_size``). Qwen2-MoE adds biases on q/k/v (``qkv_bias``) and one shared
 expert of width ``shared_expert_intermediate_size`` scaled by ``sigmoid(x W_s)``
-(``shared_expert_gate``). Qwen3-MoE has no shared expert, an RMSNorm on each query / key head
+(``shared_expert_gate``) and slides its attention window in the layers its ``layer_types``
+name (``use_sliding_window``: even layers below ``max_window_layers``). Qwen3-MoE has no shared expert, an RMSNorm on each query / key head
 (``q_norm`` / ``k_norm`` over ``head_dim``) and ``attention_bias`` on all four projections.
 """
 
@@ -50,16 +51,7 @@ def _qwen3_fields(config: Any) -> dict[str, Any]:
         "attention_qkv_bias": bool(config.attention_bias),
         "attention_output_bias": bool(config.attention_bias),
         "qk_norm": "head",
-        "sliding_window": config.sliding_window,
     }
-
-
-def _qwen2_check(config: Any) -> None:
-    if getattr(config, "use_sliding_window", False):
-        raise ConversionError(
-            "qwen2_moe: use_sliding_window=True mixes sliding and full attention per layer, "
-            "which the Llama-MoE model does not implement"
-        )
 
 
 def _norm_topk(router_config: dict[str, Any], family: str) -> dict[str, Any]:
@@ -73,7 +65,6 @@ QWEN2_MOE = FamilySpec(
     config_fields=_qwen2_fields,
     router_fields=lambda config: {"normalize_weights": bool(config.norm_topk_prob)},
     routing_config=lambda rc: _norm_topk(rc, "qwen2_moe"),
-    check=_qwen2_check,
     note="q/k/v biases, one sigmoid-gated shared expert, norm_topk_prob, dense layers",
 )
 
