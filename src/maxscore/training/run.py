@@ -196,12 +196,13 @@ def prepare(config: TrainConfig) -> PreparedRun:
         DeterministicAlgorithms.check(config.compile)
     if config.deepspeed is not None:
         deepspeed_config_path(config.deepspeed)
-        check_deepspeed_installed()
         if config.compile and zero_stage(config.deepspeed) == 3:
             raise ConfigError(
                 "--compile is not supported with ZeRO-3 (DeepSpeed partitions parameters with "
                 "hooks that compiled layers bypass); pass --no-compile, or use --deepspeed zero2"
             )
+        # After the options' own conflicts: those are reported whether or not it is installed.
+        check_deepspeed_installed()
     pretrained = is_pretrained_model(config.model)
     # A checkpoint's config first: a bad --model is reported before its tokenizer is read.
     model_config = build_model_config(config) if pretrained else None
