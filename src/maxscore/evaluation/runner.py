@@ -40,7 +40,6 @@ from maxscore.evaluation.registry import (
     resolve_tasks,
 )
 from maxscore.evaluation.results import checkpoint_validation
-from maxscore.models.adapters import is_adapter_checkpoint, load_merged
 from maxscore.routing.config import EvalRouting, RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -57,6 +56,9 @@ class EvaluationError(RuntimeError):
 def is_checkpoint_dir(path: Path) -> bool:
     """A Hugging Face model directory: a ``config.json`` with a ``model_type`` and weights, or a
     LoRA adapter checkpoint (``adapter_config.json``; its base is merged in when loaded)."""
+    # On use: maxscore.models loads transformers, which `maxscore --help` must not wait for.
+    from maxscore.models.adapters import is_adapter_checkpoint
+
     if is_adapter_checkpoint(path):
         return True
     config = path / "config.json"
@@ -259,6 +261,8 @@ def load_model(
         if not isinstance(torch_dtype, torch.dtype):
             raise EvaluationError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16, float16")
     verify_checkpoint_files(checkpoint)
+    from maxscore.models.adapters import is_adapter_checkpoint, load_merged  # see is_checkpoint_dir
+
     model: Any
     try:
         if is_adapter_checkpoint(checkpoint):

@@ -224,6 +224,15 @@ BASE_CONFIG_KEYS: frozenset[str] = frozenset(
         "per_layer_config",
         "rope_scaling",
         "tokenizer_class",
+        # Loading arguments that callers of from_pretrained (lm-eval's, for one) pass through
+        # to the config: not settings of the model.
+        "gguf_file",
+        "_from_auto",
+        "_from_pipeline",
+        "trust_remote_code",
+        "revision",
+        "subfolder",
+        "return_unused_kwargs",
     }
 )
 
