@@ -28,6 +28,7 @@ def give_default_file_modes(folder: Path) -> None:
     for root, _dirs, files in os.walk(folder):
         for name in files:
             path = os.path.join(root, name)
-            current = stat.S_IMODE(os.lstat(path).st_mode)
-            if not stat.S_ISLNK(os.lstat(path).st_mode) and current & mode != mode:
+            info = os.lstat(path)
+            current = stat.S_IMODE(info.st_mode)
+            if not stat.S_ISLNK(info.st_mode) and current & mode != mode:
                 os.chmod(path, current | mode)
