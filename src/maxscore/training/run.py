@@ -76,6 +76,7 @@ from maxscore.training.distributed import (
     zero_stage,
 )
 from maxscore.training.lora import RouterStepsOnResume, apply_lora, check_lora_options
+from maxscore.training.matmul_precision import kept_matmul_precision
 from maxscore.training.metrics import (
     MetricsJsonlCallback,
     peak_memory_gb,
@@ -460,7 +461,8 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
     if run.config.quiet:
         hf_logging.disable_progress_bar()
     try:
-        return _train_and_evaluate(run, callbacks)
+        with kept_matmul_precision():  # TrainingArguments switches TF32 on process-wide
+            return _train_and_evaluate(run, callbacks)
     except RuntimeError as err:
         explained = determinism.explain(err)
         if explained is None:
