@@ -21,10 +21,12 @@ read once after the profiled steps. Parts:
 * ``other``: what the step's wall time holds besides (embeddings, residual adds, the autograd
   engine's own kernels, and the GPU idle while the CPU launches kernels).
 
-Eager only: hooks cannot bracket parts inside a compiled layer. The compiled step of the same
-model (``compiled_ms``) is timed beside it, so the shares read as "where eager time goes"; the
-compiled step fuses the element-wise parts (norms, SwiGLU, RoPE, loss) and leaves the matrix
-products and the routing. Random token ids, after ``--warmup`` steps.
+The parts are measured eager: hooks cannot bracket parts inside a compiled layer. The compiled
+step of the same model (every decoder layer and the loss compiled, as ``--compile`` trains) is
+timed beside it (``compiled_ms``) and profiled: its kernels' time by class of kernel name
+(matrix products, attention kernels, Triton-fused element-wise kernels, sorts and scans of the
+routing, optimizer, copies) and the time the GPU waits for the CPU (``gpu_idle``). Random token
+ids, after ``--warmup`` steps.
 
 ``PYTHONPATH=src python benchmarks/train_throughput/step_breakdown.py \\
     --runs base:gshard,base:maxscore,dense-base:dense --output /tmp/out``
@@ -188,6 +190,7 @@ def measure(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
 
     # The same model, compiled per layer as the trainer's --compile does, timed without hooks.
     compiled_ms = None
+    kernels: dict[str, float] = {}
     if args.compiled:
         del optimizer, log, model
         torch.cuda.empty_cache()
@@ -206,6 +209,7 @@ def measure(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
             torch.cuda.synchronize()
             times.append(1000 * (time.perf_counter() - s0))
         compiled_ms = statistics.median(times)
+        kernels = kernel_classes(plain, 3)
     tokens = args.batch_size * args.seq_len
     row = {
         "preset": preset,
@@ -221,10 +225,49 @@ def measure(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
         else tokens / (compiled_ms / 1000) * fpt / H100_BF16_PEAK,
         "peak_gib_eager": peak,
         "parts_ms": {part: parts[part] for part in PARTS},
+        "compiled_kernels_ms": kernels,
         "raw_ms": raw,
     }
     print(json.dumps(row), flush=True)
     return row
+
+
+#: Kernel-name patterns of a compiled step's GPU kernels, first match wins (lower-case).
+KERNEL_CLASSES = (
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "grouped_mm", "cublas", "splitk")),
+    ("optimizer", ("multi_tensor_apply", "adam", "foreach")),
+    ("routing_sort_scan", ("sort", "radix", "scan", "topk", "cub::", "auction", "flow")),
+    ("triton_fused", ("triton",)),
+    ("copy_fill_index", ("copy", "fill", "memcpy", "memset", "index", "scatter", "gather", "cat")),
+)
+
+
+def kernel_classes(step: Any, steps: int) -> dict[str, float]:
+    """Per-step milliseconds of the compiled step's kernels by class (:data:`KERNEL_CLASSES`),
+    ``other_kernels`` for the rest and ``gpu_idle`` for the wall time no kernel ran in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = 1000 * (time.perf_counter() - t0)
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        label = next(
+            (cls for cls, keys in KERNEL_CLASSES if any(key in name for key in keys)),
+            "other_kernels",
+        )
+        totals[label] += event.device_time / 1000  # us -> ms
+    busy = sum(totals.values())
+    totals["gpu_idle"] = max(0.0, wall_ms - busy)
+    return {label: ms / steps for label, ms in sorted(totals.items())}
 
 
 def split_parts(raw: dict[str, float], log: EventLog, steps: int) -> dict[str, float]:
@@ -306,6 +349,10 @@ def main() -> None:
             f"{r['preset']:14} {r['router']:9} {r['eager_step_ms']:6.1f} {comp} "
             + " ".join(f"{r['parts_ms'][p]:8.1f}" for p in PARTS)
         )
+    for r in rows:
+        if r["compiled_kernels_ms"]:
+            classes = ", ".join(f"{k} {v:.1f}" for k, v in r["compiled_kernels_ms"].items())
+            print(f"compiled {r['preset']}/{r['router']}: {classes}")
 
 
 if __name__ == "__main__":
