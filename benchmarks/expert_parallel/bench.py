@@ -12,7 +12,10 @@ global batch is P times larger and perfect scaling is P times the tokens/s of on
 
 MFU = tokens/s x model FLOPs per token / (GPUs x 989 TFLOP/s), FLOPs per token as in
 ``benchmarks/common.py`` (``6 N_active + 12 L H Q T``), counted on the whole model (every expert)
-built on the meta device. Validation is skipped (timing only).
+built on the meta device. Validation is skipped (timing only). ``--precision fp8`` and
+``--fused-loss`` (``run`` and ``sweep``) set the training options of the same names, so the
+timed path is the trainer's own (``maxscore.training.model_build.apply_speed_options``); the MFU
+stays counted against the bf16 peak.
 
     CUDA_VISIBLE_DEVICES=0 python benchmarks/expert_parallel/bench.py run \\
         --runs base-2x64:gshard --compile --output DIR --tag one_gpu_gshard
@@ -88,12 +91,14 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
         seq_len=args.seq_len,
         batch_size=batch,
         compile=args.compile,
+        fused_loss=args.fused_loss,
         max_steps=args.steps,
         expert_parallel=args.expert_parallel,
         logging_steps=args.steps,
         max_eval_blocks=1,
         output_dir=str(Path(args.runs_dir) / f"{preset}-{router}-ep{args.expert_parallel}"),
         **({} if args.gc_interval is None else {"gc_interval": args.gc_interval}),
+        **({} if args.precision is None else {"precision": args.precision}),
     )
     prepared = prepare(config)
     # Timing only: no validation set, so no final evaluation (and no eval-mode compilation).
@@ -153,9 +158,12 @@ def run(args: argparse.Namespace) -> None:
         "python": platform.python_version(),
         "seq_len": args.seq_len,
         "compile": args.compile,
+        "precision": args.precision or ("bf16" if torch.cuda.is_available() else "fp32"),
+        "fused_loss": args.fused_loss,
         "steps": args.steps,
         "warmup_steps_excluded": args.warmup,
-        "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)",
+        "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)"
+        + (", torchao float8 dense linears" if args.precision == "fp8" else ""),
         "peak_flops_per_gpu": H100_BF16_PEAK,
     }
     rows: list[dict[str, Any]] = []
@@ -282,6 +290,8 @@ def sweep(args: argparse.Namespace) -> None:
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq-len",
         str(args.seq_len), "--batch-size", str(args.batch_size), "--output", str(out),
         "--runs-dir", args.runs_dir, *(["--compile"] if args.compile else []),
+        *(["--precision", args.precision] if args.precision else []),
+        *(["--fused-loss"] if args.fused_loss else []),
     ]  # fmt: skip
 
     def left() -> float:
@@ -332,6 +342,22 @@ def sweep(args: argparse.Namespace) -> None:
         print("[sweep] skipped (no time left): " + "; ".join(skipped), flush=True)
 
 
+def _speed_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--precision`` and ``--fused-loss``: the training options of the same names."""
+    parser.add_argument(
+        "--precision",
+        choices=("bf16", "fp8"),
+        default=None,
+        help="TrainConfig.precision: bf16 autocast, or fp8 (bf16 autocast + torchao float8 "
+        "dense linears; sm89+ GPU, torchao); default bf16 on a GPU, fp32 on CPU",
+    )
+    parser.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="TrainConfig.fused_loss: liger-kernel's fused LM head + cross-entropy",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -343,6 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--steps", type=int, default=30)
     r.add_argument("--warmup", type=int, default=15, help="steps excluded from timing")
     r.add_argument("--compile", action="store_true", help="TrainConfig.compile (compile_layers)")
+    _speed_arguments(r)
     r.add_argument("--output", default=os.environ.get("OUT", "."))
     r.add_argument("--tag", default="bench", help="the result file's name")
     r.add_argument("--runs-dir", default="/tmp/maxscore-ep-bench-runs")
@@ -360,6 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--steps", type=int, default=30)
     w.add_argument("--warmup", type=int, default=15)
     w.add_argument("--compile", action="store_true")
+    _speed_arguments(w)
     w.add_argument("--output", required=True)
     w.add_argument("--runs-dir", default="/tmp/maxscore-ep-bench-runs")
     w.add_argument("--deadline", type=float, default=600, help="seconds for the whole sweep")

@@ -10,6 +10,11 @@ one table from one GPU run:
 * ``compile-cg``: the same with ``mode="reduce-overhead"`` (each compiled layer replayed as a
   CUDA graph, removing the CPU's kernel-launch time).
 
+``--precision fp8`` and ``--fused-loss`` apply the training options of the same names to every
+variant, through the trainer's own code (``maxscore.training.model_build.apply_speed_options``:
+torchao float8 dense linears under bf16 autocast; liger-kernel's fused LM head +
+cross-entropy), with the trainer's checks (refused without a capable GPU or the library).
+
 For each run: median step time over ``--steps`` timed steps (CUDA-synchronised per step),
 tokens/s, MFU (same FLOP count as ``train_throughput.py``), peak memory, and, with
 ``--profile``, a torch.profiler table of the kernels that take the most GPU time plus the GPU's
@@ -17,6 +22,7 @@ busy fraction (sum of kernel times / wall time of the profiled steps: a value we
 the step is bound by the CPU launching kernels).
 
 ``PYTHONPATH=src python benchmarks/train_throughput/train_step_profile.py --routers dense,gshard,maxscore --variants eager,compile``
+(add ``--precision fp8`` / ``--fused-loss`` for the speed options)
 """
 
 from __future__ import annotations
@@ -35,13 +41,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import H100_BF16_PEAK, flops_per_token
 
 
-def build(router: str, model: str, overrides: dict[str, Any]) -> Any:
+def build(
+    router: str,
+    model: str,
+    overrides: dict[str, Any],
+    precision: str = "bf16",
+    fused_loss: bool = False,
+) -> Any:
+    """The model a training run builds, with its ``precision`` (``bf16`` or ``fp8``) and
+    ``fused_loss`` options checked and applied as the trainer does (before any compilation)."""
     from maxscore.training import TrainConfig
+    from maxscore.training.fused_loss import check_fused_loss
+    from maxscore.training.model_build import apply_speed_options
+    from maxscore.training.precision import resolve_precision
     from maxscore.training.trainer import build_model, build_model_config
 
-    cfg = TrainConfig(model=model, router=router, model_overrides=overrides)
+    cfg = TrainConfig(
+        model=model,
+        router=router,
+        model_overrides=overrides,
+        precision=precision,  # type: ignore[arg-type]
+        fused_loss=fused_loss,
+    )
+    resolved = resolve_precision(cfg.precision)
+    check_fused_loss(cfg)
     model_config = build_model_config(cfg, vocab_size=32000)
-    return build_model(model_config, seed=0, on_gpu=True)
+    built = build_model(model_config, seed=0, on_gpu=True)
+    apply_speed_options(built, cfg, resolved)
+    return built
 
 
 def step_fn(model: Any, optimizer: Any, batch: torch.Tensor):
@@ -100,7 +127,7 @@ def measure(
     torch.manual_seed(0)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build(router, args.model, overrides)
+    model = build(router, args.model, overrides, args.precision, args.fused_loss)
     model.train()
     if variant == "compile":
         model.compile_layers()
@@ -127,6 +154,8 @@ def measure(
     row: dict[str, Any] = {
         "router": router,
         "variant": variant,
+        "precision": args.precision,
+        "fused_loss": args.fused_loss,
         "batch_size": args.batch_size,
         "step_ms": 1000 * med,
         "tokens_per_s": tps,
@@ -183,6 +212,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--tag", default="")
     parser.add_argument("--model-option", action="append", default=[], help="KEY=VALUE")
+    parser.add_argument(
+        "--precision",
+        choices=("bf16", "fp8"),
+        default="bf16",
+        help="bf16 autocast, or fp8: bf16 autocast + torchao float8 dense linears (sm89+)",
+    )
+    parser.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="liger-kernel's fused LM head + cross-entropy (TrainConfig.fused_loss)",
+    )
     parser.add_argument("--output", default="/tmp/out")
     run(parser.parse_args())
 

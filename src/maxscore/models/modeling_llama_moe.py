@@ -13,6 +13,12 @@ Behaviour worth knowing:
   ``aux_loss_coef``), so the stock HF ``Trainer`` optimises the paper's objective. In ``eval()``
   mode ``loss`` is the LM loss alone so that evaluation loss / perplexity is not polluted by a
   regulariser; the ``aux_loss`` / ``z_loss`` / ``lm_loss`` fields are always filled.
+* **Fused loss (opt-in, training only).** :meth:`LlamaMoEForCausalLM.use_fused_linear_cross_entropy`
+  makes training-mode forwards with ``labels`` compute the LM head and the same cross-entropy
+  in one chunked kernel (liger-kernel, :func:`fused_linear_cross_entropy`) and return
+  ``logits=None`` (as liger's patched HF models do): the ``[tokens, vocab]`` logits are never
+  materialised. The switch is an attribute of the model object, not of its config, so
+  ``config.json`` and saved checkpoints are the same with or without it.
 * **Causal evaluation.** Routers follow ``config.eval_routing``: in ``eval()`` mode the
   default ``"causal"`` routing never lets a token's experts depend on later tokens, so logits at
   position t do not depend on tokens after t; ``"train"`` evaluates with the training routing.
@@ -639,6 +645,9 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         self.model = LlamaMoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._compiled_loss: Any = None  # set by compile_layers
+        # A runtime switch (use_fused_linear_cross_entropy), not a config field: a checkpoint
+        # must load and run the same in plain transformers, without liger-kernel.
+        self.fused_linear_cross_entropy = False
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -652,6 +661,20 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
+
+    def use_fused_linear_cross_entropy(self, enabled: bool = True) -> None:
+        """Compute the training loss with the fused LM head + cross-entropy (or stop doing so).
+
+        When on, a forward in training mode with ``labels`` passes the final hidden states and
+        ``lm_head.weight`` to :func:`fused_linear_cross_entropy` (liger-kernel: the logits are
+        made and consumed chunk by chunk, with fp32 log-sum-exp and an fp32 weight-gradient
+        accumulator) and returns ``logits=None``. The loss is defined as the unfused one:
+        shifted by one, ``-100`` and padding ignored, the mean over the remaining targets.
+        Evaluation-mode forwards and forwards without labels compute logits as always. Needs a
+        CUDA GPU and liger-kernel (Triton kernels); nothing is checked here, the training run
+        checks both before it starts (:mod:`maxscore.training.fused_loss`).
+        """
+        self.fused_linear_cross_entropy = enabled
 
     def compile_layers(self, **compile_kwargs: Any) -> None:
         """``torch.compile`` every decoder layer in place (regional compilation).
@@ -716,7 +739,9 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden[:, keep, :])
+        hidden = hidden[:, keep, :]
+        fused = self.fused_linear_cross_entropy and self.training and labels is not None
+        logits = None if fused else self.lm_head(hidden)
 
         loss = lm_loss = None
         if labels is not None:
@@ -726,9 +751,12 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
                 # after left padding the first real token would be predicted from a pad.
                 predicted_from_pad = F.pad(pad[:, :-1], (1, 0), value=False)
                 labels = labels.masked_fill(pad | predicted_from_pad, -100)
-            # transformers' causal LM loss: shift by one, fp32 cross-entropy, ignore -100.
-            loss_fn = self._compiled_loss or self.loss_function
-            lm_loss = loss_fn(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            if fused:
+                lm_loss = fused_linear_cross_entropy(hidden, self.lm_head.weight, labels)
+            else:
+                # transformers' causal LM loss: shift by one, fp32 cross-entropy, ignore -100.
+                loss_fn = self._compiled_loss or self.loss_function
+                lm_loss = loss_fn(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
             loss = lm_loss
             if self.training:
                 for router_loss in (outputs.aux_loss, outputs.z_loss):
@@ -781,6 +809,37 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
                 routed = sum(p.numel() for p in _routed_expert_parameters(layer.mlp, e))
                 inactive += routed - routed * k // e
         return {"total": total, "activated": total - inactive}
+
+
+def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor) -> Tensor:
+    """Next-token cross-entropy of ``hidden @ weight.T`` without materialising the logits.
+
+    ``hidden`` is ``[B, L, D]``, ``labels`` ``[B, L]`` aligned with the inputs: position ``t``
+    is scored against ``labels[:, t + 1]`` and the last position against nothing, as in
+    transformers' ``ForCausalLMLoss``; ``-100`` is ignored and the loss is the mean over the
+    other targets. liger-kernel's fused linear cross-entropy computes it chunk by chunk in
+    Triton, with fp32 log-sum-exp and an fp32 accumulator for the weight gradient; under bf16
+    autocast its matmuls run in bf16 as the unfused ``lm_head`` does. A CUDA GPU is needed.
+    """
+    # Imported here: liger-kernel is an optional dependency (maxscore[speed]) that pulls in
+    # Triton. In a try block because transformers' remote-code loader demands every import it
+    # finds in this file (copied into checkpoints) except those inside try/except.
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as err:
+        raise ImportError(
+            "the fused LM loss needs liger-kernel: pip install 'maxscore[speed]'"
+        ) from err
+
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return liger_fused_linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        ignore_index=-100,
+        reduction="mean",
+        accum_dtype=torch.float32,
+    )
 
 
 def _routed_expert_parameters(moe: nn.Module, num_experts: int) -> list[nn.Parameter]:

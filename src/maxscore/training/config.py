@@ -37,7 +37,7 @@ from maxscore.training.reporting import parse_report_to
 
 __all__ = ["RUNTIME_FIELDS", "ConfigError", "TrainConfig", "apply_recipe"]
 
-Precision = Literal["auto", "bf16", "fp16", "fp32"]
+Precision = Literal["auto", "bf16", "fp16", "fp32", "fp8"]
 LRSchedule = Literal["wsd", "cosine", "linear", "constant"]
 DecayShape = Literal["linear", "cosine", "1-sqrt"]
 CompileMode = Literal["default", "max-autotune-no-cudagraphs"]
@@ -84,6 +84,16 @@ class TrainConfig(DataConfig):
         decay_shape: shape of the WSD decay.
         min_lr_ratio: learning rate at the end of the decay, as a fraction of ``lr``.
         precision: ``"auto"`` is bf16 on a CUDA GPU that supports it, fp32 otherwise.
+            ``"fp8"`` is bf16 autocast plus torchao's float8 training of the dense
+            ``nn.Linear`` layers (attention projections, dense and shared-expert MLPs; not the
+            LM head, routers or the routed experts, which stay bf16:
+            :func:`~maxscore.training.precision.apply_float8`); it needs torchao and a GPU of
+            compute capability 8.9+ (H100/H200/Ada).
+        fused_loss: compute the LM head and the next-token cross-entropy in one fused kernel
+            (liger-kernel), so the ``[tokens, vocab]`` logits are never materialised in
+            training; the loss is the same (a mean over the non-ignored targets). Training
+            forwards return ``logits=None``; evaluation and generation are unchanged. Needs
+            liger-kernel and a CUDA GPU (:mod:`maxscore.training.fused_loss`).
         gradient_checkpointing: recompute activations in the backward pass.
         compile: ``torch.compile`` every decoder layer and the LM loss
             (:meth:`LlamaMoEForCausalLM.compile_layers`): on a GPU the Base preset trains
@@ -281,7 +291,23 @@ class TrainConfig(DataConfig):
     )
     precision: Precision = field(
         default="auto",
-        metadata=option(group="optimisation", help="auto = bf16 on a GPU, fp32 on CPU"),
+        metadata=option(
+            group="optimisation",
+            help="auto = bf16 on a GPU, fp32 on CPU; fp8 = bf16 autocast + torchao float8 "
+            "matmuls in the attention projections and dense / shared-expert MLPs (routed experts, "
+            "routers and the LM head stay bf16; needs an H100/H200/Ada GPU and "
+            "pip install 'maxscore[speed]')",
+        ),
+    )
+    fused_loss: bool = field(
+        default=False,
+        metadata=option(
+            group="optimisation",
+            runtime=True,
+            help="LM head + cross-entropy in one liger-kernel kernel, without materialising the "
+            "logits in training (same loss, less memory; CUDA GPU, pip install "
+            "'maxscore[speed]'; default off)",
+        ),
     )
     gradient_checkpointing: bool = field(
         default=False,

@@ -20,10 +20,18 @@ from maxscore.models import LlamaMoEConfig, LlamaMoEForCausalLM, get_model_confi
 from maxscore.routing.config import RouterConfig
 from maxscore.routing.resolve import resolve_router
 from maxscore.training.config import ConfigError, TrainConfig
+from maxscore.training.fused_loss import enable_fused_loss
 from maxscore.training.option_checks import validate_model_options
+from maxscore.training.precision import apply_float8
 from maxscore.training.pretrained import is_pretrained_model, pretrained_model_config
 
-__all__ = ["build_model", "build_model_config", "check_seq_len", "run_router"]
+__all__ = [
+    "apply_speed_options",
+    "build_model",
+    "build_model_config",
+    "check_seq_len",
+    "run_router",
+]
 
 
 def run_router(config: TrainConfig) -> RouterConfig | None:
@@ -98,3 +106,19 @@ def build_model(model_config: Any, seed: int, on_gpu: bool = False) -> LlamaMoEF
         with torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"):
             return LlamaMoEForCausalLM(model_config)
     return LlamaMoEForCausalLM(model_config)
+
+
+def apply_speed_options(model: Any, config: TrainConfig, precision: str) -> None:
+    """``--fused-loss`` and ``--precision fp8`` (``precision``: the resolved one) on a built
+    model: the fused LM head + cross-entropy switched on
+    (:func:`~maxscore.training.fused_loss.enable_fused_loss`), the dense linear layers converted
+    to float8 training (:func:`~maxscore.training.precision.apply_float8`).
+
+    Called after the model is built and before it is compiled (torchao's float8 casts compile
+    with the layers) or wrapped (LoRA, DDP, expert parallelism); the options were checked by
+    :func:`maxscore.training.prepare`. The training run and the throughput benchmarks call it.
+    """
+    if config.fused_loss:
+        enable_fused_loss(model)
+    if precision == "fp8":
+        apply_float8(model)

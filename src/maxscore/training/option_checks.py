@@ -1,4 +1,4 @@
-"""Checks of the model and parallelism options of a training run, made before anything is
+"""Checks of the model, parallelism and speed options of a training run, made before anything is
 written (the router options are checked where the router is resolved,
 :func:`maxscore.routing.resolve.resolve_router`).
 
@@ -73,3 +73,18 @@ def check_parallel_options(config: TrainConfig, world_size: int, model_config: A
         ParallelConfig(config.expert_parallel).validate(world_size, experts)
     except ParallelConfigError as err:
         raise ConfigError(str(err)) from err
+
+
+def check_float8_options(config: TrainConfig) -> None:
+    """Refuse ``--precision fp8`` with the options whose layers or weights it is not tested
+    with: LoRA (peft wraps the linear layers float8 converts), DeepSpeed (its bf16 engine holds
+    and casts the weights itself) and FSDP2 sharding."""
+    if config.precision != "fp8":
+        return
+    others = {"--lora": config.lora, "--deepspeed": config.deepspeed is not None}
+    others["--fsdp"] = config.fsdp
+    for flag, used in others.items():
+        if used:
+            raise ConfigError(
+                f"--precision fp8 does not combine with {flag} yet; use --precision bf16"
+            )

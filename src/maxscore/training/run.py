@@ -75,6 +75,7 @@ from maxscore.training.distributed import (
     world_size,
     zero_stage,
 )
+from maxscore.training.fused_loss import check_fused_loss
 from maxscore.training.lora import RouterStepsOnResume, apply_lora, check_lora_options
 from maxscore.training.matmul_precision import kept_matmul_precision
 from maxscore.training.metrics import (
@@ -83,10 +84,10 @@ from maxscore.training.metrics import (
     summarize_routing,
     truncate_metrics,
 )
-from maxscore.training.model_build import build_model, build_model_config
-from maxscore.training.option_checks import check_parallel_options
+from maxscore.training.model_build import apply_speed_options, build_model, build_model_config
+from maxscore.training.option_checks import check_float8_options, check_parallel_options
 from maxscore.training.parallel import trainer_for
-from maxscore.training.precision import resolve_precision
+from maxscore.training.precision import autocast_dtype, resolve_precision
 from maxscore.training.pretrained import (
     is_pretrained_model,
     load_pretrained_model,
@@ -192,7 +193,9 @@ def prepare(config: TrainConfig) -> PreparedRun:
     """
     check_report_to(config.report_to)
     ws = world_size()
+    check_float8_options(config)
     precision = resolve_precision(config.precision)
+    check_fused_loss(config)
     if config.deterministic:
         DeterministicAlgorithms.check(config.compile)
     if config.deepspeed is not None:
@@ -318,8 +321,9 @@ def training_arguments(run: PreparedRun) -> TrainingArguments:
         save_steps=cfg.save_steps or run.total_steps,
         # Rotation happens in MaxScoreTrainer, after a new checkpoint is complete.
         save_total_limit=None,
-        bf16=run.precision == "bf16",
-        fp16=run.precision == "fp16",
+        # fp8 trains under bf16 autocast around its float8 layers (apply_float8).
+        bf16=autocast_dtype(run.precision) == torch.bfloat16,
+        fp16=autocast_dtype(run.precision) == torch.float16,
         **_activation_checkpointing_argument(cfg.gradient_checkpointing),
         # Fused AdamW on GPUs (one kernel for all parameters); the reference loop on CPU.
         optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
@@ -486,6 +490,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     mark_zero3_leaf_modules(model, cfg.deepspeed)
+    apply_speed_options(model, cfg, run.precision)  # before LoRA, compilation and wrapping
     extra_callbacks: list[TrainerCallback] = []
     if cfg.lora:
         model = apply_lora(model, cfg, run.run_dir, run.tokenizer)
