@@ -397,7 +397,10 @@ def _compiled_vs_eager(
         }
         results.append((out.loss.detach().float(), grads))
     (loss_a, grads_a), (loss_b, grads_b) = results
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    # fp32 on a GPU: inductor's fused kernels sum in another order than eager's (atomic adds,
+    # vocabulary reductions) and a near-tied routing choice may flip; measured up to 4e-4 of the
+    # largest gradient on an H200. A wrong gradient is off by its own size.
+    tol = (1e-5 if device == "cpu" else 1e-3) if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(loss_a, loss_b, atol=tol, rtol=tol)
     assert grads_a.keys() == grads_b.keys()
     for name in grads_a:

@@ -450,7 +450,9 @@ def test_a_training_run_with_both_options_end_to_end_on_cpu(
 def test_liger_fused_loss_matches_unfused_on_gpu(router: str) -> None:
     """liger's kernel under bf16 autocast: loss and gradients of the fused and unfused model
     agree to bf16 rounding (relative 1e-3 on the loss)."""
-    inputs = {k: v.cuda() for k, v in batch(4, 64).items()}
+    # 128 positions: torch 2.11's cuDNN attention returns NaN query gradients with a mask at
+    # lengths of 64 mod 128 where a row is fully masked (left padding), fused loss or not.
+    inputs = {k: v.cuda() for k, v in batch(4, 128).items()}
     plain, fused = tiny(router).cuda(), tiny(router).cuda()
     fused.use_fused_linear_cross_entropy()
     plain.train()
@@ -476,23 +478,23 @@ def test_liger_fused_loss_matches_unfused_on_gpu(router: str) -> None:
 
 
 def _gpu_train_config(tmp_path: Path, **overrides: Any) -> TrainConfig:
-    return TrainConfig(
-        model="tiny",
-        model_overrides={"num_hidden_layers": 2, "first_k_dense": 1, "num_shared_experts": 1},
-        router="gshard",
-        seq_len=64,
-        batch_size=4,
-        max_steps=6,
-        eval_steps=0,
-        save_steps=0,
-        logging_steps=2,
-        max_eval_blocks=2,
-        report_to="none",
-        quiet=True,
-        output_dir=str(tmp_path / "run"),
-        lr=1e-3,
-        **overrides,
-    )
+    settings: dict[str, Any] = {
+        "model": "tiny",
+        "model_overrides": {"num_hidden_layers": 2, "first_k_dense": 1, "num_shared_experts": 1},
+        "router": "gshard",
+        "seq_len": 64,
+        "batch_size": 4,
+        "max_steps": 6,
+        "eval_steps": 0,
+        "save_steps": 0,
+        "logging_steps": 2,
+        "max_eval_blocks": 2,
+        "report_to": "none",
+        "quiet": True,
+        "output_dir": str(tmp_path / "run"),
+        "lr": 1e-3,
+    }
+    return TrainConfig(**{**settings, **overrides})
 
 
 def _is_sm89_or_later() -> bool:

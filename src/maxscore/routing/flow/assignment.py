@@ -3,8 +3,8 @@
 :func:`assign_min_cost_flow` has the signature of every strategy
 (:mod:`maxscore.routing.strategies`) and hands the problem to a solver of
 :data:`maxscore.routing.flow.FLOW_SOLVERS` (``config.flow_method``; ``"auto"`` is decided by
-:func:`maxscore.routing.flow.choice.choose_flow_solver`). Solvers that do not take a token mask get the real tokens'
-problem through :func:`padding_sink_problem`.
+:func:`maxscore.routing.flow.choice.choose_flow_method`). Solvers that do not take a token
+mask get the real tokens' problem through :func:`padding_sink_problem`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from maxscore.routing.config import RouterConfig
-from maxscore.routing.flow.choice import choose_flow_solver
+from maxscore.routing.flow.choice import choose_flow_method
 from maxscore.routing.flow.compiled_call import solve_flow
 from maxscore.routing.flow.registry import FLOW_SOLVERS
 from maxscore.routing.strategy_inputs import check_inputs, check_token_mask, without_padding
@@ -57,7 +57,7 @@ def assign_min_cost_flow(
     mask = check_token_mask("min-cost-flow", scores, token_mask)
     e = scores.shape[-1]
     # The name was checked when the router was resolved (maxscore.routing.resolve).
-    method = choose_flow_solver(config.flow_method, scores, k).method
+    method = choose_flow_method(config.flow_method, scores)
     solver_mask = mask if "token_mask" in FLOW_SOLVERS[method].keywords else None
     if mask is not None and solver_mask is None:
         scores, cap = padding_sink_problem(scores.float(), k, cap, mask)

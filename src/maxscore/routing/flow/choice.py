@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import global_cuda
 
-__all__ = ["AUTO", "FlowChoice", "choose_flow_solver"]
+__all__ = ["AUTO", "FlowChoice", "choose_flow_method", "choose_flow_solver"]
 
 #: The value of ``flow_method`` (and of the global solver's ``backend``) that asks this module.
 AUTO = "auto"
@@ -35,11 +35,22 @@ class FlowChoice:
     backend: str | None = None
 
 
+def choose_flow_method(flow_method: str, affinities: Tensor) -> str:
+    """The solver (not its backend) for ``affinities``: a decision on the device alone.
+
+    The router calls this inside compiled layers, so it reads nothing dynamo cannot trace; the
+    backend (which asks the CUDA toolchain, :func:`.global_cuda.supported`) is chosen inside the
+    solver's opaque operator (:mod:`.compiled_call`), where a call into the toolchain breaks no
+    compiled graph.
+    """
+    if flow_method == AUTO:
+        return "global" if affinities.is_cuda else "exact"
+    return flow_method
+
+
 def choose_flow_solver(flow_method: str, affinities: Tensor, k: int) -> FlowChoice:
     """The solver and backend for ``affinities [G, n, e]`` with ``k`` experts per token."""
-    method = flow_method
-    if method == AUTO:
-        method = "global" if affinities.is_cuda else "exact"
+    method = choose_flow_method(flow_method, affinities)
     if method != "global":
         return FlowChoice(method)
     return FlowChoice(method, "cuda" if global_cuda.supported(affinities, k) else "reference")
