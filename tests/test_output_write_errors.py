@@ -115,7 +115,7 @@ def test_analyze_keeps_the_earlier_analysis(
     inject(monkeypatch, name, error)
     assert main(["analyze", str(run), "--output", str(out)]) == 2
     line = error_line(capsys, "analyze")
-    assert f"{out / name} {reason}" in line
+    assert f"{out / name} {reason}; an earlier file of that name is unchanged;" in line
     assert "choose another --output" in line
     assert (out / name).read_text() == EARLIER
     assert temporaries(out) == []

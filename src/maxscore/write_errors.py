@@ -112,14 +112,16 @@ def describe_write_failure(err: BaseException, path: Path | str) -> str | None:
     return None
 
 
-def output_advice(reason: str, option: str = "--output") -> str:
+def output_advice(reason: str, option: str = "--output", replaced: bool = False) -> str:
     """What to do about ``reason`` (from :func:`describe_write_failure`) in words, naming the
-    command's output ``option``."""
+    command's output ``option``; ``replaced``: the file is written through
+    :func:`replaced_file`, so an earlier one is still whole (said first)."""
+    kept = "an earlier file of that name is unchanged; " if replaced else ""
     if reason in SPACE_REASONS:
-        return f"free some space or choose another {option}"
+        return f"{kept}free some space or choose another {option}"
     if reason in (READ_ONLY, NOT_WRITABLE):
-        return f"make the folder writable or choose another {option}"
-    return "fix the cause"
+        return f"{kept}make the folder writable or choose another {option}"
+    return f"{kept}fix the cause"
 
 
 def one_line(text: str) -> str:
@@ -148,12 +150,13 @@ def reported_write(
     advice: str | None = None,
     *,
     option: str = "--output",
+    replaced: bool = False,
     error: ErrorFactory | None = None,
 ) -> Iterator[None]:
     """Run the block that writes ``path``; a full disk or an unwritable folder in it becomes a
     :class:`FileWriteError` (``what``: the file in words; ``advice``: what to do, else
-    :func:`output_advice` for ``option``; ``error``: builds the error from the reason instead,
-    for a command with its own advice). Other failures keep their traceback."""
+    :func:`output_advice` for ``option`` and ``replaced``; ``error``: builds the error from the
+    reason instead, for a command with its own advice). Other failures keep their traceback."""
     try:
         yield
     except FileWriteError:
@@ -164,7 +167,8 @@ def reported_write(
             raise
         if error is not None:
             raise error(reason) from err
-        raise FileWriteError(what, path, reason, advice or output_advice(reason, option)) from err
+        advice = advice or output_advice(reason, option, replaced)
+        raise FileWriteError(what, path, reason, advice) from err
 
 
 @contextmanager
@@ -193,7 +197,10 @@ def write_text_atomically(
 ) -> None:
     """Write ``text`` to ``path`` through :func:`replaced_file` and :func:`reported_write`: a
     failure leaves the earlier ``path`` as it was and says so in one line."""
-    with reported_write(what, path, option=option, error=error), replaced_file(path) as tmp:
+    with (
+        reported_write(what, path, option=option, replaced=True, error=error),
+        replaced_file(path) as tmp,
+    ):
         tmp.write_text(text, encoding="utf-8")
 
 

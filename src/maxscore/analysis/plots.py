@@ -52,7 +52,7 @@ def save_figure(fig: Figure, path: Path, dpi: int = 110) -> Path:
     :class:`~maxscore.write_errors.FileWriteError` naming the file, and an earlier PNG at
     ``path`` stays as it was (the new one is renamed over it only when complete)."""
     try:
-        with reported_write("the figure", path):
+        with reported_write("the figure", path, replaced=True):
             path.parent.mkdir(parents=True, exist_ok=True)
             with replaced_file(path) as tmp:
                 fig.savefig(tmp, dpi=dpi, format="png")

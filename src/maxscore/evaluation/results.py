@@ -215,7 +215,7 @@ def write_results(
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.name)
             path = output_dir / f"samples_{safe}.jsonl"
             with (
-                reported_write("the evaluation samples", path),
+                reported_write("the evaluation samples", path, replaced=True),
                 replaced_file(path) as tmp,
                 tmp.open("w") as handle,
             ):
