@@ -1,6 +1,7 @@
 """A full disk (or a read-only folder) outside and inside a checkpoint save: one line, exit 2.
 
-Every file a run writes goes through ``maxscore.training.write_errors``: the resolved
+Every file a run writes goes through ``maxscore.training.write_errors`` (on top of
+``maxscore.write_errors``, which recognises the failure): the resolved
 ``config.json`` at start-up, ``metrics.jsonl``, TensorBoard's event files (written by a
 background thread), the checkpoint files (the optimizer state through ``torch.save``, whose zip
 writer says ``inline_container.cc ... unexpected pos`` and not "no space"), ``summary.json``.
@@ -19,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
+from maxscore import write_errors  # the shared part: it asks shutil.disk_usage
 from maxscore.checkpoints.integrity import verify_checkpoint
 from maxscore.cli import main
-from maxscore.training import write_errors
 from maxscore.training.write_errors import FULL_DISK, describe_write_failure
 from test_faults import SMALL_FLAGS, checkpoint_names, leftovers
 

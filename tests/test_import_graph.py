@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
         "maxscore.preset_tables",
         "maxscore.host_memory",
         "maxscore.file_modes",
+        "maxscore.write_errors",
     ),
     ("maxscore.routing",),
     ("maxscore.moe",),

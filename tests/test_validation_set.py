@@ -18,6 +18,7 @@ from maxscore.training.validation_set import (
     ValidationSummary,
     pack_validation,
     paired_difference,
+    per_token_loss,
     ratio_standard_error,
 )
 
@@ -59,6 +60,24 @@ def test_ratio_standard_error_by_hand() -> None:
     diff, diff_se = paired_difference(a, b)  # type: ignore[misc]
     assert diff == pytest.approx(2.5 / 19) and diff_se < a["se"]
     assert paired_difference(a, {**b, "tokens": [5.0, 10.0, 3.0]}) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 57), (20, 16)])  # one chunk; two (16 sequences each)
+def test_per_token_loss_is_the_shifted_cross_entropy_to_the_bit(
+    dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    """Every position's fp32 cross-entropy of the next token, the last position left out: the
+    same bits as the cross-entropy of the shifted logits (whole sequences are taken per chunk,
+    so the logits are not copied to shift them)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(*shape, 300, generator=generator) * 3).to(dtype)
+    input_ids = torch.randint(0, 300, shape, generator=generator)
+    shifted = logits[:, :-1].float()
+    expected = torch.nn.functional.cross_entropy(
+        shifted.reshape(-1, 300), input_ids[:, 1:].reshape(-1), reduction="none"
+    ).view(shape[0], shape[1] - 1)
+    assert torch.equal(per_token_loss(logits, input_ids), expected)
 
 
 def test_document_losses_equal_the_models_own_loss(split: tuple[list[str], list[str]]) -> None:

@@ -19,12 +19,13 @@ from maxscore.preset_tables import MODEL_PRESETS, ROUTER_PRESET_TABLE
 from maxscore.training.checkpoint import CheckpointSaveError
 from maxscore.training.config import ConfigError, TrainConfig, apply_recipe
 from maxscore.training.pretrained import check_model_name
-from maxscore.training.write_errors import RunWriteError
+from maxscore.write_errors import FileWriteError
 
 #: Failures that end a command with one line (what happened, what to do), not a traceback: a
 #: bad option, a checkpoint save that failed, any other file of the run that could not be
-#: written (a full disk, a read-only folder: ``training/write_errors.py``).
-_USER_ERRORS = (ConfigError, CheckpointSaveError, RunWriteError)
+#: written (a full disk, a read-only folder: ``write_errors.py``, with the run's advice from
+#: ``training/write_errors.py``).
+_USER_ERRORS = (ConfigError, CheckpointSaveError, FileWriteError)
 
 _TRAIN_EXAMPLES = """\
 examples:

@@ -30,6 +30,7 @@ from maxscore.analysis.runs import (
 )
 from maxscore.checkpoints.layout import CONFIG_FILE, METRICS_FILE
 from maxscore.evaluation.runner import EvaluationError, resolve_model_path
+from maxscore.write_errors import reported_write, write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,8 @@ def analyze(
 
     Raises:
         RunError: a bad run directory, a layer that is not an MoE layer, or nothing to analyse.
+        FileWriteError: an output file could not be written (a full disk, a read-only
+            folder); the files written before stay whole.
     """
     run_dirs = expand_run_dirs(run_dirs)
     if not run_dirs:
@@ -142,7 +145,8 @@ def analyze(
     runs = [load_run(p, names[i] if names else None) for i, p in enumerate(run_dirs)]
     unique_names(runs)
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with reported_write("the output folder", out):
+        out.mkdir(parents=True, exist_ok=True)
     result = AnalysisResult(out)
 
     snapshots: dict[str, RoutingSnapshot] = {}
@@ -181,8 +185,9 @@ def analyze(
         "routing": routing if checkpoint else "training (as logged)",
     }
     result.data = data
-    result.json_path.write_text(json.dumps(data, indent=2) + "\n")
-    result.markdown_path.write_text(analysis_markdown(data))
+    # Each file whole or not at all: a full disk leaves an earlier analysis as it was.
+    write_text_atomically(result.json_path, json.dumps(data, indent=2) + "\n", "the analysis")
+    write_text_atomically(result.markdown_path, analysis_markdown(data), "the analysis page")
     return result
 
 

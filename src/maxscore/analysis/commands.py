@@ -9,6 +9,7 @@ from typing import Any
 
 from maxscore.analysis.runs import RunError
 from maxscore.evaluation.runner import EvaluationError
+from maxscore.write_errors import FileWriteError
 
 
 def add_analyze_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -93,7 +94,7 @@ def run_analyze_command(args: argparse.Namespace) -> int:
             max_blocks=args.max_blocks,
             device=args.device,
         )
-    except (RunError, EvaluationError) as err:
+    except (RunError, EvaluationError, FileWriteError) as err:
         print(f"maxscore analyze: error: {err}", file=sys.stderr)
         return 2
     for note in result.notes:
@@ -133,7 +134,7 @@ def run_report_command(args: argparse.Namespace) -> int:
 
     try:
         path = combined_report(args.paths, args.output, title=args.title)
-    except (ReportError, RunError, FileNotFoundError) as err:
+    except (ReportError, RunError, FileNotFoundError, FileWriteError) as err:
         print(f"maxscore report: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {path}")

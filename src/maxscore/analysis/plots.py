@@ -3,7 +3,7 @@
 Every ``*_figure`` function returns a matplotlib ``Figure`` (Agg backend, nothing shown) whose
 artists carry exactly the numbers given to it: bar containers and lines are labelled with the
 run name, so tests (and curious users) can read the plotted values back. :func:`save_figure`
-writes a PNG and closes the figure.
+writes a PNG (whole or not at all) and closes the figure.
 
 Figures:
     * dropped and rerouted share by choice rank per layer (paper Fig. 2a shows the complement of
@@ -37,6 +37,7 @@ import matplotlib.pyplot as plt  # noqa: E402 (after the matplotlib check)
 from matplotlib.figure import Figure  # noqa: E402
 
 from maxscore.analysis.runs import RoutingSnapshot  # noqa: E402 (after the matplotlib check)
+from maxscore.write_errors import replaced_file, reported_write  # noqa: E402
 
 RANK_NAMES = ("1st", "2nd", "3rd")
 
@@ -47,10 +48,16 @@ def rank_name(rank: int) -> str:
 
 
 def save_figure(fig: Figure, path: Path, dpi: int = 110) -> Path:
-    """Write ``fig`` as a PNG and close it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi, format="png")
-    plt.close(fig)
+    """Write ``fig`` as a PNG and close it. A full disk or a read-only folder is a
+    :class:`~maxscore.write_errors.FileWriteError` naming the file, and an earlier PNG at
+    ``path`` stays as it was (the new one is renamed over it only when complete)."""
+    try:
+        with reported_write("the figure", path, replaced=True):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with replaced_file(path) as tmp:
+                fig.savefig(tmp, dpi=dpi, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from maxscore.analysis.markdown import ANALYSIS_JSON, ANALYSIS_MD
 from maxscore.evaluation.results import RESULTS_JSON, load_results, markdown_table, routing_table
+from maxscore.write_errors import reported_write, write_text_atomically
 
 COMPARISON_MD = "comparison.md"
 _IMAGE_LINK = re.compile(r"!\[([^\]]*)\]\(([^)\s]+)\)")
@@ -111,12 +112,16 @@ def _demote(markdown: str, levels: int = 1) -> str:
 def combined_report(
     paths: Sequence[str | Path], output: str | Path, title: str = "maxscore report"
 ) -> Path:
-    """Write one markdown page combining compare, eval and analyze outputs; return its path."""
+    """Write one markdown page combining compare, eval and analyze outputs; return its path.
+
+    A full disk or a read-only folder is a :class:`~maxscore.write_errors.FileWriteError`; an
+    earlier page at ``output`` then stays as it was."""
     sources = classify(paths)
     out = Path(output)
     if out.suffix.lower() != ".md":
         out = out / "report.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with reported_write("the report's folder", out.parent):
+        out.parent.mkdir(parents=True, exist_ok=True)
     report_dir = out.parent
     lines = [f"# {title}", ""]
     if sources.compare:
@@ -172,5 +177,6 @@ def combined_report(
                 _demote(_relink(body, path, report_dir), 1).strip(),
                 "",
             ]
-    out.write_text("\n".join(lines))
+    # Whole or not at all: a full disk leaves an earlier report as it was.
+    write_text_atomically(out, "\n".join(lines), "the report")
     return out

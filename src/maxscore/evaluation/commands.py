@@ -23,6 +23,7 @@ from maxscore.evaluation.runner import (
     evaluate_model,
     resolve_model_path,
 )
+from maxscore.write_errors import FileWriteError
 
 _EPILOG = f"""\
 Tasks: standard lm-eval names (comma-separated), or `paper` (all ten paper tasks) / `bundled`
@@ -163,7 +164,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
             "seed": args.seed,
         }
         json_path, md_path = write_results(output, results, settings)
-    except (EvaluationError, UnknownTaskError, EvalDataUnavailableError) as err:
+    except (EvaluationError, UnknownTaskError, EvalDataUnavailableError, FileWriteError) as err:
         print(f"maxscore eval: error: {err}", file=sys.stderr)
         return 2
     print(md_path.read_text())

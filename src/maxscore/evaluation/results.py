@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from maxscore.evaluation.registry import PAPER_TASK_BY_NAME, PAPER_TASKS
+from maxscore.write_errors import replaced_file, reported_write, write_text_atomically
 
 RESULTS_JSON = "eval_results.json"
 RESULTS_MD = "eval_results.md"
@@ -194,20 +195,30 @@ def write_results(
     """Write ``eval_results.json`` and ``eval_results.md`` into ``output_dir``.
 
     ``models`` are :class:`~maxscore.evaluation.runner.ModelEvalResult` objects or their dicts;
-    per-document samples, if present, go to ``samples_<name>.jsonl`` beside them.
+    per-document samples, if present, go to ``samples_<name>.jsonl`` beside them. Each file is
+    written whole or not at all: a full disk or a read-only folder is a
+    :class:`~maxscore.write_errors.FileWriteError` naming the file, and earlier results there
+    stay as they were.
     """
-    output_dir.mkdir(parents=True, exist_ok=True)
+    with reported_write("the output folder", output_dir):
+        output_dir.mkdir(parents=True, exist_ok=True)
     entries = [m if isinstance(m, dict) else m.to_dict() for m in models]
     payload = {"schema_version": SCHEMA_VERSION, **settings, "models": entries}
     json_path = output_dir / RESULTS_JSON
-    json_path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    json_text = json.dumps(payload, indent=2, sort_keys=False) + "\n"
+    write_text_atomically(json_path, json_text, "the evaluation results")
     md_path = output_dir / RESULTS_MD
-    md_path.write_text(render_markdown(payload))
+    write_text_atomically(md_path, render_markdown(payload), "the evaluation table")
     for model in models:
         samples = getattr(model, "samples", None)
         if samples:
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.name)
-            with (output_dir / f"samples_{safe}.jsonl").open("w") as handle:
+            path = output_dir / f"samples_{safe}.jsonl"
+            with (
+                reported_write("the evaluation samples", path, replaced=True),
+                replaced_file(path) as tmp,
+                tmp.open("w") as handle,
+            ):
                 for task, records in samples.items():
                     for record in records:
                         handle.write(json.dumps({"task": task, **record}) + "\n")

@@ -54,6 +54,8 @@ DOCUMENT_KEY = "document_ids"
 DEFAULT_MAX_EVAL_TOKENS = 1 << 20
 #: Sequences per cross-entropy chunk: bounds the fp32 copy of the logits.
 _CE_ROWS = 16
+#: The target of each sequence's last position, which predicts nothing.
+_IGNORED = -100
 
 
 class ValidationDataset(PackedDataset):
@@ -100,19 +102,23 @@ def pack_validation(
 def per_token_loss(logits: Tensor, input_ids: Tensor) -> Tensor:
     """``[B, L-1]`` fp32 cross-entropy of predicting token ``p + 1`` from position ``p``.
 
-    Computed in chunks of :data:`_CE_ROWS` sequences so the fp32 copy of the logits stays small.
+    Computed in chunks of :data:`_CE_ROWS` sequences so the fp32 copy of bf16 / fp16 logits stays
+    small. Each chunk is taken whole, with the last position's target ignored and its loss
+    dropped afterwards, rather than as ``logits[:, :-1]``: that slice is not contiguous, and
+    flattening it would copy every fp32 logit of the batch (a ``[B, L, vocab]`` copy per
+    validation batch) to get the same values.
     """
-    targets = input_ids[:, 1:]
+    targets = F.pad(input_ids[:, 1:], (0, 1), value=_IGNORED)
     out = []
     for start in range(0, logits.shape[0], _CE_ROWS):
-        chunk = logits[start : start + _CE_ROWS, :-1].float()
-        out.append(
-            F.cross_entropy(
-                chunk.reshape(-1, chunk.shape[-1]),
-                targets[start : start + _CE_ROWS].reshape(-1),
-                reduction="none",
-            ).view(chunk.shape[0], -1)
+        chunk = logits[start : start + _CE_ROWS].float()
+        losses = F.cross_entropy(
+            chunk.reshape(-1, chunk.shape[-1]),
+            targets[start : start + _CE_ROWS].reshape(-1),
+            reduction="none",
+            ignore_index=_IGNORED,
         )
+        out.append(losses.view(chunk.shape[0], -1)[:, :-1])
     return torch.cat(out)
 
 

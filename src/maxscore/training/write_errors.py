@@ -4,34 +4,38 @@ with one line (what, where, what to do), exit status 2, nothing earlier lost.
 Every writer of a run (``config.json``, ``metrics.jsonl``, the TensorBoard event files, the
 checkpoint files the Trainer writes, ``summary.json`` / ``validation.json``) goes through
 :func:`reported_write` (or :func:`write_text` / :func:`append_text`, or, for a checkpoint,
-:class:`~maxscore.training.checkpoint.CheckpointSaveError`), which asks
-:func:`describe_write_failure` what went wrong. A failure it recognises becomes a
+:class:`~maxscore.training.checkpoint.CheckpointSaveError`). Which failures count (a full disk,
+a quota, a read-only or unwritable folder, torch's zip writer on a full disk) is decided by
+:func:`maxscore.write_errors.describe_write_failure`, shared with the commands that are no
+runs (``analyze``, ``report``, ``eval``); what this module adds is the run's advice: which
+checkpoints are intact and how to continue. A recognised failure becomes a
 :class:`RunWriteError`, one of the CLI's user errors (``maxscore.cli._USER_ERRORS``); anything
 else is a bug and keeps its traceback.
-
-Recognised: ``ENOSPC`` / ``EDQUOT`` (full disk, quota), ``EROFS`` / ``EACCES`` / ``EPERM``
-(read-only or not writable), anywhere in the exception's cause / context chain, and torch's
-``PytorchStreamWriter`` errors (``[enforce fail at inline_container.cc:...] unexpected pos``,
-``PytorchStreamWriter failed writing file``) that wrap a failed ``fwrite`` without its errno:
-those count as a full disk only when ``shutil.disk_usage`` of the target's file system confirms
-that it is (nearly) full.
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from maxscore import write_errors as _generic
 from maxscore.checkpoints.layout import last_checkpoint
 from maxscore.training.continue_command import how_to_continue
+from maxscore.write_errors import (
+    FULL_DISK,
+    NOT_WRITABLE,
+    READ_ONLY,
+    SPACE_REASONS,
+    FileWriteError,
+    describe_write_failure,
+)
 
 __all__ = [
     "FULL_DISK",
+    "NOT_WRITABLE",
+    "READ_ONLY",
     "RunWriteError",
     "append_text",
     "describe_write_failure",
@@ -41,71 +45,11 @@ __all__ = [
     "write_text",
 ]
 
-FULL_DISK = "the disk is full"
-READ_ONLY = "the file system is read-only"
-NOT_WRITABLE = "permission denied"
-
-_REASONS = {
-    errno.ENOSPC: FULL_DISK,
-    errno.EDQUOT: "the disk quota is exceeded",
-    errno.EROFS: READ_ONLY,
-    errno.EACCES: NOT_WRITABLE,
-    errno.EPERM: NOT_WRITABLE,
-}
-#: Reasons that mean "no space" (the remedy: free some space).
-_SPACE_REASONS = {FULL_DISK, _REASONS[errno.EDQUOT]}
-#: Texts of torch's zip writer (``caffe2/serialize/inline_container.cc``) when ``fwrite`` fails:
-#: they carry no errno, so the file system's free space decides.
-_TORCH_WRITER_TEXTS = ("inline_container.cc", "PytorchStreamWriter failed writing file")
-#: Below this much free space a torch writer failure counts as a full disk.
-_NEARLY_FULL_BYTES = 64 * 1024 * 1024
-
-
-def _chain(err: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
-
-
-def _free_bytes(path: Path) -> int | None:
-    """Free bytes of the file system holding ``path`` (its nearest existing ancestor)."""
-    probe = Path(os.path.abspath(path))
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        return shutil.disk_usage(probe).free
-    except OSError:
-        return None
-
-
-def describe_write_failure(err: BaseException, path: Path | str) -> str | None:
-    """Why writing ``path`` failed in words (``"the disk is full"``), or ``None`` when ``err``
-    is not a full disk or a read-only / unwritable folder (a bug: it keeps its traceback)."""
-    for cause in _chain(err):
-        if isinstance(cause, OSError) and cause.errno in _REASONS:
-            return _REASONS[cause.errno]
-    for cause in _chain(err):
-        text = str(cause)
-        if "No space left on device" in text:
-            return FULL_DISK
-        if "Disk quota exceeded" in text:
-            return _REASONS[errno.EDQUOT]
-        if "Read-only file system" in text:
-            return READ_ONLY
-        if any(marker in text for marker in _TORCH_WRITER_TEXTS):
-            free = _free_bytes(Path(path))
-            if free is not None and free < _NEARLY_FULL_BYTES:
-                return FULL_DISK
-    return None
-
 
 def write_failure_advice(reason: str, run_dir: Path | None) -> str:
     """What to do, and what is safe, in words (the second half of the one line)."""
     previous = last_checkpoint(run_dir) if run_dir is not None else None
-    if reason in _SPACE_REASONS:
+    if reason in SPACE_REASONS:
         fix = "Free some space or choose another --output-dir"
     elif reason in (READ_ONLY, NOT_WRITABLE):
         fix = "Make the folder writable or choose another --output-dir"
@@ -119,11 +63,7 @@ def write_failure_advice(reason: str, run_dir: Path | None) -> str:
     )
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-class RunWriteError(RuntimeError):
+class RunWriteError(FileWriteError):
     """A file of the run could not be written (a full disk, a read-only folder); the message is
     one line: what, where, why and what to do. Earlier checkpoints are untouched."""
 
@@ -135,10 +75,16 @@ class RunWriteError(RuntimeError):
         run_dir: Path | None,
         advice: str | None = None,
     ) -> None:
-        self.path = Path(path)
-        self.reason = reason
-        advice = advice or write_failure_advice(reason, run_dir)
-        super().__init__(_one_line(f"could not write {what} {path} ({reason}); {advice}"))
+        super().__init__(what, path, reason, advice or write_failure_advice(reason, run_dir))
+
+
+def _run_error(
+    what: str, path: Path | str, run_dir: Path | None, advice: str | None = None
+) -> _generic.ErrorFactory:
+    def error(reason: str) -> FileWriteError:
+        return RunWriteError(what, path, reason, run_dir, advice)
+
+    return error
 
 
 @contextmanager
@@ -147,28 +93,27 @@ def reported_write(
 ) -> Iterator[None]:
     """Run the block that writes ``path``; a full disk or an unwritable folder in it becomes a
     :class:`RunWriteError` (``what``: the file in words, ``run_dir``: where the checkpoints
-    are, ``advice``: what to do, where the checkpoints' advice does not fit)."""
+    are, ``advice``: what to do, where the checkpoints' advice does not fit).
+
+    A :class:`~maxscore.write_errors.FileWriteError` of a shared writer inside the block (a
+    figure of :mod:`maxscore.analysis.plots`) gets the run's advice instead of its own."""
     try:
-        yield
+        with _generic.reported_write(what, path, error=_run_error(what, path, run_dir, advice)):
+            yield
     except RunWriteError:
         raise
-    except Exception as err:
-        reason = describe_write_failure(err, path)
-        if reason is None:
-            raise
-        raise RunWriteError(what, path, reason, run_dir, advice) from err
+    except FileWriteError as err:
+        raise RunWriteError(what, err.path, err.reason, run_dir, advice) from err
 
 
 def write_text(path: Path, text: str, what: str, run_dir: Path | None = None) -> None:
     """``path.write_text(text)`` through :func:`reported_write`."""
-    with reported_write(what, path, run_dir):
-        path.write_text(text)
+    _generic.write_text(path, text, what, error=_run_error(what, path, run_dir))
 
 
 def append_text(path: Path, text: str, what: str, run_dir: Path | None = None) -> None:
     """Append ``text`` to ``path`` through :func:`reported_write`."""
-    with reported_write(what, path, run_dir), path.open("a") as handle:
-        handle.write(text)
+    _generic.append_text(path, text, what, error=_run_error(what, path, run_dir))
 
 
 # ------------------------------------------------------------------------------------------------
