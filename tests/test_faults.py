@@ -352,7 +352,7 @@ def test_unknown_model_option_lists_the_valid_ones(capsys: pytest.CaptureFixture
     [
         ("lr: abc\n", "lr must be a number"),
         ("max_steps: 2.5\n", "max_steps must be an integer"),
-        ("precision: fp8\n", "precision must be one of"),
+        ("precision: fp4\n", "precision must be one of"),
         ("model_overrides: [1]\n", "model_overrides must be an object"),
         ("no_such_field: 1\n", "unknown training config field"),
         ("temperature_steps: 1.5\n", "temperature_steps must be an integer"),
