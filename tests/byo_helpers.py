@@ -34,6 +34,17 @@ _COMMON: dict[str, Any] = {
 }
 
 
+#: Llama-3.x RoPE scaling with a short original context (16 positions), so that a batch of a
+#: few dozen tokens reaches its scaled part.
+LLAMA3_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 500000.0,
+}
+
 #: Per family: its config class and the tiny settings exercising its special features.
 _FAMILIES: dict[str, tuple[type, dict[str, Any]]] = {
     "mixtral": (

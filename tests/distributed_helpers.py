@@ -69,3 +69,27 @@ def spawn_launched(fn: Callable[..., Any], world: int, *args: Any) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_run_with_env, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+def tiny_expert_parallel_model(router: str, num_experts: int, vocab: int, group_tokens: int) -> Any:
+    """A 2-layer, 32-wide tiny Llama-MoE (seed 0) whose router, unless it is maxscore (which
+    routes each sequence on its own), routes groups of ``group_tokens`` tokens: one process's
+    micro-batch, so one process and several form the same routing groups."""
+    import torch
+
+    from maxscore.models import LlamaMoEForCausalLM
+    from maxscore.models.presets import get_model_config
+
+    groups = {"group": "tokens", "group_size": group_tokens}
+    config = get_model_config(
+        "tiny",
+        router=router,
+        router_config=groups if router != "maxscore" else None,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_experts=num_experts,
+        vocab_size=vocab,
+    )
+    torch.manual_seed(0)
+    return LlamaMoEForCausalLM(config)

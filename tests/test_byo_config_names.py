@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from byo_helpers import family_model
+from byo_helpers import LLAMA3_ROPE, family_model
 from maxscore.models import LlamaMoEConfig, LlamaMoEForCausalLM
 from maxscore.models.config_names import FOREIGN_NAMES
 from maxscore.models.convert import ConversionError, convert_model, load_pretrained
@@ -98,14 +98,7 @@ def test_what_cannot_be_honoured_is_refused_with_the_reason(given: dict, reason:
 
 
 def test_rope_scaling_is_read_into_rope_parameters(tmp_path: Path) -> None:
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
-        "rope_theta": 500000.0,
-    }
+    scaling = dict(LLAMA3_ROPE)
     config = _config(rope_scaling=scaling)
     assert config.rope_parameters == scaling
     assert config.rope_theta == 500000.0

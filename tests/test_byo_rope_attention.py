@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from byo_helpers import batch, family_model
+from byo_helpers import LLAMA3_ROPE, batch, family_model
 from maxscore.models.convert import convert_model
 from maxscore.models.upcycle import upcycle_model
 
@@ -24,16 +24,7 @@ TOLERANCE = 1e-6
 #: RoPE settings as Llama-3.x / YaRN / NTK checkpoints write them; short pretraining lengths so
 #: the 24-token batch reaches the scaled part of every type.
 ROPES: dict[str, dict[str, Any]] = {
-    "llama3": {
-        "rope_parameters": {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16,
-            "rope_theta": 500000.0,
-        }
-    },
+    "llama3": {"rope_parameters": dict(LLAMA3_ROPE)},
     "yarn": {
         "rope_parameters": {
             "rope_type": "yarn",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from byo_helpers import VOCAB, batch, family_model
+from byo_helpers import LLAMA3_ROPE, VOCAB, batch, family_model
 from maxscore.models.convert import (
     ConversionError,
     export_pretrained,
@@ -59,14 +59,7 @@ def test_upcycled_model_exports_to_its_layout_family(family: str) -> None:
 def test_export_loads_with_plain_transformers(tmp_path: Path) -> None:
     """Written to disk, read back in a process with transformers only (no maxscore, no remote
     code), the exported Llama-3-style model gives the same logits and generates."""
-    rope = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16,
-        "rope_theta": 500000.0,
-    }
+    rope = dict(LLAMA3_ROPE)
     model = _fine_tuned("llama", rope_parameters=rope)
     model.save_pretrained(tmp_path / "ckpt")
     export_pretrained(str(tmp_path / "ckpt"), tmp_path / "out")

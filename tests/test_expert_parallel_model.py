@@ -15,9 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_helpers import spawn_gloo
+from distributed_helpers import spawn_gloo, tiny_expert_parallel_model
 from maxscore.models import LlamaMoEForCausalLM
-from maxscore.models.presets import get_model_config
 
 VOCAB, SEQ, BATCH_PER_RANK, MAX_NORM = 64, 8, 2, 0.05
 
@@ -25,19 +24,7 @@ VOCAB, SEQ, BATCH_PER_RANK, MAX_NORM = 64, 8, 2, 0.05
 def _model(router: str = "maxscore") -> LlamaMoEForCausalLM:
     # One routing group per process's micro-batch (the presets that route a whole micro-batch
     # as one group would otherwise see 2 x 8 tokens per process and 4 x 8 on one process).
-    groups = {"group": "tokens", "group_size": BATCH_PER_RANK * SEQ}
-    config = get_model_config(
-        "tiny",
-        router=router,
-        router_config=groups if router != "maxscore" else None,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_experts=4,
-        vocab_size=VOCAB,
-    )
-    torch.manual_seed(0)
-    return LlamaMoEForCausalLM(config)
+    return tiny_expert_parallel_model(router, 4, VOCAB, BATCH_PER_RANK * SEQ)
 
 
 def _batch(world: int) -> torch.Tensor:

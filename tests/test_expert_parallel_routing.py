@@ -26,32 +26,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed_helpers import spawn_gloo
+from distributed_helpers import spawn_gloo, tiny_expert_parallel_model
 
 WORLD, BATCH_PER_RANK, SEQ, VOCAB, STEPS, MAX_NORM = 4, 2, 16, 64, 8, 0.5
 ROUTERS = ("gshard", "dropless", "maxscore")
 
 
 def _model(router: str) -> Any:
-    from maxscore.models import LlamaMoEForCausalLM
-    from maxscore.models.presets import get_model_config
-
-    # Routing groups of one process's micro-batch for the presets that route the micro-batch as
-    # one group (GShard: 32 tokens, capacity 8 of each expert), so both layouts form the same
-    # groups; maxscore routes each sequence on its own anyway.
-    groups = {"group": "tokens", "group_size": BATCH_PER_RANK * SEQ}
-    config = get_model_config(
-        "tiny",
-        router=router,
-        router_config=groups if router != "maxscore" else None,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_experts=8,
-        vocab_size=VOCAB,
-    )
-    torch.manual_seed(0)
-    return LlamaMoEForCausalLM(config)
+    # GShard's groups: 32 tokens, capacity 8 of each expert.
+    return tiny_expert_parallel_model(router, 8, VOCAB, BATCH_PER_RANK * SEQ)
 
 
 def _batch(step: int) -> torch.Tensor:

@@ -177,14 +177,19 @@ def test_fused_loss_refused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     check_fused_loss(TrainConfig())  # off: nothing to check
 
 
-def test_fused_loss_refused_without_liger(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def _not_installed(monkeypatch: pytest.MonkeyPatch, package: str) -> None:
+    """Make ``importlib.util.find_spec`` report ``package`` as not installed."""
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda name, *a: None if name == "liger_kernel" else real_find_spec(name, *a),
+        lambda name, *a: None if name == package else real_find_spec(name, *a),
     )
+
+
+def test_fused_loss_refused_without_liger(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _not_installed(monkeypatch, "liger_kernel")
     with pytest.raises(ConfigError, match=r"pip install 'maxscore\[speed\]'"):
         check_fused_loss(TrainConfig(fused_loss=True))
 
@@ -252,12 +257,7 @@ def test_fp8_refused_below_compute_capability_8_9(
 def test_fp8_refused_without_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "torchao" else real_find_spec(name, *a),
-    )
+    _not_installed(monkeypatch, "torchao")
     with pytest.raises(ConfigError, match=r"needs torchao.*pip install 'maxscore\[speed\]'"):
         resolve_precision("fp8")
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from collections import defaultdict
@@ -47,9 +46,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step_profile import build, step_fn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/common.py
+from train_step_profile import build, profiled, step_fn
 
-from train_throughput import H100_BF16_PEAK, flops_per_token
+from common import H100_BF16_PEAK, flops_per_token, timed
 
 PARTS = (
     "attention",
@@ -170,8 +170,8 @@ def measure(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
         if log.enabled:
             log.spans["step"].append((start, end))
             log.spans["optimizer"].append((after_backward, end))
-            log.spans["forward_end"].append((start, after_forward))
-            log.spans["backward_start"].append((after_forward, after_backward))
+            log.spans["forward"].append((start, after_forward))
+            log.spans["backward"].append((after_forward, after_backward))
 
     for _ in range(args.warmup):
         step()
@@ -199,16 +199,7 @@ def measure(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
         model.compile_layers()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         plain = step_fn(model, optimizer, batch)
-        for _ in range(args.warmup):
-            plain()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.steps):
-            s0 = time.perf_counter()
-            plain()
-            torch.cuda.synchronize()
-            times.append(1000 * (time.perf_counter() - s0))
-        compiled_ms = statistics.median(times)
+        compiled_ms, _ = timed(plain, args.warmup, args.steps)
         kernels = kernel_classes(plain, 3)
     tokens = args.batch_size * args.seq_len
     row = {
@@ -246,15 +237,8 @@ KERNEL_CLASSES = (
 def kernel_classes(step: Any, steps: int) -> dict[str, float]:
     """Per-step milliseconds of the compiled step's kernels by class (:data:`KERNEL_CLASSES`),
     ``other_kernels`` for the rest and ``gpu_idle`` for the wall time no kernel ran in."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        wall_ms = 1000 * (time.perf_counter() - t0)
+    prof, wall_s = profiled(step, steps)
+    wall_ms = 1000 * wall_s
     totals: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
@@ -291,24 +275,18 @@ def split_parts(raw: dict[str, float], log: EventLog, steps: int) -> dict[str, f
     )
     # LM head + loss: from the LM head's forward to the end of the forward pass, and from the
     # start of the backward pass to the end of the LM head's backward.
-    lm_fwd = _tail_ms(log, "lm_head:fwd", "forward_end", steps)
-    lm_bwd = _head_ms(log, "backward_start", "lm_head:bwd", steps)
+    lm_fwd = _start_to_end_ms(log, "lm_head:fwd", "forward", steps)
+    lm_bwd = _start_to_end_ms(log, "backward", "lm_head:bwd", steps)
     parts["lm_head_loss"] = lm_fwd + lm_bwd
     parts["other"] = max(0.0, step - sum(parts.values()))
     parts["step"] = step
     return parts
 
 
-def _tail_ms(log: EventLog, inner: str, outer: str, steps: int) -> float:
-    """From the start of each ``inner`` span to the end of the ``outer`` span it lies in."""
-    inner_spans, outer_spans = log.spans.get(inner, []), log.spans.get(outer, [])
-    return sum(a.elapsed_time(b) for (a, _), (_, b) in zip(inner_spans, outer_spans)) / steps
-
-
-def _head_ms(log: EventLog, outer: str, inner: str, steps: int) -> float:
-    """From the start of each ``outer`` span to the end of the ``inner`` span in it."""
-    inner_spans, outer_spans = log.spans.get(inner, []), log.spans.get(outer, [])
-    return sum(a.elapsed_time(b) for (a, _), (_, b) in zip(outer_spans, inner_spans)) / steps
+def _start_to_end_ms(log: EventLog, first: str, last: str, steps: int) -> float:
+    """Per step, from the start of each ``first`` span to the end of its step's ``last`` span."""
+    pairs = zip(log.spans.get(first, []), log.spans.get(last, []))
+    return sum(a.elapsed_time(b) for (a, _), (_, b) in pairs) / steps
 
 
 def main() -> None:

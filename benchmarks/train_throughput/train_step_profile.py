@@ -85,7 +85,9 @@ def step_fn(model: Any, optimizer: Any, batch: torch.Tensor):
     return step
 
 
-def profile_table(step: Any, steps: int, rows: int) -> tuple[str, float]:
+def profiled(step: Any, steps: int) -> tuple[Any, float]:
+    """``steps`` calls of ``step`` under torch.profiler (CPU and CUDA): the profile and the
+    wall seconds they took, CUDA-synchronised at both ends."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -95,6 +97,11 @@ def profile_table(step: Any, steps: int, rows: int) -> tuple[str, float]:
             step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    return prof, wall
+
+
+def profile_table(step: Any, steps: int, rows: int) -> tuple[str, float]:
+    prof, wall = profiled(step, steps)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.device_time for e in events) / 1e6 / wall  # us -> s; overlaps are rare
     table = prof.key_averages().table(

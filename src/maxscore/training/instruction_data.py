@@ -187,6 +187,14 @@ class PackedExamples:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def block(self, index: int) -> dict[str, Tensor]:
+        """Block ``index`` as a training example: its ids, labels and restarting positions."""
+        return {
+            "input_ids": self.input_ids[index],
+            "labels": self.labels[index],
+            "position_ids": self.position_ids[index],
+        }
+
 
 def pack_examples(
     examples: Iterable[Example], seq_len: int, pad_id: int, max_blocks: int | None = None
@@ -238,12 +246,7 @@ class InstructionDataset(PackedDataset):
         self.packed = packed
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        p = self.packed
-        return {
-            "input_ids": p.input_ids[index],
-            "labels": p.labels[index],
-            "position_ids": p.position_ids[index],
-        }
+        return self.packed.block(index)
 
 
 class InstructionValidation(ValidationDataset):
@@ -260,13 +263,7 @@ class InstructionValidation(ValidationDataset):
         self.packed = packed
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        p = self.packed
-        return {
-            "input_ids": p.input_ids[index],
-            "labels": p.labels[index],
-            "position_ids": p.position_ids[index],
-            DOCUMENT_KEY: self.documents[index],
-        }
+        return {**self.packed.block(index), DOCUMENT_KEY: self.documents[index]}
 
 
 def encode_records(

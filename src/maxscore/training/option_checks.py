@@ -81,8 +81,11 @@ def check_float8_options(config: TrainConfig) -> None:
     and casts the weights itself) and FSDP2 sharding."""
     if config.precision != "fp8":
         return
-    others = {"--lora": config.lora, "--deepspeed": config.deepspeed is not None}
-    others["--fsdp"] = config.fsdp
+    others = {
+        "--lora": config.lora,
+        "--deepspeed": config.deepspeed is not None,
+        "--fsdp": config.fsdp,
+    }
     for flag, used in others.items():
         if used:
             raise ConfigError(
