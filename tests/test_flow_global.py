@@ -425,6 +425,36 @@ def test_kernel_defines_pick_the_search_by_experts() -> None:
         assert global_cuda.kernel_defines(512, e, 2, 16, budget)["SEARCH_FRONTIER"] == want, e
 
 
+def test_launch_passes_tensors_as_pointers_and_ints_as_c_ints(monkeypatch) -> None:
+    """The solver's own launcher (no per-call driver lookup) hands the driver the same
+    parameter block as PyTorch's kernel wrapper: each tensor's data pointer, each int as a C
+    int, on the device's current stream, with the grid, block and shared memory given."""
+    import ctypes
+
+    from maxscore.routing.flow import cuda_runtime
+
+    seen: dict[str, object] = {}
+
+    def fake_launch(func, gx, gy, gz, bx, by, bz, shared, stream, params, extra) -> int:
+        seen.update(func=func, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared)
+        seen.update(stream=stream, extra=extra)
+        seen["pointer"] = ctypes.cast(params[0], ctypes.POINTER(ctypes.c_void_p))[0]
+        seen["int"] = ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int))[0]
+        return 0
+
+    class Kernel:
+        func = ctypes.c_void_p(1234)
+
+    monkeypatch.setattr(cuda_runtime, "_driver", lambda: (fake_launch, lambda device: 77))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tensor = torch.arange(4)
+    cuda_runtime.launch(Kernel(), 0, (3, 1, 1), (64, 1, 1), [tensor, -5], 1024)
+    assert seen["pointer"] == tensor.data_ptr() and seen["int"] == -5
+    assert seen["grid"] == (3, 1, 1) and seen["block"] == (64, 1, 1)
+    assert seen["shared"] == 1024 and seen["stream"] == 77 and seen["extra"] is None
+    assert seen["func"] is Kernel.func
+
+
 # --- on a GPU --------------------------------------------------------------------------------
 
 

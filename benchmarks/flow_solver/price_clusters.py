@@ -54,12 +54,13 @@ def main() -> None:
             cap = torch.full((groups, e), math.ceil(k * n / e), dtype=torch.int32, device="cuda")
             global_cuda.price_cluster = planner
             global_cuda._price_launch.cache_clear()
-            planned = global_cuda._price_launch(0, n, e, k, budget, groups)[0]["CLUSTER"]
+            planned = global_cuda._price_launch(0, n, e, k, budget, groups).cluster
             for cluster in CLUSTERS:
                 global_cuda.price_cluster = lambda *_, c=cluster: c
                 global_cuda._price_launch.cache_clear()
-                defines, kernel = global_cuda._price_launch(0, n, e, k, budget, groups)
-                resident = global_cuda.price_resident_clusters(defines, kernel, groups)
+                launch = global_cuda._price_launch(0, n, e, k, budget, groups)
+                defines = dict(launch.defines)
+                resident = global_cuda.price_resident_clusters(defines, launch.kernel, groups)
                 call = partial(global_cuda.start_prices, a, k, cap, budget, None, 0)
                 row = {
                     "n": n,

@@ -11,10 +11,11 @@ per-group state lives in shared memory when it fits and in a global scratch buff
 any group size works; groups of up to a few thousand tokens fit in shared memory (see
 :func:`work_bytes`).
 
-The sources are compiled at first use for each shape and budget with NVRTC through PyTorch's
-runtime-compilation helpers (``torch.cuda._utils``, private; present since PyTorch 2.8) and
-launched on the current stream, so calls are capturable in CUDA graphs and need no host sync.
-Where NVRTC or those helpers are missing, :func:`available` is false. The router's build has
+The sources are compiled at first use for each shape and budget with NVRTC and launched on the
+current stream (:mod:`.cuda_runtime`), so calls are capturable in CUDA graphs and need no host
+sync; each shape's launch is planned once (:func:`_solver_launch`, :func:`_price_launch`), so a
+call only allocates its outputs and launches. Where NVRTC or PyTorch's module loader is missing,
+:func:`available` is false. The router's build has
 no profiling; :func:`solve_cuda` with ``stats`` compiles the debug build
 (``MAXSCORE_FLOW_DEBUG``: clocks, round counts and the tests' hooks; the same assignment).
 
@@ -45,17 +46,23 @@ shared memory), whose float sums may round differently: reproducible per GPU typ
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import importlib.resources
 import math
 from collections.abc import Callable
-from importlib.resources.abc import Traversable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from .cuda_runtime import (
+    KernelCompileError,
+    available,
+    compiled_kernel,
+    kernel_headers,
+    kernel_source,
+    launch,
+    resident_clusters,
+)
 from .global_reference import RELEASE_SLACK, GlobalBudget, stop_open_slots
 
 __all__ = [
@@ -88,11 +95,9 @@ MAX_EXPERTS = 256  # a warp's lanes hold E / 32 experts each in the bidding and 
 MAX_K = 8  # a token's open entry is packed in 4 bits; 8 keeps the per-token loops short
 MAX_SLOTS = 1 << 27  # n k below this: bid records pack (token << 4 | entry) in an int
 MIN_CAPABILITY = (8, 0)
-KERNEL_NAME = "global_auction_kernel"
 # The solver kernel's debug build (kernels/debug_hooks.cuh): statistics per group, of
 # DEBUG_STATS ints each.
 DEBUG_DEFINE, DEBUG_STATS = "MAXSCORE_FLOW_DEBUG", 20
-PRICES_KERNEL_NAME = "dual_prices_kernel"
 # The starting prices' kernel: a cluster of up to MAX_CLUSTER blocks per group (the portable
 # cluster size), each taking at least MIN_CLUSTER_ROWS tokens and MIN_CLUSTER_ENTRIES
 # affinities (below, the cluster's barriers cost more than the work they split:
@@ -115,37 +120,14 @@ SMALL_E, SMALL_E_WARP_BID_TOKENS = 32, 64
 # below (Dijkstra's V dependent steps each wait for a row, the frontier search's passes each
 # cost a block barrier: the passes win on large graphs, the steps on small ones).
 FRONTIER_FROM_EXPERTS = 128
-_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 _disabled_reason: str | None = None
-
-
-class KernelCompileError(RuntimeError):
-    """NVRTC could not compile or load the kernel on this machine."""
 
 
 def disable(reason: str) -> None:
     """Stop offering the kernel in this process (:func:`supported` is false from now on)."""
     global _disabled_reason
     _disabled_reason = reason
-
-
-def kernel_source(name: str = "global_auction.cu") -> str:
-    """The CUDA C++ source of a kernel file (shipped with the package): the solver's, or
-    ``dual_prices.cu``."""
-    return _kernels_folder().joinpath(name).read_text()
-
-
-def kernel_headers() -> tuple[tuple[str, str], ...]:
-    """The headers the kernel files include (``kernels/*.cuh``), as (name, text) pairs: the
-    solver's phases and state, which NVRTC gets by name."""
-    folder = _kernels_folder()
-    names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".cuh"))
-    return tuple((name, folder.joinpath(name).read_text()) for name in names)
-
-
-def _kernels_folder() -> Traversable:
-    return importlib.resources.files(__package__).joinpath("kernels")
 
 
 def compiled_size(n: int) -> int:
@@ -315,40 +297,11 @@ def price_cluster(
     return cluster
 
 
-class _LaunchConfig(ctypes.Structure):
-    """The driver's CUlaunchConfig (for its occupancy query)."""
-
-    _fields_ = [
-        ("grid", ctypes.c_uint * 3),
-        ("block", ctypes.c_uint * 3),
-        ("shared_bytes", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attributes", ctypes.c_void_p),
-        ("attribute_count", ctypes.c_uint),
-    ]
-
-
-def _resident_clusters(kernel, blocks: int, threads: int, shared_bytes: int) -> int | None:
-    """The clusters of a kernel compiled with its cluster size that the GPU holds at once
-    (``cuOccupancyMaxActiveClusters``), or ``None`` where the driver does not say."""
-    from torch.cuda import _utils
-
-    try:
-        query = _utils._get_gpu_runtime_library().cuOccupancyMaxActiveClusters
-    except AttributeError:
-        return None
-    config = _LaunchConfig((blocks, 1, 1), (threads, 1, 1), shared_bytes, None, None, 0)
-    count = ctypes.c_int(0)
-    if query(ctypes.byref(count), kernel.func, ctypes.byref(config)) != 0:
-        return None
-    return count.value
-
-
 def price_resident_clusters(defines: dict[str, str], kernel, groups: int) -> int | None:
-    """:func:`_resident_clusters` for the prices' kernel compiled with ``defines``, launched
+    """:func:`.cuda_runtime.resident_clusters` for the prices' kernel compiled with ``defines``, launched
     for ``groups`` groups (a cluster of ``CLUSTER`` blocks each)."""
     blocks = groups * int(defines["CLUSTER"])
-    return _resident_clusters(kernel, blocks, int(defines["THREADS"]), price_shared_bytes(defines))
+    return resident_clusters(kernel, blocks, int(defines["THREADS"]), price_shared_bytes(defines))
 
 
 def _segment(e: int, rows_per_warp: int) -> int:
@@ -392,32 +345,6 @@ def price_shared_bytes(defines: dict[str, str]) -> int:
     return 4 * (2 * e + 2 * warps * e + 6 * e + 4 * warps + 4)
 
 
-def _with_defines(defines: dict[str, str], file: str = "global_auction.cu") -> str:
-    head = "".join(f"#define {key} {value}\n" for key, value in defines.items())
-    return head + kernel_source(file)
-
-
-def _rtc_library() -> ctypes.CDLL:
-    from torch.cuda import _utils
-
-    getter = getattr(_utils, "_get_gpu_rtc_library", None) or _utils._get_nvrtc_library
-    return getter()
-
-
-@functools.cache
-def available() -> bool:
-    """Whether CUDA, NVRTC and PyTorch's module loader are usable here (checked once)."""
-    if not torch.cuda.is_available() or torch.version.hip is not None:
-        return False
-    try:
-        from torch.cuda import _utils
-
-        _rtc_library()
-        return hasattr(_utils, "_cuda_load_module")
-    except (ImportError, OSError, AttributeError, RuntimeError):
-        return False
-
-
 def supported(affinities: Tensor, k: int) -> bool:
     """Whether the kernel handles this shape and device (any group size; ``e <= 256``,
     ``k <= 8``, a CUDA GPU of compute capability 8.0 or newer with NVRTC)."""
@@ -428,81 +355,20 @@ def supported(affinities: Tensor, k: int) -> bool:
         return False
     if n * k >= MAX_SLOTS:
         return False
-    props = torch.cuda.get_device_properties(affinities.device)
-    return (props.major, props.minor) >= MIN_CAPABILITY
+    return _capable(_device_index(affinities))
 
 
-def _nvrtc_cubin(source: str, arch: str, kernel_name: str = KERNEL_NAME) -> bytes:
-    """Compile ``source`` to a cubin for ``sm_<arch>`` with NVRTC, the kernels' headers
-    (:func:`kernel_headers`) given to it by name (no file system needed)."""
-    lib = _rtc_library()
-    prog = ctypes.c_void_p()
-    name = f"{kernel_name}.cu".encode()
-    headers = kernel_headers()
-    texts = (ctypes.c_char_p * len(headers))(*(text.encode() for _, text in headers))
-    names = (ctypes.c_char_p * len(headers))(*(header.encode() for header, _ in headers))
-
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-            text = lib.nvrtcGetErrorString(result)
-            message = text.decode() if text else result
-            raise KernelCompileError(f"NVRTC {what} failed: {message}")
-
-    check(
-        lib.nvrtcCreateProgram(
-            ctypes.byref(prog), source.encode(), name, len(headers), texts, names
-        ),
-        "create",
-    )
-    options = [f"--gpu-architecture=sm_{arch}".encode(), b"-std=c++17"]
-    array = (ctypes.c_char_p * len(options))(*options)
-    result = lib.nvrtcCompileProgram(prog, len(options), array)
-    if result != 0:
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        raise KernelCompileError(f"NVRTC could not compile {kernel_name}:\n{log.value.decode()}")
-    size = ctypes.c_size_t()
-    check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
-    cubin = ctypes.create_string_buffer(size.value)
-    check(lib.nvrtcGetCUBIN(prog, cubin), "cubin")
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return cubin.raw
+def _device_index(tensor: Tensor) -> int:
+    index = tensor.device.index
+    return index if index is not None else torch.cuda.current_device()
 
 
 @functools.cache
-def _compiled(
-    device_index: int,
-    defines: tuple[tuple[str, str], ...],
-    dynamic_bytes: int,
-    file: str = "global_auction.cu",
-    kernel_name: str = KERNEL_NAME,
-):
-    """A loaded kernel for one device, shape and budget (compiled once per process)."""
-    from torch.cuda import _utils
-
-    with torch.cuda.device(device_index):
-        props = torch.cuda.get_device_properties(device_index)
-        source = _with_defines(dict(defines), file)
-        cubin = _nvrtc_cubin(source, f"{props.major}{props.minor}", kernel_name)
-        try:
-            kernel = _utils._cuda_load_module(cubin, [kernel_name])[kernel_name]
-        except RuntimeError as exc:
-            raise KernelCompileError(f"could not load {kernel_name}: {exc}") from exc
-        # Dynamic shared memory above 48 KiB must be allowed explicitly (set always: torch's own
-        # helper skips it when the dynamic part alone is below 48 KiB).
-        libcuda = _utils._get_gpu_runtime_library()
-        _utils._check_cuda(
-            libcuda.cuFuncSetAttribute(
-                kernel.func, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_bytes
-            )
-        )
-        if hasattr(kernel, "_max_shared_mem_bytes"):  # torch's launcher checks its own record
-            kernel._max_shared_mem_bytes = dynamic_bytes
-    return kernel
+def _capable(device_index: int) -> bool:
+    """Whether GPU ``device_index`` has the compute capability the kernels need (asked once:
+    the router calls :func:`supported` on every routing call)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor) >= MIN_CAPABILITY
 
 
 def plan_launch(
@@ -546,20 +412,20 @@ def launch_defines(
 @functools.cache
 def _price_launch(
     device_index: int, n: int, e: int, k: int, budget: GlobalBudget, groups: int
-) -> tuple[dict[str, str], object]:
-    """The prices' kernel's constants and loaded kernel for this device, shape and number of
-    groups (planned and compiled once; :func:`price_cluster` compiles each cluster size it
-    asks the driver about)."""
+) -> _Launch:
+    """The prices' kernel's launch (its constants, cluster size and loaded kernel) for this
+    device, shape and number of groups (planned and compiled once; :func:`price_cluster`
+    compiles each cluster size it asks the driver about)."""
     props = torch.cuda.get_device_properties(device_index)
 
     def load(cluster: int) -> tuple[dict[str, str], object]:
         defines = price_defines(n, e, k, budget, cluster)
-        kernel = _compiled(
+        kernel = compiled_kernel(
             device_index,
             tuple(defines.items()),
             price_shared_bytes(defines),
             "dual_prices.cu",
-            PRICES_KERNEL_NAME,
+            "dual_prices_kernel",
         )
         return defines, kernel
 
@@ -567,7 +433,15 @@ def _price_launch(
         return price_resident_clusters(*load(cluster), groups)
 
     capability = (props.major, props.minor)
-    return load(price_cluster(n, e, groups, props.multi_processor_count, capability, resident))
+    cluster = price_cluster(n, e, groups, props.multi_processor_count, capability, resident)
+    defines, kernel = load(cluster)
+    return _Launch(
+        kernel,
+        int(defines["THREADS"]),
+        price_shared_bytes(defines),
+        cluster=cluster,
+        defines=tuple(defines.items()),
+    )
 
 
 def solve_cuda(
@@ -603,11 +477,9 @@ def solve_cuda(
     out = torch.empty(groups, n, k, dtype=torch.long, device=a.device)
     if groups == 0:
         return out
-    device_index = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    items = launch_defines(device_index, n, e, k, holders, budget)
-    defines = dict(items)
-    dynamic, scratch_bytes = shared_and_scratch_bytes(defines, groups)
-    scratch = torch.empty(max(1, scratch_bytes), dtype=torch.uint8, device=a.device)
+    device_index = _device_index(a)
+    plan = _solver_launch(device_index, groups, n, e, k, holders, budget, stats is not None)
+    scratch = torch.empty(plan.scratch_bytes, dtype=torch.uint8, device=a.device)
     mask = None
     if token_mask is not None:
         mask = token_mask.to(device=a.device, dtype=torch.uint8).expand(groups, n).contiguous()
@@ -629,17 +501,43 @@ def solve_cuda(
         first_values,
     ]
     if stats is not None:  # the debug build: its statistics, its hooks' counters (unused), off
-        items = (*items, (DEBUG_DEFINE, "1"))
         args += [stats, torch.zeros(4, dtype=torch.int32, device=a.device), 0]
-    kernel = _compiled(device_index, items, dynamic)
-    with torch.cuda.device(device_index):
-        kernel(
-            grid=(groups, 1, 1),
-            block=(int(defines["THREADS"]), 1, 1),
-            args=args,
-            shared_mem=dynamic,
-        )
+    launch(plan.kernel, device_index, (groups, 1, 1), (plan.threads, 1, 1), args, plan.shared)
     return out
+
+
+class _Launch(NamedTuple):
+    """A kernel's launch for one device, shape and budget, worked out once (:func:`_solver_launch`,
+    :func:`_price_launch`): the router launches the same few shapes every step, so a call does
+    no planning, no define parsing and no cache lookup over the kernel's constants."""
+
+    kernel: object  # torch.cuda._utils._CudaKernel
+    threads: int
+    shared: int  # dynamic shared memory per block
+    scratch_bytes: int = 1  # the solver's global scratch (at least 1: an allocatable size)
+    cluster: int = 1  # blocks per group (the prices' kernel)
+    defines: tuple[tuple[str, str], ...] = ()
+
+
+@functools.cache
+def _solver_launch(
+    device_index: int,
+    groups: int,
+    n: int,
+    e: int,
+    k: int,
+    holders: int,
+    budget: GlobalBudget,
+    debug: bool,
+) -> _Launch:
+    """The solver kernel's launch (:func:`launch_defines`, its memory plan, the loaded
+    kernel; the debug build with ``debug``) for ``groups`` groups of this shape."""
+    items = launch_defines(device_index, n, e, k, holders, budget)
+    dynamic, scratch_bytes = shared_and_scratch_bytes(dict(items), groups)
+    if debug:
+        items = (*items, (DEBUG_DEFINE, "1"))
+    kernel = compiled_kernel(device_index, items, dynamic)
+    return _Launch(kernel, int(dict(items)["THREADS"]), dynamic, max(1, scratch_bytes), 1, items)
 
 
 class StartPrices(NamedTuple):
@@ -672,26 +570,26 @@ def start_prices(
     if budget.price_iterations <= 0:
         return None
     groups, n, e = a.shape
-    defines, kernel = _price_launch(device_index, n, e, k, budget, groups)
-    cluster, dynamic = int(defines["CLUSTER"]), price_shared_bytes(defines)
+    plan = _price_launch(device_index, n, e, k, budget, groups)
     prices = torch.empty(groups, e, dtype=torch.float32, device=a.device)
     duals = torch.empty(groups, n, dtype=torch.float32, device=a.device)  # the tokens' u_t
     first_experts = torch.empty(groups, n, k, dtype=torch.int32, device=a.device)
     first_values = torch.empty(groups, n, k, dtype=torch.float32, device=a.device)
-    with torch.cuda.device(device_index):
-        kernel(
-            grid=(groups * cluster, 1, 1),
-            block=(int(defines["THREADS"]), 1, 1),
-            args=[
-                a,
-                cap,
-                mask if mask is not None else cap,
-                0 if mask is None else 1,
-                prices,
-                duals,
-                first_experts,
-                first_values,
-            ],
-            shared_mem=dynamic,
-        )
+    launch(
+        plan.kernel,
+        device_index,
+        (groups * plan.cluster, 1, 1),
+        (plan.threads, 1, 1),
+        [
+            a,
+            cap,
+            mask if mask is not None else cap,
+            0 if mask is None else 1,
+            prices,
+            duals,
+            first_experts,
+            first_values,
+        ],
+        plan.shared,
+    )
     return StartPrices(prices, duals, first_experts, first_values)
