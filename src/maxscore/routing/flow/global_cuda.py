@@ -15,9 +15,9 @@ The sources are compiled at first use for each shape and budget with NVRTC and l
 current stream (:mod:`.cuda_runtime`), so calls are capturable in CUDA graphs and need no host
 sync; each shape's launch is planned once (:func:`_solver_launch`, :func:`_price_launch`), so a
 call only allocates its outputs and launches. Where NVRTC or PyTorch's module loader is missing,
-:func:`available` is false. The router's build has
-no profiling; :func:`solve_cuda` with ``stats`` compiles the debug build
-(``MAXSCORE_FLOW_DEBUG``: clocks, round counts and the tests' hooks; the same assignment).
+:func:`available` is false. The router's build has no profiling; :func:`solve_cuda` with
+``stats`` compiles the debug build (``MAXSCORE_FLOW_DEBUG``: clocks, round counts and the tests'
+hooks; the same assignment).
 
 Determinism (what ``--deterministic`` relies on; torch's switch does not reach these kernels):
 the assignment is a function of the input on one GPU type. ``dual_prices.cu`` has no atomics
@@ -298,8 +298,8 @@ def price_cluster(
 
 
 def price_resident_clusters(defines: dict[str, str], kernel, groups: int) -> int | None:
-    """:func:`.cuda_runtime.resident_clusters` for the prices' kernel compiled with ``defines``, launched
-    for ``groups`` groups (a cluster of ``CLUSTER`` blocks each)."""
+    """:func:`.cuda_runtime.resident_clusters` for the prices' kernel compiled with
+    ``defines``, launched for ``groups`` groups (a cluster of ``CLUSTER`` blocks each)."""
     blocks = groups * int(defines["CLUSTER"])
     return resident_clusters(kernel, blocks, int(defines["THREADS"]), price_shared_bytes(defines))
 
