@@ -99,7 +99,6 @@ def solve_exact_numpy(
     # Relaxations must improve by more than tol, so float rounding can never create a spurious
     # negative cycle in Bellman–Ford (the result is still exact to ~1e-12 relative).
     tol = 1e-12 * max(1.0, float(np.abs(a).max()))
-    arange_e = np.arange(e)
 
     # Cost of moving token i onto expert b: -A_ib if allowed and i is not already on b.
     enter = np.where(x | ~ok, np.inf, -a)
@@ -116,8 +115,8 @@ def solve_exact_numpy(
         pred = np.full(e, -1, dtype=np.int64)
         for _ in range(e):
             cand = dist[:, None] + w
-            best_from = np.argmin(cand, axis=0)
-            best = cand[best_from, arange_e]
+            best_from = cand.argmin(axis=0)
+            best = cand.min(axis=0)
             better = best < dist - tol
             if not better.any():
                 break
@@ -144,13 +143,13 @@ def solve_exact_numpy(
         path.reverse()
         moves = []
         for src, dst in itertools.pairwise(path):
-            on_src = np.flatnonzero(x[:, src])
-            tok = on_src[np.argmin(a[on_src, src] + enter[on_src, dst])]
+            on_src = x[:, src].nonzero()[0]
+            tok = on_src[(a[on_src, src] + enter[on_src, dst]).argmin()]
             moves.append((tok, src, dst))
         if dropping:
             # The dropped token is one that was on the target before the moves, as planned.
-            on_t = np.flatnonzero(x[:, target])
-            moves.append((on_t[np.argmin(a[on_t, target])], target, -1))
+            on_t = x[:, target].nonzero()[0]
+            moves.append((on_t[a[on_t, target].argmin()], target, -1))
         moved = np.unique([tok for tok, _, _ in moves])
         touched = x[moved].any(axis=0)  # experts the moved tokens were on ...
         for tok, src, dst in moves:
@@ -169,7 +168,7 @@ def solve_exact_numpy(
             w, drop = _expert_graph(a, x, enter)
         else:
             for r in rows:
-                on = np.flatnonzero(x[:, r])
+                on = x[:, r].nonzero()[0]
                 w[r] = (a[on, r][:, None] + enter[on]).min(axis=0) if on.size else np.inf
                 drop[r] = a[on, r].min() if on.size else np.inf
     return x
@@ -222,11 +221,16 @@ def _warm_start(
     e = a.shape[1]
     v = np.where(ok, a, -np.inf)
     x = _top_k_mask(v, k_tok)
+    # Where a token is not held by an expert nor barred from it; kept in step with x (a move
+    # frees one entry and fills another), so each expert's step reads it instead of rebuilding
+    # it. The loads are kept the same way: an expert without overload costs no array work.
+    free = ~x & ok
+    load = x.sum(axis=0)
     best_overload, stalled = np.inf, 0
     for _ in range(sweeps):
         # The auction can stall with a little overload left (tokens passed around a cycle of
         # experts); the shortest paths finish that part faster than more sweeps would.
-        overload = int(np.maximum(x.sum(axis=0) - cap, 0).sum())
+        overload = int(np.maximum(load - cap, 0).sum())
         if overload == 0:
             break
         stalled = stalled + 1 if overload >= best_overload else 0
@@ -235,14 +239,14 @@ def _warm_start(
             break
         moved = False
         for j in range(e):
-            on = np.flatnonzero(x[:, j])
-            need = on.size - int(cap[j])
+            need = int(load[j] - cap[j])
             if need <= 0:
                 continue
-            alt_vals = np.where(x[on] | ~ok[on], -np.inf, v[on])
-            alt = np.argmax(alt_vals, axis=1)
-            margin = v[on, j] - alt_vals[np.arange(on.size), alt]
-            order = np.argsort(margin, kind="stable")
+            on = x[:, j].nonzero()[0]
+            alt_vals = np.where(free[on], v[on], -np.inf)
+            alt = alt_vals.argmax(axis=1)
+            margin = v[on, j] - alt_vals.max(axis=1)
+            order = margin.argsort(kind="stable")
             movable = order[np.isfinite(margin[order])][:need]
             if movable.size == 0:
                 continue
@@ -250,8 +254,13 @@ def _warm_start(
             # than their alternative (ties stay valid top-k choices), the others stay attached.
             delta = margin[movable[-1]]
             v[:, j] -= delta
-            x[on[movable], j] = False
-            x[on[movable], alt[movable]] = True
+            leaving, joined = on[movable], alt[movable]
+            x[leaving, j] = False
+            x[leaving, joined] = True
+            free[leaving, j] = ok[leaving, j]
+            free[leaving, joined] = False
+            load[j] -= movable.size
+            load += np.bincount(joined, minlength=e)
             moved = True
         if not moved:
             break
