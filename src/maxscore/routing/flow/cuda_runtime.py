@@ -12,6 +12,7 @@ kernels compute, and how their launches are planned, is :mod:`.global_cuda`'s.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.resources
@@ -232,11 +233,11 @@ def launch(
         if raw_stream is not None
         else torch.cuda.current_stream(device_index).cuda_stream
     )
-    if torch.cuda.current_device() == device_index:
+    # The device guard only where the call is not on its device already (it costs a device
+    # switch and back).
+    same = torch.cuda.current_device() == device_index
+    with contextlib.nullcontext() if same else torch.cuda.device(device_index):
         result = launch_kernel(kernel.func, *grid, *block, shared_mem, stream, params, None)
-    else:
-        with torch.cuda.device(device_index):
-            result = launch_kernel(kernel.func, *grid, *block, shared_mem, stream, params, None)
     if result != 0:
         from torch.cuda import _utils
 

@@ -533,11 +533,12 @@ def _solver_launch(
     """The solver kernel's launch (:func:`launch_defines`, its memory plan, the loaded
     kernel; the debug build with ``debug``) for ``groups`` groups of this shape."""
     items = launch_defines(device_index, n, e, k, holders, budget)
-    dynamic, scratch_bytes = shared_and_scratch_bytes(dict(items), groups)
+    defines = dict(items)
+    dynamic, scratch_bytes = shared_and_scratch_bytes(defines, groups)
     if debug:
         items = (*items, (DEBUG_DEFINE, "1"))
     kernel = compiled_kernel(device_index, items, dynamic)
-    return _Launch(kernel, int(dict(items)["THREADS"]), dynamic, max(1, scratch_bytes), 1, items)
+    return _Launch(kernel, int(defines["THREADS"]), dynamic, max(1, scratch_bytes), 1, items)
 
 
 class StartPrices(NamedTuple):

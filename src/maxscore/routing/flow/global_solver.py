@@ -95,6 +95,11 @@ def _solve_cuda(
     return out[:, :n].contiguous()
 
 
+# Built once: the router calls solve_global on every routing call, and a GlobalBudget
+# validates its fields when it is made (frozen, so one instance serves every call).
+_DEFAULT_BUDGET = GlobalBudget()
+
+
 #: The backends, the reference first (:func:`.choice.choose_flow_solver` picks one).
 GLOBAL_BACKENDS: dict[str, GlobalBackend] = {
     "reference": GlobalBackend(
@@ -158,7 +163,7 @@ def solve_global(
             raise ValueError(
                 f"token_mask must have shape [G, n] = {(groups, n)}, got {tuple(mask.shape)}"
             )
-    budget = budget or GlobalBudget()
+    budget = budget or _DEFAULT_BUDGET
     if backend == AUTO:
         auto_backend = choose_flow_solver("global", scores, k).backend
         chosen = GLOBAL_BACKENDS[auto_backend or "reference"]  # supported by construction
