@@ -195,6 +195,35 @@ def test_a_full_disk_saving_the_optimizer_state_as_torch_reports_it(
     assert not verify_checkpoint(run / "checkpoint-2")
 
 
+def test_a_full_disk_that_the_failed_checkpoint_filled_is_reported_as_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The half-written checkpoint is what filled the disk: removing its staging folder frees
+    the space again, so the reason is read before that (a 757M-parameter run's 9 GB checkpoint
+    on a shared disk failed this way with torch's text and no word of the disk)."""
+    real_save = torch.save
+    run = tmp_path / "run"
+    full = shutil._ntuple_diskusage(10**9, 10**9, 0)  # type: ignore[attr-defined]
+    roomy = shutil._ntuple_diskusage(10**12, 10**9, 10**12 - 10**9)  # type: ignore[attr-defined]
+
+    def disk_usage(path: object) -> Any:
+        staging = any(p.name.startswith(".staging-") for p in run.iterdir())
+        return full if staging else roomy
+
+    def save(obj: object, f: object, *args: object, **kw: object) -> None:
+        if isinstance(f, str) and f.endswith("optimizer.pt") and "checkpoint-4" in f:
+            Path(f).write_bytes(b"\0" * 1000)
+            monkeypatch.setattr(write_errors.shutil, "disk_usage", disk_usage)
+            raise RuntimeError(TORCH_WRITE_FAILURE)
+        real_save(obj, f, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "save", save)
+    assert main(train_argv(run, "--save-steps", "2", "--eval-steps", "0")) == 2
+    errors, _ = error_lines(capsys)
+    assert len(errors) == 1 and "(the disk is full)" in errors[0], errors
+    assert checkpoint_names(run) == ["checkpoint-2"] and not leftovers(run)
+
+
 def test_a_read_only_folder_for_the_summary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -427,6 +427,22 @@ def test_a_short_run_is_quiet_and_complete(
     assert [r["step"] for r in records if r["type"] == "eval"] == [2]  # evaluated once
 
 
+@pytest.mark.parametrize(("save_steps", "kept"), [("100", []), ("0", []), ("3", ["checkpoint-3"])])
+def test_no_save_final_writes_no_checkpoint_at_the_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], save_steps: str, kept: list[str]
+) -> None:
+    """``--no-save-final`` is honoured whatever ``--save-steps`` is (the Trainer's own flow
+    saves at the last step under a steps strategy); a step the schedule names still saves."""
+    run = tmp_path / "run"
+    argv = ["train", *SMALL_FLAGS, "--output-dir", str(run), "--max-steps", "3"]
+    assert main([*argv, "--eval-steps", "0", "--save-steps", save_steps, "--no-save-final"]) == 0
+    assert checkpoint_names(run) == kept
+    printed = capsys.readouterr().out
+    if not kept:
+        assert "final checkpoint:  none (--no-save-final)" in printed
+        assert json.loads((run / "summary.json").read_text())["final_checkpoint"] is None
+
+
 def test_help_imports_neither_torch_nor_transformers() -> None:
     code = (
         "import sys, contextlib, io\n"

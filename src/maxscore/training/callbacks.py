@@ -183,6 +183,10 @@ class FinalCheckpointCallback(TrainerCallback):
             control.should_log = True
             if self.save_final:
                 control.should_save = True
+            elif not stop and not _scheduled_save(args, state.global_step):
+                # The Trainer's own flow saves at the last step under a "steps" strategy;
+                # without --save-final only a save_steps multiple or a stop signal saves there.
+                control.should_save = False
         return control
 
 
@@ -400,6 +404,11 @@ def is_scheduled_save(args: Any, state: Any) -> bool:
     step = state.global_step
     if state.max_steps and step >= state.max_steps:
         return True
+    return _scheduled_save(args, step)
+
+
+def _scheduled_save(args: Any, step: int) -> bool:
+    """Whether ``step`` is a multiple of ``save_steps`` under the "steps" save strategy."""
     strategy = getattr(args.save_strategy, "value", args.save_strategy)
     every = args.save_steps
     return strategy == "steps" and bool(every) and every >= 1 and step % int(every) == 0

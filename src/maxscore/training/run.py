@@ -646,5 +646,5 @@ def format_summary(result: TrainResult) -> str:
     if result.tokens_per_s:
         lines.append(f"throughput:        {result.tokens_per_s:,.0f} tokens/s")
     lines.append(f"peak memory:       {result.peak_memory_gb:.2f} GiB")
-    lines.append(f"final checkpoint:  {result.final_checkpoint}")
+    lines.append(f"final checkpoint:  {result.final_checkpoint or 'none (--no-save-final)'}")
     return "\n".join(lines)

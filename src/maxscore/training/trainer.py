@@ -188,9 +188,12 @@ class MaxScoreTrainer(Trainer):
                 ckpt.publish_checkpoint(staged, run_dir / name)
         except Exception as err:
             # A full disk (or any write error): the half-written staging folder goes, the
-            # published checkpoints were never touched.
+            # published checkpoints were never touched. The reason is read first: torch's zip
+            # writer reports a full disk without an errno, so the free space decides, and
+            # removing the staging folder frees it again.
+            failure = ckpt.CheckpointSaveError(name, run_dir, err)
             shutil.rmtree(staging_root, ignore_errors=True)
-            raise ckpt.CheckpointSaveError(name, run_dir, err) from err
+            raise failure from err
         finally:
             self._staging_root = None
         self.accelerator.wait_for_everyone()
