@@ -427,7 +427,7 @@ def test_a_short_run_is_quiet_and_complete(
     assert [r["step"] for r in records if r["type"] == "eval"] == [2]  # evaluated once
 
 
-@pytest.mark.parametrize(("save_steps", "kept"), [("100", []), ("0", []), ("3", ["checkpoint-3"])])
+@pytest.mark.parametrize(("save_steps", "kept"), [("100", []), ("3", ["checkpoint-3"])])
 def test_no_save_final_writes_no_checkpoint_at_the_end(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], save_steps: str, kept: list[str]
 ) -> None:

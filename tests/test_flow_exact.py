@@ -11,11 +11,13 @@ from maxscore.routing.flow import (
     FLOW_SOLVERS,
     FlowSolverSpec,
     assignment_mask,
+    exact,
     flow_objective,
     min_cost_flow_assignment,
     register_flow_solver,
 )
-from maxscore.routing.flow.exact import solve_exact_numpy
+from maxscore.routing.flow.exact import solve_exact, solve_exact_numpy
+from maxscore.routing.flow.exact_batched import solve_exact_batched
 
 min_cost_flow = pytest.importorskip("ortools.graph.python.min_cost_flow")
 
@@ -174,6 +176,168 @@ def test_exact_matches_ortools_sweep(e: int, k: int) -> None:
         a = random_instance(rng, n, e, k, bias_std=bias, ties=ties)
         cap = _capacities(rng, n, e, k, cap_kind)
         check_against_oracle(a, k, cap, solve_exact_numpy(a, k, cap))
+
+
+# --------------------------------------------------------------------------- lockstep (batched) path
+
+
+def solve_per_group(
+    a: np.ndarray,
+    k: int | np.ndarray,
+    cap: np.ndarray,
+    allowed: np.ndarray | None = None,
+    token_mask: np.ndarray | None = None,
+) -> np.ndarray:
+    """``solve_exact_numpy`` of each group's real rows, put back in place (padded rows empty)."""
+    g, n, e = a.shape
+    k_g = np.broadcast_to(np.asarray(k), (g, n))
+    cap_g = np.broadcast_to(np.asarray(cap), (g, e))
+    out = np.zeros((g, n, e), dtype=bool)
+    for i in range(g):
+        rows = np.arange(n) if token_mask is None else np.flatnonzero(token_mask[i])
+        sub_allowed = None if allowed is None else allowed[i, rows]
+        out[i, rows] = solve_exact_numpy(a[i, rows], k_g[i, rows], cap_g[i], sub_allowed)
+    return out
+
+
+BATCH_KINDS = [
+    "softmax",  # skewed softmax affinities, as a router's
+    "tied",  # small integers: ties everywhere, so the warm start's tie-breaking decides
+    "near-tied",  # differences around each group's tolerance, groups on different scales
+    "one-expert",  # every token prefers the same expert: long auctions, long paths
+    "allowed",  # forbidden token->expert pairs
+    "padded",  # padded rows (NaN content) and a group of padding only
+    "few-tokens",  # n < e
+    "short",  # total capacity below n k (drops), zero capacities
+    "per-token-k",  # k_i per token (0 ... e) and capacities per group
+]
+
+
+def _batch(
+    rng: np.random.Generator, kind: str
+) -> tuple[np.ndarray, int | np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    g, e = int(rng.integers(1, 7)), int(rng.integers(2, 10))
+    n = int(rng.integers(1, e + 1)) if kind == "few-tokens" else int(rng.integers(1, 48))
+    k: int | np.ndarray = int(rng.integers(1, e + 1))
+    allowed = token_mask = None
+    if kind == "tied":
+        a = rng.integers(-3, 4, size=(g, n, e)).astype(np.float64)
+    elif kind == "near-tied":
+        # Steps of 1e-13 and 1e-11 on a 0.1 grid: below and above the tolerance of a group of
+        # scale 1 (1e-12), both below that of a group of scale 1000 in the same call.
+        scale = 10.0 ** (3 * rng.integers(0, 2, size=(g, 1, 1)))
+        tiny = rng.integers(-2, 3, size=(g, n, e)) * 10.0 ** rng.choice([-13, -11], (g, n, e))
+        a = np.round(rng.random((g, n, e)), 1) * scale + tiny
+    elif kind == "one-expert":
+        a = rng.random((g, n, e)) * 0.1
+        a[..., int(rng.integers(e))] += 1.0
+    else:
+        a = torch.softmax(torch.from_numpy(rng.normal(size=(g, n, e)) * 2.0), -1).numpy()
+        a = a + rng.normal(0.0, 1.0, size=e) * 0.1
+    if kind == "allowed":
+        allowed = rng.random((g, n, e)) < 0.7
+    if kind == "padded":
+        token_mask = rng.random((g, n)) < 0.7
+        token_mask[0] = False
+        a[~token_mask] = np.nan  # never read
+    if kind == "short":
+        cap = rng.integers(0, max(1, n * int(k) // e), size=e)
+    elif kind == "per-token-k":
+        k = rng.integers(0, e + 1, size=(g, n))
+        cap = rng.integers(0, max(2, 3 * n // e), size=(g, e))
+    else:
+        cap = rng.integers(0, max(2, 3 * n * int(k) // e), size=e)
+        cap[rng.integers(e)] += n  # mostly enough in total, very unequal
+    return a, k, cap, allowed, token_mask
+
+
+@pytest.mark.parametrize("kind", BATCH_KINDS)
+def test_batched_equals_per_group(kind: str) -> None:
+    """The lockstep path returns the per-group solver's assignment bit for bit (not just an
+    optimum: with ties, which optimum depends on every choice the algorithm makes)."""
+    rng = np.random.default_rng([7, BATCH_KINDS.index(kind)])
+    for _ in range(25):
+        a, k, cap, allowed, mask = _batch(rng, kind)
+        batched = solve_exact_batched(a, k, cap, allowed, mask)
+        assert np.array_equal(batched, solve_per_group(a, k, cap, allowed, mask))
+
+
+def test_batched_equals_per_group_on_router_sized_groups() -> None:
+    """8 groups of 128 x 8, k = 2, capacity 32 (the default CPU job's calls), early and late in
+    training: routers collapsed onto a few experts, then balanced; and exact ties."""
+    rng = np.random.default_rng(11)
+    cap = np.full(8, 32)
+    for bias, temperature in [(2.0, 1.0), (0.5, 3.0), (0.0, 1.0)]:
+        logits = rng.normal(size=(8, 128, 8)) * temperature + rng.normal(0.0, bias, size=8)
+        a = torch.softmax(torch.from_numpy(logits), -1).float().double().numpy()
+        assert np.array_equal(solve_exact_batched(a, 2, cap), solve_per_group(a, 2, cap))
+    tied = np.round(a, 1)
+    assert np.array_equal(solve_exact_batched(tied, 2, cap), solve_per_group(tied, 2, cap))
+
+
+def test_batched_warm_start_is_the_per_group_pseudoflow() -> None:
+    """The lockstep auction ends where each group's own auction ends (the shortest paths would
+    hide a difference on inputs with a unique optimum, not on tied ones)."""
+    from maxscore.routing.flow import exact_batched
+
+    rng = np.random.default_rng(12)
+    for trial in range(20):
+        g, n, e = 5, int(rng.integers(8, 80)), int(rng.integers(2, 9))
+        k = int(rng.integers(1, e + 1))
+        a = rng.integers(0, 3 + trial % 4, size=(g, n, e)).astype(np.float64)
+        cap = rng.integers(0, 2 * n * k // e + 2, size=e)
+        ok = np.ones((g, n, e), dtype=bool)
+        held = exact_batched._warm_start(a, ok, np.full((g, n), k), np.tile(cap, (g, 1)), 32)
+        for i in range(g):
+            alone = exact._warm_start(a[i], ok[i], np.full(n, k), cap, 32)
+            assert np.array_equal(held[:, i].T, alone)
+
+
+def test_batched_equals_per_group_property() -> None:
+    pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        g=st.integers(1, 4),
+        n=st.integers(1, 20),
+        e=st.integers(1, 6),
+        data=st.data(),
+    )
+    def check(g: int, n: int, e: int, data: st.DataObject) -> None:
+        k = data.draw(st.integers(1, e))
+        values = st.integers(-2, 2).map(float)
+        a = np.array(data.draw(st.lists(values, min_size=g * n * e, max_size=g * n * e)))
+        a = a.reshape(g, n, e)
+        cap = np.array(data.draw(st.lists(st.integers(0, n), min_size=e, max_size=e)))
+        mask = np.array(data.draw(st.lists(st.booleans(), min_size=g * n, max_size=g * n)))
+        mask = mask.reshape(g, n) | data.draw(st.booleans())
+        assert np.array_equal(
+            solve_exact_batched(a, k, cap, token_mask=mask), solve_per_group(a, k, cap, None, mask)
+        )
+
+    check()
+
+
+def test_solve_exact_lockstep_chunks_and_per_group_loop_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``solve_exact`` gives one answer whether it runs the groups in lockstep (in one run or
+    in chunks) or one by one."""
+    rng = np.random.default_rng(13)
+    a = torch.softmax(torch.from_numpy(rng.normal(size=(5, 40, 6)) * 2.0).float(), -1)
+    a = torch.round(a * 20) / 20  # ties
+    cap = torch.tensor([20, 0, 15, 12, 9, 14])
+    mask = torch.from_numpy(rng.random((5, 40)) < 0.8)
+    lockstep = solve_exact(a, 2, cap, token_mask=mask)
+    monkeypatch.setattr(exact, "_BATCHED_MAX_ELEMENTS", 1)  # one group per run
+    chunked = solve_exact(a, 2, cap, token_mask=mask)
+    monkeypatch.setattr(exact, "_BATCHED_MAX_EXPERTS", 0)
+    monkeypatch.setattr(exact, "_BATCHED_MAX_EXPERTS_SHORT", 0)
+    per_group = solve_exact(a, 2, cap, token_mask=mask)
+    assert torch.equal(lockstep, chunked) and torch.equal(lockstep, per_group)
+    assert not (lockstep[~mask] >= 0).any()
 
 
 # --------------------------------------------------------------------------- registry / public API

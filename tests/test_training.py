@@ -386,6 +386,8 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, err
 
 
+@pytest.mark.slow  # 37 s of three processes. The default run keeps kill -9 then resume
+# (test_faults.py::test_kill_during_a_save_then_resume) and a bit-equal resume (test_signals.py)
 def test_sigkill_then_resume_gives_identical_weights(tmp_path: Path) -> None:
     full = small_config(tmp_path, "full")
     killed = small_config(tmp_path, "killed")
@@ -573,12 +575,12 @@ def test_readme_main_command_exactly(tmp_path: Path) -> None:
     assert (tmp_path / "runs" / "tiny-maxscore" / "summary.json").is_file()
 
 
-@pytest.mark.gpu
-def test_gpu_training_clips_inside_the_fused_adamw_step(
+def test_training_clips_inside_the_fused_adamw_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a GPU the Trainer's fused AdamW applies the gradient clipping itself (``clipping.py``);
-    the weights after a few clipped steps equal those of the Trainer's own clip_grad_norm_."""
+    """The Trainer's fused AdamW (GPU and CPU) applies the gradient clipping itself
+    (``clipping.py``); the weights after a few clipped steps equal those of the Trainer's own
+    clip_grad_norm_."""
     from maxscore.training import trainer as trainer_mod
 
     calls: list[float] = []

@@ -36,9 +36,21 @@ Complexity: the warm start costs ``O(n k e)`` per sweep (at most 32 sweeps); eac
 remaining units of overload then costs a Bellman–Ford (``O(e^3)``) plus the rebuild of the
 expert-graph rows that the moved tokens touch (``O(n k e)`` at worst, usually a few rows of
 ``O(n k)``). ``F <= n k`` in the worst case (``O(n^2 k^2 e)`` overall); in practice the warm start
-leaves ``F`` in the tens. Memory ``O(n e)``. Measured on one CPU thread: 5–8 ms for a 512 x 16,
-k = 2 group, ~0.05 s for 512 x 64, k = 6, 4 s for 16,384 x 64, k = 6
-(``benchmarks/flow_gap/README.md``).
+leaves ``F`` in the tens. Memory ``O(n e)``. Measured group by group (:func:`solve_exact_numpy`)
+on one thread of the 2-core development VM (2026-11-29, a shared host: times vary by up to 2x;
+softmax affinities, logits ``N(0, 1)`` plus a per-expert bias ``N(0, s)``, ``c_j = k n / e``):
+8.5 / 14 ms for a 512 x 16, k = 2 group (``s`` = 0 / 1), 75 / 150 ms for 512 x 64, k = 6, 4.2 s
+for 16,384 x 64, k = 6.
+
+:func:`solve_exact`, the registered solver, solves a call's groups together when ``e`` is small
+(:func:`~maxscore.routing.flow.exact_batched.solve_exact_batched`: the same algorithm run on
+all groups in lockstep, the same assignments bit for bit), since per group the work is then
+mostly the fixed cost of NumPy calls on tiny arrays. Same VM: 8 groups of 512 x 16, k = 2, in
+34 / 43 ms a call (``s`` = 0 / 1). On groups captured from the default CPU job
+(``benchmarks/default_run``: 8 groups of 128 x 8, k = 2, capacity 32; per call the best of 7
+runs, interleaved with the per-group loop): 16 ms a call in training steps 10–40 and 7.6 ms in
+steps 150–250, against 87 and 28 ms group by group; in the job itself (1,000 calls) 16 s in all
+against 62 s, the same validation loss to the last digit.
 
 This module computes on the host (NumPy, float64) and synchronises; it is the reference for tests
 and small problems, not a training-time router (use ``"two-stage-sinkhorn"`` or ``"global"``).
@@ -52,10 +64,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .exact_batched import solve_exact_batched
 from .objective import mask_to_expert_index
 from .registry import FlowSolverSpec, register_flow_solver
 
 __all__ = ["solve_exact", "solve_exact_numpy"]
+
+# solve_exact runs a call's groups in lockstep for e <= 16, and for e <= 32 when n <= 256. The
+# lockstep rebuilds each group's whole expert graph after every augmentation (e * e * n sums,
+# where the per-group code redoes only the touched rows) and runs Bellman-Ford on all groups
+# until the slowest converges, so with many experts the per-group loop is faster. Measured on
+# the 2-core VM (random skewed groups, c_j = k n / e): the lockstep takes 0.2-0.8x the time at
+# e <= 16 (n from 128 to 8,192), 0.6x at e = 32 with n <= 256, 1.1x at e = 32, n = 512 and
+# 1.1-2x at e = 64.
+_BATCHED_MAX_EXPERTS = 16
+_BATCHED_MAX_EXPERTS_SHORT = 32
+_BATCHED_SHORT_TOKENS = 256
+# Groups per lockstep run, so that its largest temporary ([groups, e, e, n] float64) stays
+# within 16 MiB however many groups the call has (groups are independent: the results do not
+# depend on the split).
+_BATCHED_MAX_ELEMENTS = 2**21
 
 
 def solve_exact_numpy(
@@ -275,7 +303,7 @@ def solve_exact(
     iterations: int | None = None,
     token_mask: Tensor | None = None,
 ) -> Tensor:
-    """Exact min-cost max-flow routing (Eq. 7–8), one group at a time on the CPU.
+    """Exact min-cost max-flow routing (Eq. 7–8) on the CPU; the groups in lockstep for small e.
 
     Args:
         affinities: ``[G, n, e]`` float affinities ``A``.
@@ -293,8 +321,21 @@ def solve_exact(
     a = affinities.detach().to("cpu", torch.float64)
     cap = capacity.detach().to("cpu").numpy()
     real = np.ones(a.shape[:2], dtype=bool) if token_mask is None else token_mask.cpu().numpy()
+    groups, n, e = a.shape
+    if e <= _BATCHED_MAX_EXPERTS or (
+        e <= _BATCHED_MAX_EXPERTS_SHORT and n <= _BATCHED_SHORT_TOKENS
+    ):
+        # The groups in lockstep: the same assignments, a fraction of the NumPy calls.
+        a_np = a.numpy()
+        out = np.empty(a.shape, dtype=bool)
+        step = max(1, _BATCHED_MAX_ELEMENTS // max(1, e * e * n))
+        for g0 in range(0, groups, step):
+            out[g0 : g0 + step] = solve_exact_batched(
+                a_np[g0 : g0 + step], k, cap, token_mask=real[g0 : g0 + step]
+            )
+        return mask_to_expert_index(torch.from_numpy(out), a, k).to(affinities.device)
     mask = torch.zeros(a.shape, dtype=torch.bool)
-    for g in range(a.shape[0]):
+    for g in range(groups):
         # The problem of the real tokens alone: padded rows are left out, so their content
         # cannot change the result (not even how ties are broken).
         rows = np.flatnonzero(real[g])
