@@ -42,6 +42,7 @@ __all__ = [
     "FileWriteError",
     "append_text",
     "describe_write_failure",
+    "free_bytes",
     "one_line",
     "output_advice",
     "replaced_file",
@@ -80,7 +81,7 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def _free_bytes(path: Path) -> int | None:
+def free_bytes(path: Path) -> int | None:
     """Free bytes of the file system holding ``path`` (its nearest existing ancestor)."""
     probe = Path(os.path.abspath(path))
     while not probe.exists() and probe != probe.parent:
@@ -106,7 +107,7 @@ def describe_write_failure(err: BaseException, path: Path | str) -> str | None:
         if "Read-only file system" in text:
             return READ_ONLY
         if any(marker in text for marker in _TORCH_WRITER_TEXTS):
-            free = _free_bytes(Path(path))
+            free = free_bytes(Path(path))
             if free is not None and free < _NEARLY_FULL_BYTES:
                 return FULL_DISK
     return None

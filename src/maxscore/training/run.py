@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.utils import logging as hf_logging
@@ -66,6 +67,7 @@ from maxscore.training.callbacks import (
 from maxscore.training.config import ConfigError, TrainConfig
 from maxscore.training.continue_command import how_to_continue
 from maxscore.training.data import TrainingData, build_training_data, load_tokenizer
+from maxscore.training.disk_space import disk_space_warning
 from maxscore.training.distributed import (
     check_deepspeed_installed,
     deepspeed_config_path,
@@ -480,6 +482,25 @@ def _train(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
             hf_logging.enable_progress_bar()
 
 
+def _warn_if_checkpoints_will_not_fit(run: PreparedRun, model: nn.Module) -> None:
+    """One warning line at the start when the checkpoints this run keeps at once outgrow the
+    disk (``disk_space.py``); only where one process sees the whole checkpoint."""
+    cfg = run.config
+    sharded = cfg.deepspeed is not None or cfg.lora or cfg.fsdp or cfg.expert_parallel > 1
+    if sharded or not is_main_process():
+        return
+    warning = disk_space_warning(
+        run.run_dir,
+        model,
+        total_steps=run.total_steps,
+        save_steps=cfg.save_steps,
+        save_final=cfg.save_final,
+        keep=cfg.save_total_limit,
+    )
+    if warning is not None:
+        print(warning, file=sys.stderr)
+
+
 def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> TrainResult:
     """The model built, trained and evaluated; the result written to the run directory."""
     cfg = run.config
@@ -493,6 +514,7 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     mark_zero3_leaf_modules(model, cfg.deepspeed)
     apply_speed_options(model, cfg, run.precision)  # before LoRA, compilation and wrapping
+    _warn_if_checkpoints_will_not_fit(run, model)
     extra_callbacks: list[TrainerCallback] = []
     if cfg.lora:
         model = apply_lora(model, cfg, run.run_dir, run.tokenizer)
