@@ -29,7 +29,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 #: The Base faithful short run (``--precision`` and ``--seed`` are added per run).
 TRAIN_ARGS: tuple[str, ...] = (
@@ -92,18 +92,20 @@ def _run(args: argparse.Namespace) -> int:
         for p in args.precisions
         if not (out / run_name(p, s) / "summary.json").is_file()
     ]
-    running: list[tuple[str, subprocess.Popen[bytes]]] = []
+    running: list[tuple[str, subprocess.Popen[bytes], BinaryIO]] = []
     failed = 0
     for i, (precision, seed) in enumerate(jobs):
         name = run_name(precision, seed)
         cmd = [sys.executable, "-m", "maxscore", "train", *TRAIN_ARGS, "--precision", precision]
         cmd += ["--seed", str(seed), "--output-dir", str(out / name)]
         log = (out / f"{name}.log").open("wb")
-        running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        running.append((name, proc, log))
         if len(running) >= args.parallel or i == len(jobs) - 1:
-            for done, proc in running:
-                rc = proc.wait()
-                print(f"{done}: exit {rc}", flush=True)
+            for done, waited, done_log in running:
+                rc = waited.wait()
+                done_log.close()
+                print(f"{done}: exit {rc} (log: {out / done}.log)", flush=True)
                 failed += rc != 0
             running = []
     return 1 if failed else 0
