@@ -150,6 +150,8 @@ def test_routing_statistics_are_averaged_over_ddp_processes(ddp_run: tuple[Path,
         assert log["dropped_rank1"] == pytest.approx(routing["dropped_by_rank"][0][0])
 
 
+@pytest.mark.slow  # 24 s; a bit-equal resume of two gloo processes (the optimizer state loaded on
+# each) stays in the default run: test_expert_parallel_training.py's resume tests
 def test_ddp_run_on_cpu_resumes_with_identical_weights(
     ddp_run: tuple[Path, Path], tmp_path: Path
 ) -> None:
