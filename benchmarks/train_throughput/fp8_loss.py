@@ -111,21 +111,17 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _losses(root: Path) -> dict[str, dict[int, float]]:
-    found: dict[str, dict[int, float]] = {p: {} for p in PRECISIONS}
-    for summary in sorted(root.glob("*-seed*/summary.json")):
-        precision, seed = summary.parent.name.split("-seed")
-        found[precision][int(seed)] = float(json.loads(summary.read_text())["eval_loss"])
-    return found
-
-
 def _report(args: argparse.Namespace) -> int:
     root = Path(args.root)
-    losses = _losses(root)
-    result = fp8_verdict(losses["bf16"], losses["fp8"])
     summaries = {
-        s.parent.name: json.loads(s.read_text()) for s in sorted(root.glob("*-seed*/summary.json"))
+        path.parent.name: json.loads(path.read_text())
+        for path in sorted(root.glob("*-seed*/summary.json"))
     }
+    losses: dict[str, dict[int, float]] = {p: {} for p in PRECISIONS}
+    for name, summary in summaries.items():
+        precision, seed = name.split("-seed")
+        losses[precision][int(seed)] = float(summary["eval_loss"])
+    result = fp8_verdict(losses["bf16"], losses["fp8"])
     payload = {
         "meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"), "command": TRAIN_ARGS},
         "result": result,

@@ -29,9 +29,10 @@ _ADAM_MOMENTS = 2
 def checkpoint_bytes(model: nn.Module) -> int:
     """Bytes of one checkpoint of ``model``: its weights plus AdamW's two moments for every
     trainable parameter (files' headers and the small trainer states left out)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    moments = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return weights + _ADAM_MOMENTS * moments
+    return sum(
+        p.numel() * p.element_size() * (1 + _ADAM_MOMENTS * p.requires_grad)
+        for p in model.parameters()
+    )
 
 
 def checkpoints_at_once(total_steps: int, save_steps: int, save_final: bool, keep: int) -> int:

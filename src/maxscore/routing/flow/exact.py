@@ -52,8 +52,8 @@ runs, interleaved with the per-group loop): 16 ms a call in training steps 10–
 steps 150–250, against 87 and 28 ms group by group; in the job itself (1,000 calls) 16 s in all
 against 62 s, the same validation loss to the last digit.
 
-This module computes on the host (NumPy, float64) and synchronises; it is the reference for tests
-and small problems, not a training-time router (use ``"two-stage-sinkhorn"`` or ``"global"``).
+This module computes on the host (NumPy, float64) and synchronises: the CPU's default MaxScore
+solver and the tests' reference; on GPUs the router uses ``"global"`` (no host synchronisation).
 """
 
 from __future__ import annotations
@@ -322,25 +322,24 @@ def solve_exact(
     cap = capacity.detach().to("cpu").numpy()
     real = np.ones(a.shape[:2], dtype=bool) if token_mask is None else token_mask.cpu().numpy()
     groups, n, e = a.shape
+    out = np.zeros(a.shape, dtype=bool)
     if e <= _BATCHED_MAX_EXPERTS or (
         e <= _BATCHED_MAX_EXPERTS_SHORT and n <= _BATCHED_SHORT_TOKENS
     ):
         # The groups in lockstep: the same assignments, a fraction of the NumPy calls.
         a_np = a.numpy()
-        out = np.empty(a.shape, dtype=bool)
         step = max(1, _BATCHED_MAX_ELEMENTS // max(1, e * e * n))
         for g0 in range(0, groups, step):
             out[g0 : g0 + step] = solve_exact_batched(
                 a_np[g0 : g0 + step], k, cap, token_mask=real[g0 : g0 + step]
             )
-        return mask_to_expert_index(torch.from_numpy(out), a, k).to(affinities.device)
-    mask = torch.zeros(a.shape, dtype=torch.bool)
-    for g in range(groups):
-        # The problem of the real tokens alone: padded rows are left out, so their content
-        # cannot change the result (not even how ties are broken).
-        rows = np.flatnonzero(real[g])
-        mask[g, rows] = torch.from_numpy(solve_exact_numpy(a[g, rows].numpy(), k, cap))
-    return mask_to_expert_index(mask, a, k).to(affinities.device)
+    else:
+        for g in range(groups):
+            # The problem of the real tokens alone: padded rows are left out, so their content
+            # cannot change the result (not even how ties are broken).
+            rows = np.flatnonzero(real[g])
+            out[g, rows] = solve_exact_numpy(a[g, rows].numpy(), k, cap)
+    return mask_to_expert_index(torch.from_numpy(out), a, k).to(affinities.device)
 
 
 register_flow_solver(
