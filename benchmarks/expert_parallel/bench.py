@@ -15,7 +15,9 @@ MFU = tokens/s x model FLOPs per token / (GPUs x 989 TFLOP/s), FLOPs per token a
 built on the meta device. Validation is skipped (timing only). ``--precision fp8`` and
 ``--fused-loss`` (``run`` and ``sweep``) set the training options of the same names, so the
 timed path is the trainer's own (``maxscore.training.model_build.apply_speed_options``); the MFU
-stays counted against the bf16 peak.
+stays counted against the bf16 peak. ``--grad-accum G`` times optimizer steps of G micro-batches
+(the optimizer's pass over every parameter then comes once per G micro-batches, as in a training
+at the paper's global batch of 688 sequences: ``--batch-size 86 --grad-accum 8``).
 
     CUDA_VISIBLE_DEVICES=0 python benchmarks/expert_parallel/bench.py run \\
         --runs base-2x64:gshard --compile --output DIR --tag one_gpu_gshard
@@ -90,6 +92,7 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
         router=router,
         seq_len=args.seq_len,
         batch_size=batch,
+        grad_accum=args.grad_accum,
         compile=args.compile,
         fused_loss=args.fused_loss,
         max_steps=args.steps,
@@ -112,7 +115,7 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
     fpt, n_active, total = _full_model_flops(prepared.model_config, args.seq_len)
     seconds = timer.t1 - timer.t0
     step_ms = [1000 * (b - a) for a, b in zip([timer.t0, *timer.step_ends], timer.step_ends)]
-    tokens = timer.steps * batch * args.seq_len * gpus
+    tokens = timer.steps * batch * args.grad_accum * args.seq_len * gpus
     tps = tokens / seconds
     rc = prepared.model_config.router_config.to_dict()
     return {
@@ -126,7 +129,8 @@ def run_one(preset: str, router: str, args: argparse.Namespace) -> dict[str, Any
         "gpus": gpus,
         "expert_parallel": args.expert_parallel,
         "micro_batch_per_gpu": batch,
-        "global_batch": batch * gpus,
+        "grad_accum": args.grad_accum,
+        "global_batch": batch * args.grad_accum * gpus,
         "total_params": total,
         "activated_matmul_params": n_active,
         "flops_per_token": fpt,
@@ -162,6 +166,7 @@ def run(args: argparse.Namespace) -> None:
         "fused_loss": args.fused_loss,
         "steps": args.steps,
         "warmup_steps_excluded": args.warmup,
+        "grad_accum": args.grad_accum,
         "dtype": "bf16 autocast, fp32 master weights (HF Trainer bf16=True)"
         + (", torchao float8 dense linears" if args.precision == "fp8" else ""),
         "peak_flops_per_gpu": H100_BF16_PEAK,
@@ -288,7 +293,8 @@ def sweep(args: argparse.Namespace) -> None:
     skipped: list[str] = []
     common = [
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq-len",
-        str(args.seq_len), "--batch-size", str(args.batch_size), "--output", str(out),
+        str(args.seq_len), "--batch-size", str(args.batch_size),
+        "--grad-accum", str(args.grad_accum), "--output", str(out),
         "--runs-dir", args.runs_dir, *(["--compile"] if args.compile else []),
         *(["--precision", args.precision] if args.precision else []),
         *(["--fused-loss"] if args.fused_loss else []),
@@ -343,7 +349,15 @@ def sweep(args: argparse.Namespace) -> None:
 
 
 def _speed_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--precision`` and ``--fused-loss``: the training options of the same names."""
+    """``--grad-accum``, ``--precision`` and ``--fused-loss``: the training options of the same
+    names."""
+    parser.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="TrainConfig.grad_accum: micro-batches per optimizer step; a timed step is one "
+        "optimizer step (e.g. --batch-size 86 --grad-accum 8: the paper's 688 sequences)",
+    )
     parser.add_argument(
         "--precision",
         choices=("bf16", "fp8"),

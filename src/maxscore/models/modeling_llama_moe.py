@@ -69,6 +69,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.utils import can_return_tuple
 
+from maxscore.models.compile_options import without_mix_order_reduction
 from maxscore.models.layers import (
     LlamaMoEAttention,
     LlamaMoERMSNorm,
@@ -441,7 +442,7 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         """
         self.fused_linear_cross_entropy = enabled
 
-    def compile_layers(self, **compile_kwargs: Any) -> None:
+    def compile_layers(self, *, mix_order_reduction: bool = True, **compile_kwargs: Any) -> None:
         """``torch.compile`` every decoder layer in place (regional compilation).
 
         Fuses the elementwise work around the matrix products (RMSNorm, RoPE, residual adds, the
@@ -459,8 +460,13 @@ class LlamaMoEForCausalLM(LlamaMoEPreTrainedModel, GenerationMixin):
         is what CUDA graphs and the autotuned kernels want. (A shape-generic graph is correct
         too: the capacity rule is exact integer arithmetic, so a symbolic group size gives the
         same capacity as eager mode; ``benchmarks/compile/README.md``.)
+
+        ``mix_order_reduction=False`` turns off inductor's fused row-and-column reductions, which
+        fail to compile for a large router tensor (:mod:`maxscore.models.compile_options`).
         """
         compile_kwargs.setdefault("dynamic", False)
+        if not mix_order_reduction:
+            compile_kwargs = without_mix_order_reduction(compile_kwargs)
         for layer in self.model.layers:
             layer.compile(**compile_kwargs)
         self._compiled_loss = torch.compile(self.loss_function, **compile_kwargs)

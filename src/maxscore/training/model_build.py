@@ -11,6 +11,7 @@ its saved router with the options instead (:mod:`maxscore.training.pretrained`).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -95,17 +96,46 @@ def check_seq_len(config: TrainConfig, model_config: Any) -> Any:
     return model_config
 
 
-def build_model(model_config: Any, seed: int, on_gpu: bool = False) -> LlamaMoEForCausalLM:
+def build_model(
+    model_config: Any, seed: int, on_gpu: bool = False, *, to_cpu: bool = False
+) -> LlamaMoEForCausalLM:
     """A freshly initialised :class:`LlamaMoEForCausalLM` (seeded).
 
-    With ``on_gpu`` the weights are created and initialised directly on this process's GPU
-    (``cuda:LOCAL_RANK``): initialising a Base-size model on the CPU first costs several seconds.
+    With ``on_gpu`` the weights are drawn directly on this process's GPU (``cuda:LOCAL_RANK``):
+    initialising a Base-size model on the CPU first costs several seconds. The weights depend on
+    where they are drawn (torch's CPU and CUDA generators give other numbers for one seed), so a
+    run that hands its model to DeepSpeed (which places and partitions the parameters itself)
+    draws them on the GPU too and moves them to the CPU (``to_cpu``): a ZeRO run then starts from
+    the weights of a DDP or one-GPU run of the same seed. A model whose weights do not fit the
+    GPU's free memory is drawn on the CPU, with a warning that its weights are the CPU's.
     """
     set_seed(seed)
     if on_gpu and torch.cuda.is_available():
-        with torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"):
-            return LlamaMoEForCausalLM(model_config)
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+        if not to_cpu:
+            with device:
+                return LlamaMoEForCausalLM(model_config)
+        needed, free = _parameter_bytes(model_config), torch.cuda.mem_get_info(device)[0]
+        if needed < 0.9 * free:
+            with device:
+                return LlamaMoEForCausalLM(model_config).to("cpu")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"maxscore: the model's weights ({needed / 2**30:.1f} GiB) do not fit the free "
+                f"memory of {device} ({free / 2**30:.1f} GiB), so they are drawn on the CPU; the "
+                "CPU's random numbers differ from the GPU's, so this run starts from other "
+                "weights than a run without DeepSpeed of the same seed",
+                file=sys.stderr,
+            )
     return LlamaMoEForCausalLM(model_config)
+
+
+def _parameter_bytes(model_config: Any) -> int:
+    """Bytes of the model's parameters and buffers, counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = LlamaMoEForCausalLM(model_config)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def apply_speed_options(model: Any, config: TrainConfig, precision: str) -> None:

@@ -55,6 +55,7 @@ from maxscore.checkpoints.layout import (
     pending_previous_run,
 )
 from maxscore.data.packing import collate_blocks
+from maxscore.models.compile_options import router_allows_mix_order_reduction
 from maxscore.training.callbacks import (
     CompactProgressCallback,
     DeterministicAlgorithms,
@@ -505,11 +506,14 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
     """The model built, trained and evaluated; the result written to the run directory."""
     cfg = run.config
     write_resolved_config(run)
-    # ZeRO-3 partitions parameters itself, so only plain / DDP runs initialise on the GPU.
+    # ZeRO-3 partitions parameters itself, so a DeepSpeed run's model is handed over on the CPU;
+    # a fresh one is still drawn on the GPU, so that its weights equal a DDP run's of the seed.
     if is_pretrained_model(cfg.model):
         model = load_pretrained_model(cfg, run.model_config, on_gpu=cfg.deepspeed is None)
     else:
-        model = build_model(run.model_config, cfg.seed, on_gpu=cfg.deepspeed is None)
+        model = build_model(
+            run.model_config, cfg.seed, on_gpu=True, to_cpu=cfg.deepspeed is not None
+        )
     if cfg.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(f"model preset {cfg.model!r} does not support gradient checkpointing")
     mark_zero3_leaf_modules(model, cfg.deepspeed)
@@ -520,7 +524,14 @@ def _train_and_evaluate(run: PreparedRun, callbacks: list[TrainerCallback]) -> T
         model = apply_lora(model, cfg, run.run_dir, run.tokenizer)
         extra_callbacks.append(RouterStepsOnResume())
     if cfg.compile:
-        model.compile_layers(mode=cfg.compile_mode)
+        # One MoE layer routes a whole micro-batch at once (in evaluation too: same batch size).
+        experts = 0 if run.model_config.is_dense else run.model_config.num_experts
+        model.compile_layers(
+            mode=cfg.compile_mode,
+            mix_order_reduction=router_allows_mix_order_reduction(
+                cfg.batch_size * cfg.seq_len, experts
+            ),
+        )
 
     args = training_arguments(run)
     # trainer_for shards the experts for --expert-parallel.
