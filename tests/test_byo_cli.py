@@ -19,7 +19,11 @@ from byo_helpers import batch, save_family_checkpoint, save_text, save_tiny_toke
 from maxscore.cli import main
 from maxscore.models import LlamaMoEForCausalLM
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+# One xdist worker runs this module, so its module-scoped fixtures are set up once.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.xdist_group("test_byo_cli"),
+]
 
 SMALL = [
     "--seq-len", "16", "--batch-size", "2", "--max-steps", "3", "--logging-steps", "1",

@@ -22,6 +22,9 @@ from safetensors.torch import load_file
 from distributed_helpers import free_port
 from maxscore.checkpoints.layout import list_checkpoints
 
+# One xdist worker runs this module, so its module-scoped fixtures are set up once.
+pytestmark = pytest.mark.xdist_group("test_distributed_training")
+
 #: The smallest useful model: one MoE layer, 4 experts, 32 wide (as in test_training.py).
 SMALL_MODEL = {
     "hidden_size": 32,

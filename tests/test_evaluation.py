@@ -46,6 +46,9 @@ from maxscore.evaluation.runner import (
 )
 from maxscore.models import LlamaMoEForCausalLM, get_model_config
 
+# One xdist worker runs this module, so its module-scoped fixtures are set up once.
+pytestmark = pytest.mark.xdist_group("test_evaluation")
+
 TASKS = ("arc_easy", "piqa")
 LIMIT = 4
 

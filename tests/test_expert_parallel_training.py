@@ -25,6 +25,9 @@ from safetensors.torch import load_file
 from distributed_helpers import free_port, spawn_launched
 from maxscore.checkpoints.layout import list_checkpoints
 
+# One xdist worker runs this module, so its module-scoped fixtures are set up once.
+pytestmark = pytest.mark.xdist_group("test_expert_parallel_training")
+
 SMALL_MODEL = {
     "hidden_size": 32,
     "num_hidden_layers": 1,
