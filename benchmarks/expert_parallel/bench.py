@@ -348,7 +348,7 @@ def sweep(args: argparse.Namespace) -> None:
         print("[sweep] skipped (no time left): " + "; ".join(skipped), flush=True)
 
 
-def _speed_arguments(parser: argparse.ArgumentParser) -> None:
+def _training_option_arguments(parser: argparse.ArgumentParser) -> None:
     """``--grad-accum``, ``--precision`` and ``--fused-loss``: the training options of the same
     names."""
     parser.add_argument(
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--steps", type=int, default=30)
     r.add_argument("--warmup", type=int, default=15, help="steps excluded from timing")
     r.add_argument("--compile", action="store_true", help="TrainConfig.compile (compile_layers)")
-    _speed_arguments(r)
+    _training_option_arguments(r)
     r.add_argument("--output", default=os.environ.get("OUT", "."))
     r.add_argument("--tag", default="bench", help="the result file's name")
     r.add_argument("--runs-dir", default="/tmp/maxscore-ep-bench-runs")
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--steps", type=int, default=30)
     w.add_argument("--warmup", type=int, default=15)
     w.add_argument("--compile", action="store_true")
-    _speed_arguments(w)
+    _training_option_arguments(w)
     w.add_argument("--output", required=True)
     w.add_argument("--runs-dir", default="/tmp/maxscore-ep-bench-runs")
     w.add_argument("--deadline", type=float, default=600, help="seconds for the whole sweep")

@@ -66,6 +66,7 @@ def fp8_verdict(bf16: Mapping[int, float], fp8: Mapping[int, float]) -> dict[str
     mean_fp8 = statistics.fmean(fp8[s] for s in seeds)
     spread = statistics.stdev(bf16[s] for s in seeds)
     difference = mean_fp8 - mean_bf16
+    within = abs(difference) <= spread
     return {
         "seeds": seeds,
         "bf16": {str(s): bf16[s] for s in seeds},
@@ -75,10 +76,8 @@ def fp8_verdict(bf16: Mapping[int, float], fp8: Mapping[int, float]) -> dict[str
         "mean_fp8": mean_fp8,
         "mean_difference": difference,
         "bf16_seed_sd": spread,
-        "within": abs(difference) <= spread,
-        "verdict": "within the bf16 seed spread"
-        if abs(difference) <= spread
-        else "outside the bf16 seed spread",
+        "within": within,
+        "verdict": "within the bf16 seed spread" if within else "outside the bf16 seed spread",
     }
 
 
