@@ -22,6 +22,7 @@ import torch
 
 from maxscore.data import load_default_tokenizer
 from maxscore.evaluation import data as eval_data_module
+from maxscore.evaluation import registry
 from maxscore.evaluation.commands import add_eval_parser
 from maxscore.evaluation.data import (
     TASK_SOURCES,
@@ -246,10 +247,22 @@ def test_task_resolution() -> None:
         resolve_tasks(" , ")
 
 
-def test_unknown_task_is_a_clear_error() -> None:
+def test_unknown_task_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names outside the bundled tasks are looked up in lm-eval's index (here a stand-in: the
+    real one takes 15-30 s to build on 2 cores; the slow test below uses it)."""
+    monkeypatch.setattr(
+        registry, "_lm_eval_task_names", lambda: frozenset({"arc_easy", "race", "record"})
+    )
     with pytest.raises(UnknownTaskError, match="unknown task 'not_a_task'"):
         resolve_tasks("arc_easy,not_a_task")
-    # RACE and ReCoRD are real (online) lm-eval tasks, so they pass through.
+    assert [t.lm_eval_name for t in resolve_tasks("race,record")] == ["race", "record"]
+
+
+@pytest.mark.slow
+def test_lm_eval_index_knows_the_online_tasks_and_not_a_made_up_one() -> None:
+    """RACE and ReCoRD are real (online) lm-eval tasks, so they pass through."""
+    with pytest.raises(UnknownTaskError, match="unknown task 'not_a_task'"):
+        resolve_tasks("arc_easy,not_a_task")
     assert [t.lm_eval_name for t in resolve_tasks("race,record")] == ["race", "record"]
 
 

@@ -6,14 +6,16 @@ its own routing group, so every layout forms the same groups), the same global b
 layout. ``W`` processes (4 on the CPU, ``MAXSCORE_LAYOUT_GPUS`` GPUs on a GPU machine) run:
 
 * **A**, one launch of all ``W`` processes: experts over ``W / 2`` (one "node"), two replicas
-  of them (dp 2), the dense parameters sharded over all ``W`` by FSDP2 (``--fsdp``);
+  of them (dp 2), the dense parameters sharded over all ``W`` by FSDP2 (``--fsdp``); with
+  ``W = 2`` (a 2-GPU machine) the experts are spread over both processes (dp 1), so that the
+  two agents below exchange tokens between "nodes";
 * **N**, the same run from two torchrun agents (``--nnodes 2``, ``--node-rank 0`` / ``1``, a
   static rendezvous, ``W / 2`` processes each: the launch of two machines, on one host);
 * **N'**: A stopped after its first checkpoint, resumed by two agents with a ``c10d``
   rendezvous (the elastic launch of real clusters);
 * **R**, one process (the reference), and the chain **A -> B -> C**: A's first checkpoint
-  resumed on ``W / 2`` processes (experts over all of them, FSDP2 again), that run's next
-  checkpoint resumed on one process (plain, no expert parallelism).
+  resumed on ``W / 2`` processes (experts over all of them, FSDP2 again; one plain process when
+  ``W = 2``), that run's next checkpoint resumed on one process (plain, no expert parallelism).
 
 Checks: A follows R (step 1 to 1e-6, the first 10 steps to 1e-5 on the CPU / 1e-4 on GPUs);
 N and N' are A (identical losses and checkpoints: the same processes with the same ranks ran
@@ -21,7 +23,7 @@ the same operations; on GPUs to 1e-4, where kernels need not be deterministic); 
 resharded W -> W/2 -> 1 through ``optimizer.dcp``).
 
 On the CPU (gloo; a 1-layer model of width 32, 4 experts, 6 steps) the module is marked slow:
-16 process starts on 2 cores, several minutes. With ``MAXSCORE_LAYOUT_GPUS=N`` (4 or 8) it runs
+16 process starts on 2 cores, several minutes. With ``MAXSCORE_LAYOUT_GPUS=N`` (2, 4 or 8) it runs
 on N GPUs instead (the tiny preset, fp32 with TF32, seq 128, 30 steps; marked gpu), which is how
 ``benchmarks/expert_parallel/run_gpus.sh`` runs it. ``MAXSCORE_LAYOUT_REPORT`` (a file path): the
 measured gaps are written there as JSON.
@@ -57,6 +59,8 @@ ROOT = Path(__file__).resolve().parent.parent
 W = GPUS if ON_GPU else 4
 STEPS = 30 if ON_GPU else 6
 SAVE = STEPS // 3
+#: A's experts: over one "node" of W / 2 processes (dp 2) where W >= 4; over both of W = 2.
+EXPERT_PARALLEL_A = W // 2 if W >= 4 else W
 GLOBAL_BATCH = 16 if ON_GPU else 4
 TIMEOUT_S = 420 if ON_GPU else 900
 #: Relative loss gaps to the one-process run: step 1, then the first 10 steps (rounding carried
@@ -285,8 +289,8 @@ class Layouts:
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layouts]:
-    if W < 4 or W % 2:
-        pytest.fail(f"these layouts need an even number of processes >= 4, not {W}")
+    if W < 2 or W % 2:
+        pytest.fail(f"these layouts need an even number of processes, not {W}")
     root = tmp_path_factory.mktemp("layouts")
     state = Layouts(root, {}, {"processes": W, "steps": STEPS})
     try:
@@ -308,17 +312,18 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Layouts]:
 def _run_layouts(root: Path) -> None:
     """A, N and R side by side; then N' and B from A's first checkpoint; then C from B's."""
     half = W // 2
+    ep = EXPERT_PARALLEL_A
     first = [
         _start(root, "R", root / "R", 1),
-        _start(root, "A", root / "A", W, expert_parallel=half, fsdp=True),
-        _start(root, "N", root / "N", W, expert_parallel=half, fsdp=True, agents=2),
+        _start(root, "A", root / "A", W, expert_parallel=ep, fsdp=True),
+        _start(root, "N", root / "N", W, expert_parallel=ep, fsdp=True, agents=2),
     ]
     _wait_all(first)
     a_cut = _cut_after(root / "A", root / "N_resumed", SAVE)
     b_cut = _cut_after(root / "A", root / "B", SAVE)
     second = [
-        _start(root, "N_resumed", a_cut, W, half, True, agents=2, rendezvous="c10d", resume=True),
-        _start(root, "B", b_cut, half, expert_parallel=half, fsdp=True, resume=True),
+        _start(root, "N_resumed", a_cut, W, ep, True, agents=2, rendezvous="c10d", resume=True),
+        _start(root, "B", b_cut, half, expert_parallel=half, fsdp=half > 1, resume=True),
     ]
     _wait_all(second)
     _wait_all([_start(root, "C", _cut_after(root / "B", root / "C", 2 * SAVE), 1, resume=True)])
@@ -338,8 +343,8 @@ def _check_follows(reference: dict[int, float], other: dict[int, float], steps: 
 
 
 def test_dp_by_ep_with_fsdp2_matches_one_process(layouts: Layouts) -> None:
-    """A (dp 2 x ep W/2, FSDP2 on the dense parameters) follows the one-process run; its
-    checkpoints hold the whole experts in an ordinary Hugging Face folder."""
+    """A (dp 2 x ep W/2, or ep 2 when W = 2; FSDP2 on the dense parameters) follows the
+    one-process run; its checkpoints hold the whole experts in an ordinary Hugging Face folder."""
     r, a = _losses(layouts.runs["R"]), _losses(layouts.runs["A"])
     assert sorted(a) == sorted(r) == list(range(1, STEPS + 1))
     row = _check_follows(r, a, range(1, STEPS + 1))
@@ -393,8 +398,8 @@ def test_resume_from_one_launch_by_two_agents(layouts: Layouts) -> None:
 
 
 def test_checkpoints_reshard_from_w_to_half_to_one(layouts: Layouts) -> None:
-    """A's checkpoint (W processes, dp 2 x ep W/2, FSDP2) resumed on W/2 (ep W/2, FSDP2), and
-    that run's next checkpoint on one process: both continue the one-process run."""
+    """A's checkpoint (W processes, FSDP2) resumed on W/2 (ep W/2, FSDP2; one plain process when
+    W = 2), and that run's next checkpoint on one process: both continue the one-process run."""
     r, b, c = (_losses(layouts.runs[n]) for n in ("R", "B", "C"))
     assert sorted(c) == list(range(1, STEPS + 1))
     rows = {
@@ -402,6 +407,7 @@ def test_checkpoints_reshard_from_w_to_half_to_one(layouts: Layouts) -> None:
         "half_to_one": _check_follows(r, c, range(2 * SAVE + 1, STEPS + 1)),
     }
     layouts.report["reshard_chain"] = {"processes": [W, W // 2, 1], **rows}
+    layouts.report["expert_parallel_a"] = EXPERT_PARALLEL_A
     reference = _weights(layouts.runs["R"] / f"checkpoint-{STEPS}")
 
     def drift(run: str) -> dict[str, float]:
