@@ -103,6 +103,7 @@ def test_run_trains_every_preset_in_both_precisions_and_report_writes_the_readme
         "--runs", ",".join(f"{p}:{r}" for r in grid.routers_of(p))],
     )  # fmt: skip
     out = tmp_path / "out"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     grid.main(["run", "--output", str(out), "--gpus", "2", "--presets", "base,dense-base"])
     layout = json.loads((out / "grid.json").read_text())
     assert [len(lane["runs"]) for lane in layout["lanes"]] == [2, 2]
@@ -112,6 +113,14 @@ def test_run_trains_every_preset_in_both_precisions_and_report_writes_the_readme
             result = out / f"gpu{lane['gpu']}" / f"{entry['preset']}_{entry['precision']}.json"
             rows = json.loads(result.read_text())["results"]
             assert {r["gpu"] for r in rows} == {str(lane["gpu"])}  # one GPU per list
+    # A second call with another preset adds to the same folder; the caller's visible GPUs
+    # are the ones used.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    grid.main(["run", "--output", str(out), "--gpus", "1", "--presets", "base-2x32"])
+    assert set(grid.collect(out)["presets"]) == {"base", "dense-base", "base-2x32"}
+    rows = json.loads((out / "gpu0" / "base-2x32_bf16.json").read_text())["results"]
+    assert {r["gpu"] for r in rows} == {"3"}
+    assert grid.collect(out)["presets"]["base-2x32"]["gpu"] == "3"
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{grid.START}\nold table\n{grid.END}\nrest\n")
     monkeypatch.setattr(grid, "HERE", tmp_path)

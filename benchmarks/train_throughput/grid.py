@@ -10,8 +10,9 @@ baseline, fp8 over bf16) compares runs of one GPU in one call. Each training is
     PYTHONPATH=src python3 benchmarks/train_throughput/grid.py run --output OUT
     python3 benchmarks/train_throughput/grid.py report OUT --output presets_h200.json --write
 
-``report`` merges the runs into one JSON file (the GPU and time of each preset) and writes the
-table into ``README.md`` between ``<!-- grid -->`` and ``<!-- /grid -->``.
+``run`` called again with other ``--presets`` and the same ``--output`` adds to the folder (the
+grid split over calls). ``report`` merges the runs into one JSON file (the GPU and time of each
+preset) and writes the table into ``README.md`` between ``<!-- grid -->`` and ``<!-- /grid -->``.
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ def assign(presets: list[str], gpus: int) -> list[list[str]]:
         raise ValueError(f"needs at least one GPU, got {gpus}")
     lanes: list[list[str]] = [[] for _ in range(gpus)]
     load = [0.0] * gpus
-    for preset in sorted(presets, key=lambda p: -EXPECTED_S.get(p, 120)):
+    for preset in sorted(presets, key=lambda p: -EXPECTED_S[p]):
         lane = min(range(gpus), key=lambda g: (load[g], g))
         lanes[lane].append(preset)
-        load[lane] += EXPECTED_S.get(preset, 120) * len(PRECISIONS)
+        load[lane] += EXPECTED_S[preset] * len(PRECISIONS)
     return lanes
 
 
@@ -91,12 +92,16 @@ class Lane:
 def _run_lane(args: argparse.Namespace, lane: Lane, start: float) -> None:
     out = Path(args.output) / f"gpu{lane.gpu}"
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(lane.gpu)}
+    # GPU numbers count the visible GPUs (CUDA_VISIBLE_DEVICES set by the caller is honoured).
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
+    device = devices[lane.gpu] if devices else str(lane.gpu)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": device}
     for preset in lane.presets:
         for precision in PRECISIONS:
             left = args.deadline - (time.monotonic() - start)
             entry: dict[str, Any] = {"preset": preset, "precision": precision}
-            if left < EXPECTED_S.get(preset, 120):
+            if left < EXPECTED_S[preset]:
                 lane.log.append({**entry, "skipped": "no time left"})
                 continue
             began = time.time()
@@ -107,7 +112,9 @@ def _run_lane(args: argparse.Namespace, lane: Lane, start: float) -> None:
                      *bench_command(args, preset, precision, out)],
                     env=env, stdout=handle, stderr=subprocess.STDOUT,
                 )  # fmt: skip
-            lane.log.append({**entry, "exit": code, "start": began, "end": time.time()})
+            lane.log.append(
+                {**entry, "exit": code, "device": device, "start": began, "end": time.time()}
+            )
             print(f"[grid] GPU {lane.gpu} {preset} {precision}: exit {code}", flush=True)
 
 
@@ -130,8 +137,13 @@ def run(args: argparse.Namespace) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    layout = {"gpus": gpus, "lanes": [{"gpu": lane.gpu, "runs": lane.log} for lane in lanes]}
-    (Path(args.output) / "grid.json").write_text(json.dumps(layout, indent=1) + "\n")
+    # A folder filled by several calls (e.g. a grid split over two calls of a 2-GPU machine)
+    # keeps every call's lists.
+    path = Path(args.output) / "grid.json"
+    layout = json.loads(path.read_text()) if path.is_file() else {"gpus": gpus, "lanes": []}
+    layout["gpus"] = max(layout["gpus"], gpus)
+    layout["lanes"] += [{"gpu": lane.gpu, "runs": lane.log} for lane in lanes]
+    path.write_text(json.dumps(layout, indent=1) + "\n")
 
 
 def collect(folder: Path) -> dict[str, Any]:
@@ -142,7 +154,9 @@ def collect(folder: Path) -> dict[str, Any]:
     for lane in layout["lanes"]:
         for entry in lane["runs"]:
             result = folder / f"gpu{lane['gpu']}" / f"{entry['preset']}_{entry['precision']}.json"
-            slot = presets.setdefault(entry["preset"], {"gpu": lane["gpu"], "runs": {}})
+            # The GPU as CUDA numbered it in that call (the lane's index where not recorded).
+            gpu = entry.get("device", lane["gpu"])
+            slot = presets.setdefault(entry["preset"], {"gpu": gpu, "runs": {}})
             slot["runs"][entry["precision"]] = {
                 **{k: v for k, v in entry.items() if k not in ("preset", "precision")},
                 **(json.loads(result.read_text()) if result.is_file() else {"missing": True}),
