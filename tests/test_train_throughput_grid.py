@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "train_throughput"))
+from script_helpers import load_benchmark_script
 
-import grid
+grid = load_benchmark_script("train_throughput", "grid")
 
 
 def test_presets_are_balanced_over_the_gpus() -> None:

@@ -226,6 +226,8 @@ def render(folder: Path) -> tuple[int | None, str]:
     gpus = tests.get("gpus") or layouts.get("processes")
     if gpus is None and bench_files:
         gpus = int(re.sub(r"\D", "", bench_files[-1].stem.split("_")[-1]) or 0) or None
+    if not (folder / "versions.txt").is_file():
+        raise SystemExit(f"{folder} has no versions.txt: not the $OUT folder of a run_gpus.sh call")
     versions = (folder / "versions.txt").read_text().strip().splitlines()
     lines = [f"Measured: {'; '.join(v for v in versions if v)}.", ""]
     lines += [f"`test_expert_parallel_gpu.py`: {_outcomes(folder / 'gpu_tests.txt')}."]
