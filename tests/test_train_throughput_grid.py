@@ -121,6 +121,10 @@ def test_run_trains_every_preset_in_both_precisions_and_report_writes_the_readme
     rows = json.loads((out / "gpu0" / "base-2x32_bf16.json").read_text())["results"]
     assert {r["gpu"] for r in rows} == {"3"}
     assert grid.collect(out)["presets"]["base-2x32"]["gpu"] == "3"
+    # A preset run again replaces its earlier runs, both precisions (its ratios stay in a call).
+    grid.main(["run", "--output", str(out), "--gpus", "1", "--presets", "base"])
+    base = grid.collect(out)["presets"]["base"]
+    assert base["gpu"] == "3" and {r["device"] for r in base["runs"].values()} == {"3"}
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{grid.START}\nold table\n{grid.END}\nrest\n")
     monkeypatch.setattr(grid, "HERE", tmp_path)

@@ -8,7 +8,8 @@ baseline, fp8 over bf16) compares runs of one GPU in one call. Each training is
 512, 240 steps, the last 40 timed)::
 
     PYTHONPATH=src python3 benchmarks/train_throughput/grid.py run --output OUT
-    python3 benchmarks/train_throughput/grid.py report OUT --output presets_h200.json --write
+    python3 benchmarks/train_throughput/grid.py report OUT --write \
+        --output benchmarks/train_throughput/presets_h200.json
 
 ``run`` called again with other ``--presets`` and the same ``--output`` adds to the folder (the
 grid split over calls). ``report`` merges the runs into one JSON file (the GPU and time of each
@@ -152,15 +153,19 @@ def collect(folder: Path) -> dict[str, Any]:
     layout = json.loads((folder / "grid.json").read_text())
     presets: dict[str, Any] = {}
     for lane in layout["lanes"]:
+        # A preset run again in a later call replaces its earlier runs, both precisions, so
+        # that its ratios stay within one GPU and one call.
+        fresh: dict[str, Any] = {}
         for entry in lane["runs"]:
             result = folder / f"gpu{lane['gpu']}" / f"{entry['preset']}_{entry['precision']}.json"
             # The GPU as CUDA numbered it in that call (the lane's index where not recorded).
             gpu = entry.get("device", lane["gpu"])
-            slot = presets.setdefault(entry["preset"], {"gpu": gpu, "runs": {}})
+            slot = fresh.setdefault(entry["preset"], {"gpu": gpu, "runs": {}})
             slot["runs"][entry["precision"]] = {
                 **{k: v for k, v in entry.items() if k not in ("preset", "precision")},
                 **(json.loads(result.read_text()) if result.is_file() else {"missing": True}),
             }
+        presets.update(fresh)
     return {"gpus": layout["gpus"], "presets": presets}
 
 
@@ -185,10 +190,8 @@ def table(doc: dict[str, Any]) -> list[str]:
             bf16, fp8 = (_result(doc, preset, p, router) for p in PRECISIONS)
             base = {p: _result(doc, preset, p, baseline) for p in PRECISIONS}
 
-            def cell(row: dict | None, key: str, spec: str, scale: float = 1.0) -> str:
-                return (
-                    "-" if row is None or row.get(key) is None else format(row[key] * scale, spec)
-                )
+            def cell(row: dict | None, key: str, spec: str) -> str:
+                return "-" if row is None or row.get(key) is None else format(row[key], spec)
 
             def ratio(a: dict | None, b: dict | None) -> str:
                 return (
