@@ -219,6 +219,8 @@ def throughput_table(bench: dict[str, Any]) -> list[str]:
 
 def render(folder: Path) -> tuple[int | None, str]:
     """The Markdown of one call's files, and its GPU count (None if nothing says it)."""
+    if not (folder / "versions.txt").is_file():
+        raise SystemExit(f"{folder} has no versions.txt: not the $OUT folder of a run_gpus.sh call")
     tests = _json(folder / "gpu_tests.json")
     layouts = _json(folder / "layout_tests.json")
     bench_files = sorted(folder.glob("expert_parallel_*gpu.json"))
@@ -226,8 +228,6 @@ def render(folder: Path) -> tuple[int | None, str]:
     gpus = tests.get("gpus") or layouts.get("processes")
     if gpus is None and bench_files:
         gpus = int(re.sub(r"\D", "", bench_files[-1].stem.split("_")[-1]) or 0) or None
-    if not (folder / "versions.txt").is_file():
-        raise SystemExit(f"{folder} has no versions.txt: not the $OUT folder of a run_gpus.sh call")
     versions = (folder / "versions.txt").read_text().strip().splitlines()
     lines = [f"Measured: {'; '.join(v for v in versions if v)}.", ""]
     lines += [f"`test_expert_parallel_gpu.py`: {_outcomes(folder / 'gpu_tests.txt')}."]

@@ -174,6 +174,15 @@ def _result(doc: dict[str, Any], preset: str, precision: str, router: str) -> di
     return next((r for r in run.get("results", []) if r.get("router") == router), None)
 
 
+def _cell(row: dict | None, key: str, spec: str) -> str:
+    return "-" if row is None or row.get(key) is None else format(row[key], spec)
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    """Tokens/s of ``a`` over ``b`` ("-" when either run is missing)."""
+    return "-" if a is None or b is None else f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}"
+
+
 def table(doc: dict[str, Any]) -> list[str]:
     """The README table: per preset and router bf16 and fp8 side by side, fp8 / bf16 and MaxScore
     / baseline in tokens/s (each ratio within one GPU and one call)."""
@@ -190,28 +199,18 @@ def table(doc: dict[str, Any]) -> list[str]:
             bf16, fp8 = (_result(doc, preset, p, router) for p in PRECISIONS)
             base = {p: _result(doc, preset, p, baseline) for p in PRECISIONS}
 
-            def cell(row: dict | None, key: str, spec: str) -> str:
-                return "-" if row is None or row.get(key) is None else format(row[key], spec)
-
-            def ratio(a: dict | None, b: dict | None) -> str:
-                return (
-                    "-"
-                    if a is None or b is None
-                    else f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}"
-                )
-
             dropped = "-" if BASELINES[preset] is None or bf16 is None else (
                 f"{bf16['dropped'] * 100:.1f}%" if bf16.get("dropped") else "0"
             )  # fmt: skip
             mine = router == "maxscore"
-            versus_bf16 = f"**{ratio(bf16, base['bf16'])}**" if mine else ""
-            versus_fp8 = ratio(fp8, base["fp8"]) if mine else ""
+            versus_bf16 = f"**{_ratio(bf16, base['bf16'])}**" if mine else ""
+            versus_fp8 = _ratio(fp8, base["fp8"]) if mine else ""
             lines.append(
                 f"| {preset} | {router} | {doc['presets'][preset]['gpu']} "
-                f"| {cell(bf16, 'step_ms', '.1f')} | {cell(bf16, 'tokens_per_s', ',.0f')} "
-                f"| {cell(bf16, 'mfu', '.1%')} | {cell(bf16, 'peak_memory_gib_rank0', '.1f')} "
-                f"| {cell(fp8, 'step_ms', '.1f')} | {cell(fp8, 'mfu', '.1%')} "
-                f"| {cell(fp8, 'peak_memory_gib_rank0', '.1f')} | {ratio(fp8, bf16)} | {dropped} "
+                f"| {_cell(bf16, 'step_ms', '.1f')} | {_cell(bf16, 'tokens_per_s', ',.0f')} "
+                f"| {_cell(bf16, 'mfu', '.1%')} | {_cell(bf16, 'peak_memory_gib_rank0', '.1f')} "
+                f"| {_cell(fp8, 'step_ms', '.1f')} | {_cell(fp8, 'mfu', '.1%')} "
+                f"| {_cell(fp8, 'peak_memory_gib_rank0', '.1f')} | {_ratio(fp8, bf16)} | {dropped} "
                 f"| {versus_bf16} | {versus_fp8} |"
             )
     return lines

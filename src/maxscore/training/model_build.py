@@ -131,11 +131,10 @@ def build_model(
 
 
 def _parameter_bytes(model_config: Any) -> int:
-    """Bytes of the model's parameters and buffers, counted on the meta device (no memory)."""
+    """Bytes of the model's parameters and buffers (transformers' ``get_memory_footprint``),
+    counted on the meta device (no memory)."""
     with torch.device("meta"):
-        model = LlamaMoEForCausalLM(model_config)
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+        return LlamaMoEForCausalLM(model_config).get_memory_footprint()
 
 
 def apply_speed_options(model: Any, config: TrainConfig, precision: str) -> None:
