@@ -1,8 +1,10 @@
-"""``benchmarks/expert_parallel/report.py``: the README block of one ``run_gpus.sh`` call, from
-its files (here the 2-GPU test report kept in the repository and constructed pytest output)."""
+"""``benchmarks/expert_parallel/report.py``: the README block of ``run_gpus.sh`` calls, from
+their files (here the 2-GPU test report kept in the repository, constructed pytest output and
+constructed benchmark summaries)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -59,14 +61,14 @@ def test_write_replaces_only_its_own_block_and_keeps_the_raw_files(
     monkeypatch.setattr(report, "README", readme)
     monkeypatch.setattr(report, "HERE", tmp_path)
     gpus, markdown = report.render(call_folder)
-    report.write(call_folder, gpus, markdown)
+    report.write([call_folder], gpus, markdown)
     text = readme.read_text()
     assert "old" not in text and text.count("<!-- report:2gpu -->") == 1
     assert text.startswith("intro\n### 2 GPUs\n\n<!-- report:2gpu -->\nMeasured:")
     assert text.endswith("<!-- /report:2gpu -->\n\nkept\n## Not run\n\nrest\n")
     assert (tmp_path / "results" / "2gpu" / "gpu_tests.json").is_file()
     # A count without a block gets its own section before "## Not run".
-    report.write(call_folder, 8, markdown)
+    report.write([call_folder], 8, markdown)
     text = readme.read_text()
     assert "### 8 GPUs (raw files: `results/8gpu/`)\n\n<!-- report:8gpu -->" in text
     assert text.index("<!-- /report:8gpu -->") < text.index("## Not run")
@@ -75,3 +77,65 @@ def test_write_replaces_only_its_own_block_and_keeps_the_raw_files(
 def test_a_folder_that_is_not_a_call_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"no versions\.txt"):
         report.render(tmp_path)
+
+
+def _bench_call(folder: Path, preset: str, one: dict[str, float], two: dict[str, float]) -> Path:
+    """A ``PHASES=bench PRESETS=<preset>`` call's folder: tokens/s per router on 1 and 2 GPUs,
+    summarised by ``bench.py summarize`` (so its scaling is computed within this call)."""
+    bench = load_benchmark_script("expert_parallel", "bench")
+    folder.mkdir()
+    (folder / "versions.txt").write_text(f"NVIDIA H200; bench {preset}\n")
+    sweep = folder / "sweep"
+    sweep.mkdir()
+    meta = {"seq_len": 512, "steps": 240, "warmup_steps_excluded": 200}
+    for gpus, speeds in ((1, one), (2, two)):
+        rows = [
+            {"preset": preset, "router": router, "gpus": gpus, "tokens_per_s": tps, "mfu": 0.3}
+            for router, tps in speeds.items()
+        ]
+        (sweep / f"gpus{gpus}.json").write_text(json.dumps({"meta": meta, "results": rows}))
+    bench.main(
+        ["summarize", str(sweep), "--output", str(folder / f"expert_parallel_2gpu_{preset}.json")]
+    )
+    return folder
+
+
+def test_several_calls_make_one_block_with_each_calls_own_ratios(
+    call_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one, two = {"gshard": 100.0, "maxscore": 95.0}, {"gshard": 190.0, "maxscore": 171.0}
+    first = _bench_call(tmp_path / "b1", "base-2x64", one, two)
+    one, two = {"gshard": 80.0, "maxscore": 76.0}, {"gshard": 160.0, "maxscore": 150.4}
+    second = _bench_call(tmp_path / "b2", "base-8x128", one, two)
+    gpus, markdown = report.render(call_folder, first, second)
+    assert gpus == 2
+    assert "Measured in 3 calls:" in markdown and "3. NVIDIA H200; bench base-8x128." in markdown
+    assert "* test_expert_parallel_matches_one_gpu[gshard]: passed" in markdown
+    # 171 / (2 x 95) = 90.0% scaling, 171 / 190 = 0.900 of gshard; 150.4 / 152 = 98.9%, 0.940.
+    assert "| base-2x64 | maxscore | 2 | 171 | 95 | 1.80 | 90.0% | 0.900 | 30.0% |" in markdown
+    assert "| base-8x128 | maxscore | 2 | 150 | 76 | 1.98 | 98.9% | 0.940 | 30.0% |" in markdown
+    assert "| base-8x128 | maxscore | 1 | 76 | - | - | - | 0.950 | 30.0% |" in markdown
+    monkeypatch.setattr(report, "README", tmp_path / "README.md")
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    (tmp_path / "README.md").write_text("## Not run\n")
+    report.write([call_folder, first, second], gpus, markdown)
+    raw = tmp_path / "results" / "2gpu"
+    merged = json.loads((raw / "expert_parallel.json").read_text())
+    assert len(merged["runs"]) == 8 and len(merged["scaling"]) == 4
+    assert (raw / "gpu_tests.json").is_file()
+    assert (raw / "versions.txt").read_text().count("# call ") == 3
+
+
+def test_two_calls_with_tests_or_two_machine_sizes_are_refused(
+    call_folder: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(call_folder, other)
+    with pytest.raises(SystemExit, match=r"gpu_tests\.txt is in 2 of the folders"):
+        report.render(call_folder, other)
+    four = tmp_path / "four"
+    four.mkdir()
+    (four / "versions.txt").write_text("4 GPUs\n")
+    (four / "expert_parallel_4gpu.json").write_text(json.dumps({"runs": [], "scaling": []}))
+    with pytest.raises(SystemExit, match=r"different sizes \(\[2, 4\] GPUs\)"):
+        report.render(call_folder, four)

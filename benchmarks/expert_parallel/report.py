@@ -1,13 +1,16 @@
-"""The README's tables of one ``run_gpus.sh`` call, from the files it wrote (nothing typed by hand).
+"""The README's tables of ``run_gpus.sh`` calls, from the files they wrote (nothing typed by hand).
 
     python3 benchmarks/expert_parallel/report.py OUT            # print the Markdown
     python3 benchmarks/expert_parallel/report.py OUT --write    # keep the raw files, update README
+    python3 benchmarks/expert_parallel/report.py TESTS BENCH1 BENCH2 --write   # several calls
 
-``OUT`` is the call's ``$OUT`` folder (``versions.txt``, ``gpu_tests.{txt,json}``,
-``layout_tests.{txt,json}``, ``expert_parallel_<G>gpu.json``). ``--write`` copies those files to
-``results/<G>gpu/`` beside this script and replaces the README's block between
-``<!-- report:<G>gpu -->`` and ``<!-- /report:<G>gpu -->`` (added before "## Not run" when
-missing) with the tables, so a README number always has its raw file next to it.
+``OUT`` is a call's ``$OUT`` folder (``versions.txt``, ``gpu_tests.{txt,json}``,
+``layout_tests.{txt,json}``, ``expert_parallel_<G>gpu*.json``). Several folders (one machine
+size, e.g. a call of ``PHASES=tests`` and calls of ``PHASES=bench`` with one preset each) make one
+block: their benchmark rows are joined, each call's scaling computed within that call only.
+``--write`` copies the files to ``results/<G>gpu/`` beside this script and replaces the README's
+block between ``<!-- report:<G>gpu -->`` and ``<!-- /report:<G>gpu -->`` (added before
+"## Not run" when missing) with the tables, so a README number always has its raw file next to it.
 """
 
 from __future__ import annotations
@@ -21,13 +24,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
-RAW_FILES = (
-    "versions.txt",
-    "gpu_tests.json",
-    "gpu_tests.txt",
-    "layout_tests.json",
-    "layout_tests.txt",
-)
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -42,9 +38,9 @@ def _sci(value: float | None) -> str:
     return "-" if value is None else f"{value:.1e}"
 
 
-def _outcomes(path: Path) -> str:
+def _outcomes(path: Path | None) -> str:
     """pytest's closing summary line ("5 passed, 1 skipped in 212.3s"), or why there is none."""
-    if not path.is_file():
+    if path is None or not path.is_file():
         return "not run"
     lines = [line.strip("= ") for line in path.read_text(errors="replace").splitlines()]
     summary = [line for line in lines if re.search(r"\d+ (passed|failed|error|skipped)", line)]
@@ -217,22 +213,79 @@ def throughput_table(bench: dict[str, Any]) -> list[str]:
     return out
 
 
-def render(folder: Path) -> tuple[int | None, str]:
-    """The Markdown of one call's files, and its GPU count (None if nothing says it)."""
+def _check_call_folder(folder: Path) -> None:
     if not (folder / "versions.txt").is_file():
         raise SystemExit(f"{folder} has no versions.txt: not the $OUT folder of a run_gpus.sh call")
-    tests = _json(folder / "gpu_tests.json")
-    layouts = _json(folder / "layout_tests.json")
-    bench_files = sorted(folder.glob("expert_parallel_*gpu.json"))
-    bench = _json(bench_files[-1]) if bench_files else {}
-    gpus = tests.get("gpus") or layouts.get("processes")
-    if gpus is None and bench_files:
-        gpus = int(re.sub(r"\D", "", bench_files[-1].stem.split("_")[-1]) or 0) or None
-    versions = (folder / "versions.txt").read_text().strip().splitlines()
-    lines = [f"Measured: {'; '.join(v for v in versions if v)}.", ""]
-    lines += [f"`test_expert_parallel_gpu.py`: {_outcomes(folder / 'gpu_tests.txt')}."]
-    lines += [f"`test_expert_parallel_layouts.py`: {_outcomes(folder / 'layout_tests.txt')}."]
-    rows = _test_rows(folder / "gpu_tests.txt") + _test_rows(folder / "layout_tests.txt")
+
+
+def _tests_folder(folders: list[Path], stem: str) -> Path | None:
+    """The one folder with ``<stem>.txt`` (a test session's output), or None."""
+    found = [f for f in folders if (f / f"{stem}.txt").is_file()]
+    if len(found) > 1:
+        raise SystemExit(
+            f"{stem}.txt is in {len(found)} of the folders ({', '.join(map(str, found))}): give "
+            "the call whose tests should be reported, and the others' benchmark folders"
+        )
+    return found[0] if found else None
+
+
+def merged_benchmark(folders: list[Path]) -> dict[str, Any]:
+    """Every call's ``bench.py summarize`` file joined: runs, scaling (each computed within its
+    own call, so no ratio compares two machines) and skipped runs."""
+    merged: dict[str, Any] = {"meta": {}, "scaling": [], "runs": [], "skipped": []}
+    for folder in folders:
+        for path in sorted(folder.glob("expert_parallel_*gpu*.json")):
+            data = _json(path)
+            prefix = f"{folder.name}/" if len(folders) > 1 else ""
+            for tag, meta in data.get("meta", {}).items():
+                merged["meta"][prefix + tag] = meta
+            for key in ("scaling", "runs", "skipped"):
+                merged[key] += data.get(key, [])
+    return merged
+
+
+def _gpu_count(folders: list[Path], tests: dict[str, Any], layouts: dict[str, Any]) -> int | None:
+    counts = {tests.get("gpus"), layouts.get("processes")}
+    for folder in folders:
+        for path in folder.glob("expert_parallel_*gpu*.json"):
+            count = re.match(r"expert_parallel_(\d+)gpu", path.name)
+            counts.add(int(count.group(1)) if count else None)
+    counts.discard(None)
+    if len(counts) > 1:
+        raise SystemExit(f"the folders are of machines of different sizes ({sorted(counts)} GPUs)")
+    return counts.pop() if counts else None
+
+
+def render(*folders: Path) -> tuple[int | None, str]:
+    """The Markdown of one or more calls' files, and their GPU count (None if nothing says it)."""
+    if not folders:
+        raise SystemExit("give at least one run_gpus.sh $OUT folder")
+    calls = list(folders)
+    for folder in calls:
+        _check_call_folder(folder)
+    gpu_folder = _tests_folder(calls, "gpu_tests")
+    layout_folder = _tests_folder(calls, "layout_tests")
+    tests = _json(gpu_folder / "gpu_tests.json") if gpu_folder else {}
+    layouts = _json(layout_folder / "layout_tests.json") if layout_folder else {}
+    bench = merged_benchmark(calls)
+    gpus = _gpu_count(calls, tests, layouts)
+    measured = []
+    for folder in calls:
+        versions = (folder / "versions.txt").read_text().strip().splitlines()
+        measured.append("; ".join(v for v in versions if v))
+    if len(measured) == 1:
+        lines = [f"Measured: {measured[0]}.", ""]
+    else:
+        lines = [f"Measured in {len(measured)} calls:", ""]
+        lines += [f"{i}. {m}." for i, m in enumerate(measured, 1)] + [""]
+    rows = []
+    for script, folder, stem in (
+        ("test_expert_parallel_gpu.py", gpu_folder, "gpu_tests"),
+        ("test_expert_parallel_layouts.py", layout_folder, "layout_tests"),
+    ):
+        output = folder / f"{stem}.txt" if folder else None
+        lines.append(f"`{script}`: {_outcomes(output)}.")
+        rows += _test_rows(output) if output else []
     if rows:
         lines += ["", *(f"* {row}" for row in rows)]
     for table in (expert_parallel_table(tests), layout_table(layouts), throughput_table(bench)):
@@ -241,14 +294,26 @@ def render(folder: Path) -> tuple[int | None, str]:
     return gpus, "\n".join(lines) + "\n"
 
 
-def write(folder: Path, gpus: int, markdown: str) -> None:
+def write(folders: list[Path], gpus: int, markdown: str) -> None:
     raw = HERE / "results" / f"{gpus}gpu"
     raw.mkdir(parents=True, exist_ok=True)
-    for name in RAW_FILES:
-        if (folder / name).is_file():
-            shutil.copyfile(folder / name, raw / name)
-    for path in folder.glob("expert_parallel_*gpu.json"):
-        shutil.copyfile(path, raw / "expert_parallel.json")
+    for stem in ("gpu_tests", "layout_tests"):
+        source = _tests_folder(folders, stem)
+        for suffix in (".json", ".txt"):
+            if source and (source / f"{stem}{suffix}").is_file():
+                shutil.copyfile(source / f"{stem}{suffix}", raw / f"{stem}{suffix}")
+    if len(folders) == 1:
+        shutil.copyfile(folders[0] / "versions.txt", raw / "versions.txt")
+    else:
+        (raw / "versions.txt").write_text(
+            "".join(
+                f"# call {i}: {f.name}\n{(f / 'versions.txt').read_text().strip()}\n"
+                for i, f in enumerate(folders, 1)
+            )
+        )
+    bench = merged_benchmark(folders)
+    if bench["runs"] or bench["skipped"]:
+        (raw / "expert_parallel.json").write_text(json.dumps(bench, indent=2) + "\n")
     start, end = f"<!-- report:{gpus}gpu -->", f"<!-- /report:{gpus}gpu -->"
     block = f"{start}\n{markdown}{end}"
     text = README.read_text()
@@ -263,15 +328,17 @@ def write(folder: Path, gpus: int, markdown: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path, help="a run_gpus.sh call's $OUT")
+    parser.add_argument(
+        "folders", type=Path, nargs="+", help="run_gpus.sh calls' $OUT folders (one machine size)"
+    )
     parser.add_argument("--write", action="store_true", help="copy the files, update README.md")
     args = parser.parse_args(argv)
-    gpus, markdown = render(args.folder)
+    gpus, markdown = render(*args.folders)
     print(markdown)
     if args.write:
         if gpus is None:
             raise SystemExit("no file in the folder says how many GPUs the call used")
-        write(args.folder, int(gpus), markdown)
+        write(args.folders, int(gpus), markdown)
         print(f"README.md updated; raw files in {HERE / 'results' / f'{gpus}gpu'}")
 
 

@@ -18,9 +18,10 @@
 #      base-2x64, base-8x128 on 4 GPUs if its compilation is quick, the 2-GPU runs not).
 # PHASES=tests or PHASES=bench runs one part (then the bench has the whole time:
 # WARMUP=200 STEPS=240 PHASES=bench TOTAL_LIMIT=590 is the steady-state grid in a call of its
-# own, still without some 2-GPU runs on 4 GPUs).
+# own, still without some 2-GPU runs on 4 GPUs). PRESETS (default base-2x64,base-8x128) picks the
+# benchmark's presets, e.g. one preset a call; report.py joins several calls' folders.
 # Files in $OUT: versions.txt, gpu_tests.{txt,json,log} and layout_tests.{txt,json,log} (pytest
-# output, measured gaps, every launch's output), expert_parallel_<GPUS>gpu.json (every benchmark
+# output, measured gaps, every launch's output), expert_parallel_<GPUS>gpu[_<presets>].json (every benchmark
 # row, the scaling table, skipped runs), bench.log. The tables of the README come from these
 # files: python3 benchmarks/expert_parallel/report.py $OUT --write (see README.md).
 # DeepSpeed is not in the device image: wheels in .whl/ (git-ignored; README.md says which) are
@@ -77,14 +78,18 @@ if [[ $PHASES == *bench* ]]; then
   COUNTS=1,2
   [ "$GPUS" -ge 4 ] && COUNTS=1,2,4
   [ "$GPUS" -ge 8 ] && COUNTS=1,2,4,8
+  PRESETS=${PRESETS:-base-2x64,base-8x128}
+  RUNS=$(echo "$PRESETS" | tr ',' '\n' | sed 's/.*/&:gshard,&:maxscore/' | paste -sd, -)
+  NAME=expert_parallel_${GPUS}gpu
+  [ "$PRESETS" = base-2x64,base-8x128 ] || NAME=${NAME}_$(echo "$PRESETS" | tr ',' '_')
   DEADLINE=$(( TOTAL - SECONDS - 15 ))
   say "2/2 benchmark on 1..$GPUS GPUs (GPU counts $COUNTS), ${DEADLINE}s left"
   python3 benchmarks/expert_parallel/bench.py sweep --gpus "$GPUS" --gpu-counts "$COUNTS" \
-    --runs base-2x64:gshard,base-2x64:maxscore,base-8x128:gshard,base-8x128:maxscore \
+    --runs "$RUNS" \
     --compile --steps "${STEPS:-80}" --warmup "${WARMUP:-50}" --output "$B" \
     --deadline "$DEADLINE" --expected-s "${EXPECTED_S:-60}" 2>&1 | tee "$B/sweep.log"
   python3 benchmarks/expert_parallel/bench.py summarize "$B" \
-    --output "$OUT/expert_parallel_${GPUS}gpu.json"
+    --output "$OUT/$NAME.json"
   for f in "$B"/*.log; do echo "===== $f"; tail -c 20000 "$f"; done > "$OUT/bench.log"
 fi
 say "done"
