@@ -17,10 +17,21 @@ layout. ``W`` processes (4 on the CPU, ``MAXSCORE_LAYOUT_GPUS`` GPUs on a GPU ma
   resumed on ``W / 2`` processes (experts over all of them, FSDP2 again; one plain process when
   ``W = 2``), that run's next checkpoint resumed on one process (plain, no expert parallelism).
 
-Checks: A follows R (step 1 to 1e-6, the first 10 steps to 1e-5 on the CPU / 1e-4 on GPUs);
-N and N' are A (identical losses and checkpoints: the same processes with the same ranks ran
-the same operations; on GPUs to 1e-4, where kernels need not be deterministic); B and C continue R (the optimizer state, schedule and data position
-resharded W -> W/2 -> 1 through ``optimizer.dcp``).
+Checks, exact where the code decides and loose only where training's chaos rules: a run is held
+to the run it must equal over a window of steps from where they part (A and N from step 1, N',
+B and C from the step after their resume), because later a rounding-level difference flips a
+near-tied routing choice and training amplifies it (the GPU-sized model in fp32 on the CPU: A
+within 3e-6 of R up to step 10, 5e-4 at step 15, 3e-3 at step 28). A follows R (step 1 to 1e-6,
+steps 1-10 to 1e-5; on GPUs 3e-5); N and N' are A (identical losses and checkpoints on the CPU,
+where every run is deterministic; on GPUs, where kernels need not be, the window to 3e-5 and
+checkpoint-10's tensors to 3e-5 of their norm); B continues A and C continues B (5 steps after
+the resume to 1e-5, 3e-5 on GPUs: the optimizer state, schedule and data position resharded
+W -> W/2 -> 1 through ``optimizer.dcp``). Past the windows only the mean gap is bounded (1%)
+and every gap is reported. Planted bugs, checked on the CPU with the GPU-sized model (and
+removed again): the saved optimizer state not read on resume fails B at its second step; each
+process's experts' optimizer state saved in reverse order fails it with gaps of 2.3e-4 (against
+at most 9.6e-7 without the bug). On GPUs TF32 is switched off for these runs
+(``NVIDIA_TF32_OVERRIDE=0``), so that they round like the CPU's fp32.
 
 On the CPU (gloo; a 1-layer model of width 32, 4 experts, 6 steps) the module is marked slow:
 16 process starts on 2 cores, several minutes. With ``MAXSCORE_LAYOUT_GPUS=N`` (2, 4 or 8) it runs
@@ -63,13 +74,15 @@ SAVE = STEPS // 3
 EXPERT_PARALLEL_A = W // 2 if W >= 4 else W
 GLOBAL_BATCH = 16 if ON_GPU else 4
 TIMEOUT_S = 420 if ON_GPU else 900
-#: Relative loss gaps to the one-process run: step 1, then the first 10 steps (rounding carried
-#: through Adam's steps), then the rest on GPUs (TF32 rounding, occasional near-tie flips).
-STEP1_REL, FIRST10_REL, LATER_REL = 1e-6, (1e-4 if ON_GPU else 1e-5), 1e-3
-#: Two launch layouts of the same processes: identical on the CPU; on GPUs the losses to 1e-4
-#: and each checkpoint tensor to 1e-4 of its norm (two launches of one layout can differ there
-#: by non-deterministic kernels; the report has the exact differences).
-SAME_REL = 1e-4 if ON_GPU else 0.0
+#: Relative loss gaps (module docstring): step 1; the windows (A vs R over FIRST_WINDOW steps,
+#: a resumed run vs the run it resumed over RESUME_WINDOW steps); the mean over a whole run.
+STEP1_REL = 1e-6
+WINDOW_REL = 3e-5 if ON_GPU else 1e-5
+FIRST_WINDOW, RESUME_WINDOW = 10, 5
+CHAOS_MEAN_REL = 1e-2
+#: Two launch layouts of the same processes: identical on the CPU; on GPUs within WINDOW_REL over
+#: the windows and checkpoint-SAVE's tensors to WINDOW_REL of their norm.
+SAME_REL = WINDOW_REL if ON_GPU else 0.0
 
 if ON_GPU:
     MODEL_ARGS = ["--model", "tiny", "--seq-len", "128", "--precision", "fp32"]
@@ -99,6 +112,10 @@ def _env(devices: list[int] | None) -> dict[str, str]:
         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
         "NVSHMEM_DISABLE_NVLS": "1",
     }
+    if ON_GPU:
+        # fp32 matrix products in fp32, not TF32 (cuBLAS and cuDNN read this over torch's
+        # setting): rounding of 1e-7, not 1e-3, between layouts.
+        env["NVIDIA_TF32_OVERRIDE"] = "0"
     if devices is not None and ON_GPU:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     return env
@@ -256,9 +273,9 @@ def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix, tree
 
 
-def _assert_same_checkpoint(a: Path, b: Path, scratch: Path) -> float:
-    """Model weights and optimizer state of two checkpoints equal (on GPUs: each tensor to
-    SAME_REL of its norm); returns the largest absolute difference."""
+def _checkpoint_difference(a: Path, b: Path, scratch: Path, rel: float | None) -> float:
+    """The largest absolute difference between two checkpoints' weights and optimizer states;
+    with ``rel``, each tensor must be within ``rel`` of its norm (0: equal, to the bit)."""
     worst = 0.0
     wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys()
@@ -268,13 +285,11 @@ def _assert_same_checkpoint(a: Path, b: Path, scratch: Path) -> float:
     assert oa.keys() == ob.keys()
     pairs += [(n, oa[n], ob[n]) for n in oa if isinstance(oa[n], torch.Tensor)]
     for name, x, y in pairs:
-        if SAME_REL == 0.0:
+        if rel == 0.0 or not x.is_floating_point():
             assert torch.equal(x, y), name
-        elif x.is_floating_point() and x.numel():
+        elif rel is not None and x.numel():
             scale = float(x.float().norm()) or 1.0
-            assert float((x.float() - y.float()).norm()) <= SAME_REL * scale, name
-        else:
-            assert torch.equal(x, y), name
+            assert float((x.float() - y.float()).norm()) <= rel * scale, name
         if x.numel():
             worst = max(worst, float((x.float() - y.float()).abs().max()))
     return worst
@@ -329,16 +344,24 @@ def _run_layouts(root: Path) -> None:
     _wait_all([_start(root, "C", _cut_after(root / "B", root / "C", 2 * SAVE), 1, resume=True)])
 
 
-def _check_follows(reference: dict[int, float], other: dict[int, float], steps: range) -> dict:
+def _check_follows(
+    reference: dict[int, float], other: dict[int, float], steps: range, window: int
+) -> dict[str, Any]:
+    """``other``'s losses against ``reference``'s over ``steps``: step 1 to STEP1_REL, the first
+    ``window`` steps to WINDOW_REL, the mean over all to CHAOS_MEAN_REL (module docstring)."""
     gaps = _gaps(reference, other, steps)
+    tight = {s: g for s, g in gaps.items() if s < steps.start + window}
     row = {
+        "steps": [steps.start, steps.stop - 1],
+        "window_max_rel": max(tight.values()),
         "max_rel": max(gaps.values()),
         "max_rel_step": max(gaps, key=gaps.__getitem__),
         "mean_rel": sum(gaps.values()) / len(gaps),
     }
-    for step, gap in gaps.items():
-        bound = STEP1_REL if step == 1 else FIRST10_REL if step <= 10 else LATER_REL
+    for step, gap in tight.items():
+        bound = STEP1_REL if step == 1 else WINDOW_REL
         assert gap <= bound, (step, gap, bound, row)
+    assert row["mean_rel"] <= CHAOS_MEAN_REL, row
     return row
 
 
@@ -347,7 +370,7 @@ def test_dp_by_ep_with_fsdp2_matches_one_process(layouts: Layouts) -> None:
     one-process run; its checkpoints hold the whole experts in an ordinary Hugging Face folder."""
     r, a = _losses(layouts.runs["R"]), _losses(layouts.runs["A"])
     assert sorted(a) == sorted(r) == list(range(1, STEPS + 1))
-    row = _check_follows(r, a, range(1, STEPS + 1))
+    row = _check_follows(r, a, range(1, STEPS + 1), FIRST_WINDOW)
     layouts.report["dp_ep_fsdp_vs_one"] = {"step1_rel": abs(a[1] - r[1]) / r[1], **row}
     final = layouts.runs["A"] / f"checkpoint-{STEPS}"
     weights, reference = _weights(final), _weights(layouts.runs["R"] / f"checkpoint-{STEPS}")
@@ -359,54 +382,73 @@ def test_dp_by_ep_with_fsdp2_matches_one_process(layouts: Layouts) -> None:
     assert (final / "optimizer.dcp" / ".metadata").is_file()
 
 
+def _check_same_launch(
+    a: dict[int, float], other: dict[int, float], steps: range, window: int
+) -> dict[str, Any]:
+    """Two launches of the same processes: equal losses on the CPU; on GPUs the window within
+    SAME_REL and the mean within CHAOS_MEAN_REL (module docstring)."""
+    if ON_GPU:
+        return _check_follows(a, other, steps, window)
+    gaps = _gaps(a, other, steps)
+    assert max(gaps.values()) == 0.0, gaps
+    return {"steps": [steps.start, steps.stop - 1], "window_max_rel": 0.0, "max_rel": 0.0}
+
+
 def test_two_agents_train_like_one_launch(layouts: Layouts) -> None:
     """N (two torchrun agents, --nnodes 2, --node-rank 0/1) is A: the same loss at every step
     (step 1 included) and the same checkpoints (weights and optimizer state)."""
     a, n = _losses(layouts.runs["A"]), _losses(layouts.runs["N"])
     assert sorted(n) == list(range(1, STEPS + 1))
-    gaps = _gaps(a, n, range(1, STEPS + 1))
+    row = _check_same_launch(a, n, range(1, STEPS + 1), FIRST_WINDOW)
     worst = {}
     for step in (SAVE, STEPS):
         name = f"checkpoint-{step}"
-        worst[name] = _assert_same_checkpoint(
-            layouts.runs["A"] / name, layouts.runs["N"] / name, layouts.root / "scratch" / name
+        # On GPUs a checkpoint past the window is compared and reported, not bounded.
+        rel = SAME_REL if not ON_GPU or step <= FIRST_WINDOW else None
+        worst[name] = _checkpoint_difference(
+            layouts.runs["A"] / name, layouts.runs["N"] / name, layouts.root / "scratch" / name, rel
         )
     layouts.report["two_agents_vs_one_launch"] = {
-        "step1_rel": gaps[1],
-        "max_rel": max(gaps.values()),
+        "step1_rel": abs(n[1] - a[1]) / a[1],
+        **row,
         "checkpoint_max_abs_diff": worst,
     }
-    assert max(gaps.values()) <= SAME_REL, gaps
 
 
 def test_resume_from_one_launch_by_two_agents(layouts: Layouts) -> None:
     """A's checkpoint resumed by two agents with a c10d rendezvous continues A exactly."""
     a, resumed = _losses(layouts.runs["A"]), _losses(layouts.runs["N_resumed"])
     assert sorted(resumed) == list(range(1, STEPS + 1))
-    gaps = _gaps(a, resumed, range(SAVE + 1, STEPS + 1))
+    row = _check_same_launch(a, resumed, range(SAVE + 1, STEPS + 1), RESUME_WINDOW)
     name = f"checkpoint-{STEPS}"
-    worst = _assert_same_checkpoint(
+    worst = _checkpoint_difference(
         layouts.runs["A"] / name,
         layouts.runs["N_resumed"] / name,
         layouts.root / "scratch" / "resumed",
+        None if ON_GPU else 0.0,
     )
-    layouts.report["resume_one_launch_to_two_agents"] = {
-        "max_rel": max(gaps.values()),
-        "checkpoint_max_abs_diff": worst,
-    }
-    assert max(gaps.values()) <= SAME_REL, gaps
+    layouts.report["resume_one_launch_to_two_agents"] = {**row, "checkpoint_max_abs_diff": worst}
 
 
 def test_checkpoints_reshard_from_w_to_half_to_one(layouts: Layouts) -> None:
     """A's checkpoint (W processes, FSDP2) resumed on W/2 (ep W/2, FSDP2; one plain process when
-    W = 2), and that run's next checkpoint on one process: both continue the one-process run."""
-    r, b, c = (_losses(layouts.runs[n]) for n in ("R", "B", "C"))
+    W = 2) continues A, and that run's next checkpoint resumed on one process continues it."""
+    r, a, b, c = (_losses(layouts.runs[n]) for n in ("R", "A", "B", "C"))
     assert sorted(c) == list(range(1, STEPS + 1))
     rows = {
-        "w_to_half": _check_follows(r, b, range(SAVE + 1, 2 * SAVE + 1)),
-        "half_to_one": _check_follows(r, c, range(2 * SAVE + 1, STEPS + 1)),
+        "w_to_half": _check_follows(a, b, range(SAVE + 1, STEPS + 1), RESUME_WINDOW),
+        "half_to_one": _check_follows(b, c, range(2 * SAVE + 1, STEPS + 1), RESUME_WINDOW),
     }
-    layouts.report["reshard_chain"] = {"processes": [W, W // 2, 1], **rows}
+    # Reported: C against the one-process run over the whole run (rounding, then chaos).
+    to_one = _gaps(r, c, range(1, STEPS + 1))
+    layouts.report["reshard_chain"] = {
+        "processes": [W, W // 2, 1],
+        **rows,
+        "c_vs_one_process": {
+            "max_rel": max(to_one.values()),
+            "mean_rel": sum(to_one.values()) / STEPS,
+        },
+    }
     layouts.report["expert_parallel_a"] = EXPERT_PARALLEL_A
     reference = _weights(layouts.runs["R"] / f"checkpoint-{STEPS}")
 
@@ -424,7 +466,9 @@ def test_checkpoints_reshard_from_w_to_half_to_one(layouts: Layouts) -> None:
     chain, uninterrupted = drift("C"), drift("A")
     layouts.report["reshard_chain"]["final_weights_max_rel_norm"] = max(chain.values())
     layouts.report["reshard_chain"]["uninterrupted_max_rel_norm"] = max(uninterrupted.values())
-    # The uninterrupted W-process run drifts as far (1.2e-5 on the CPU): rounding. A lost or
-    # misplaced optimizer state moves each weight by about lr per step (weights of 0.02 here).
-    bound = 1e-2 if ON_GPU else 1e-4
-    assert max(chain.values()) <= bound, {n: d for n, d in chain.items() if d > bound}
+    if not ON_GPU:
+        # The uninterrupted W-process run drifts as far (1.2e-5): rounding. A lost or misplaced
+        # optimizer state moves each weight by about lr per step (weights of 0.02 here). On GPUs
+        # 30 steps are past the chaos horizon (the GPU-sized model's uninterrupted run ends 14%
+        # of a tensor's norm from the one-process run's): reported only.
+        assert max(chain.values()) <= 1e-4, {n: d for n, d in chain.items() if d > 1e-4}

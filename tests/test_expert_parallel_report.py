@@ -139,3 +139,34 @@ def test_two_calls_with_tests_or_two_machine_sizes_are_refused(
     (four / "expert_parallel_4gpu.json").write_text(json.dumps({"runs": [], "scaling": []}))
     with pytest.raises(SystemExit, match=r"different sizes \(\[2, 4\] GPUs\)"):
         report.render(call_folder, four)
+
+
+def test_layout_table_states_each_window_and_the_chaos_past_it() -> None:
+    layouts = {
+        "processes": 4,
+        "steps": 30,
+        "expert_parallel_a": 2,
+        "dp_ep_fsdp_vs_one": {"steps": [1, 30], "step1_rel": 9.1e-8, "window_max_rel": 2.9e-6,
+                              "max_rel": 3.4e-3, "max_rel_step": 28, "mean_rel": 4.1e-4},
+        "two_agents_vs_one_launch": {"steps": [1, 30], "step1_rel": 0.0, "window_max_rel": 0.0,
+                                     "max_rel": 0.0, "checkpoint_max_abs_diff":
+                                     {"checkpoint-10": 0.0, "checkpoint-30": 1.5e-6}},
+        "reshard_chain": {
+            "w_to_half": {"steps": [11, 30], "window_max_rel": 9.6e-7, "max_rel": 1.2e-4,
+                          "max_rel_step": 29, "mean_rel": 2.0e-5},
+            "c_vs_one_process": {"max_rel": 3.4e-3, "mean_rel": 4.0e-4},
+            "final_weights_max_rel_norm": 0.14,
+            "uninterrupted_max_rel_norm": 0.13,
+        },
+    }  # fmt: skip
+    lines = report.layout_table(layouts)
+    assert (
+        "| dp 2 x ep 2 + FSDP2 vs 1 GPU | 1-30 | 9.1e-08 | 2.9e-06 | 3.4e-03 (28) | 4.1e-04 | - |"
+        in lines
+    )
+    assert lines[-1].startswith("The chain's last run against the one-GPU run")
+    agents = next(line for line in lines if line.startswith("| two torchrun agents"))
+    assert agents.endswith("| checkpoint-10: 0.0e+00, checkpoint-30: 1.5e-06 |")
+    reshard = next(line for line in lines if "resharded 4 -> 2 vs the 4-GPU run" in line)
+    assert "| 11-30 | - | 9.6e-07 | 1.2e-04 (29) | 2.0e-05 | - |" in reshard
+    assert not any("then 2 -> 1" in line for line in lines)  # no row without its numbers

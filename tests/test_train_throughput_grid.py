@@ -82,6 +82,25 @@ def test_table_ratios_are_within_one_preset_and_gpu(tmp_path: Path) -> None:
     assert dense[7] == "-" and dense[10] == "-" and dense[11] == "-"
 
 
+def test_a_failed_run_is_stated_never_a_number_or_a_crash(tmp_path: Path) -> None:
+    """A run that failed leaves ``{"router", "error"}`` in its file (bench.py keeps going): its
+    cells say "failed", no ratio uses it, and its error follows the table."""
+    error = "ConfigError: precision fp8 needs torchao, which is not installed"
+    _write_run(
+        tmp_path,
+        1,
+        {
+            ("base", "bf16"): [_result("gshard", 400_000, 0.25), _result("maxscore", 380_000)],
+            ("base", "fp8"): [{"router": "gshard", "error": error}, _result("maxscore", 399_000)],
+        },
+    )
+    rows = grid.table(grid.collect(tmp_path))
+    gshard, maxscore = (row.split(" | ") for row in rows[2:4])
+    assert gshard[7:11] == ["failed", "failed", "failed", "-"]  # fp8 ms, MFU, GiB; fp8 / bf16
+    assert maxscore[12] == "**0.950**" and maxscore[13].rstrip(" |") == "-"  # vs failed gshard
+    assert rows[-1] == f"base / gshard / fp8 failed: {error}"
+
+
 def test_run_trains_every_preset_in_both_precisions_and_report_writes_the_readme(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

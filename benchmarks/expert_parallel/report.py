@@ -127,45 +127,63 @@ def expert_parallel_table(tests: dict[str, Any]) -> list[str]:
     return out
 
 
+def _layout_row(label: str, row: dict[str, Any], checkpoints: str = "-") -> str:
+    window = row.get("steps") or ["?", "?"]
+    return (
+        f"| {label} | {window[0]}-{window[1]} | {_sci(row.get('step1_rel'))} | "
+        f"{_sci(row.get('window_max_rel'))} | {_sci(row.get('max_rel'))} "
+        f"({row.get('max_rel_step', '-')}) | {_sci(row.get('mean_rel'))} | {checkpoints} |"
+    )
+
+
 def layout_table(layouts: dict[str, Any]) -> list[str]:
+    """The layout tests' gaps: each run against the run it must equal (the test's module
+    docstring: tight over a window from where they part, the mean over all steps)."""
     if not layouts:
         return []
     w = layouts.get("processes", "?")
+    half = w // 2 if isinstance(w, int) else "?"
     out = [
-        f"Launch and process layouts on {w} GPUs ({layouts.get('steps')} steps, maxscore):",
+        f"Launch and process layouts on {w} GPUs ({layouts.get('steps')} steps, maxscore): "
+        "loss gaps over the compared steps, the window's largest (held tight), the largest and "
+        "the mean over all (chaos past the window):",
         "",
-        "| comparison | step 1 | max (step) | mean | checkpoints: largest difference |",
-        "|---|---|---|---|---|",
+        "| comparison | steps | step 1 | window max | max (step) | mean | checkpoints: largest "
+        "difference |",
+        "|---|---|---|---|---|---|---|",
     ]
     row = layouts.get("dp_ep_fsdp_vs_one")
     if row:
-        out.append(
-            f"| dp 2 x ep {w // 2 if isinstance(w, int) else '?'} + FSDP2 vs 1 GPU | "
-            f"{_sci(row.get('step1_rel'))} | {_sci(row.get('max_rel'))} "
-            f"({row.get('max_rel_step')}) | {_sci(row.get('mean_rel'))} | - |"
-        )
+        ep = layouts.get("expert_parallel_a", half)
+        dp = w // ep if isinstance(w, int) and isinstance(ep, int) and ep else "?"
+        out.append(_layout_row(f"dp {dp} x ep {ep} + FSDP2 vs 1 GPU", row))
     row = layouts.get("two_agents_vs_one_launch")
     if row:
-        worst = max((row.get("checkpoint_max_abs_diff") or {0: 0.0}).values())
-        out.append(
-            f"| two torchrun agents (--nnodes 2) vs one launch | {_sci(row.get('step1_rel'))} | "
-            f"{_sci(row.get('max_rel'))} | - | {_sci(worst)} |"
-        )
+        diffs = row.get("checkpoint_max_abs_diff") or {}
+        checkpoints = ", ".join(f"{name}: {_sci(value)}" for name, value in diffs.items()) or "-"
+        out.append(_layout_row("two torchrun agents (--nnodes 2) vs one launch", row, checkpoints))
     row = layouts.get("resume_one_launch_to_two_agents")
     if row:
-        out.append(
-            f"| one launch's checkpoint resumed by two agents (c10d) vs uninterrupted | - | "
-            f"{_sci(row.get('max_rel'))} | - | {_sci(row.get('checkpoint_max_abs_diff'))} |"
-        )
+        checkpoints = _sci(row.get("checkpoint_max_abs_diff"))
+        label = "one launch's checkpoint resumed by two agents (c10d) vs uninterrupted"
+        out.append(_layout_row(label, row, checkpoints))
     chain = layouts.get("reshard_chain", {})
-    for key, label in (("w_to_half", f"{w} -> {w // 2 if isinstance(w, int) else '?'}"),
-                       ("half_to_one", "then -> 1")):  # fmt: skip
-        row = chain.get(key)
-        if row:
-            out.append(
-                f"| checkpoint resharded {label}, vs 1 GPU | - | {_sci(row.get('max_rel'))} "
-                f"({row.get('max_rel_step')}) | {_sci(row.get('mean_rel'))} | - |"
-            )
+    for key, label in (
+        ("w_to_half", f"checkpoint resharded {w} -> {half} vs the {w}-GPU run"),
+        ("half_to_one", f"then {half} -> 1 vs the {half}-GPU run"),
+    ):
+        if chain.get(key):
+            out.append(_layout_row(label, chain[key]))
+    to_one = chain.get("c_vs_one_process")
+    if to_one:
+        out += [
+            "",
+            f"The chain's last run against the one-GPU run over all steps: largest gap "
+            f"{_sci(to_one.get('max_rel'))}, mean {_sci(to_one.get('mean_rel'))}; final weights "
+            f"{_sci(chain.get('final_weights_max_rel_norm'))} of a tensor's norm from the "
+            f"one-GPU run's (the uninterrupted {w}-GPU run: "
+            f"{_sci(chain.get('uninterrupted_max_rel_norm'))}).",
+        ]
     return out
 
 

@@ -170,27 +170,37 @@ def collect(folder: Path) -> dict[str, Any]:
 
 
 def _result(doc: dict[str, Any], preset: str, precision: str, router: str) -> dict | None:
+    """A run's result row (``{"error": ...}`` for a run that failed), or None if not run."""
     run = doc["presets"].get(preset, {}).get("runs", {}).get(precision, {})
     return next((r for r in run.get("results", []) if r.get("router") == router), None)
 
 
+def _measured(row: dict | None) -> dict | None:
+    return None if row is None or "error" in row else row
+
+
 def _cell(row: dict | None, key: str, spec: str) -> str:
+    if row is not None and "error" in row:
+        return "failed"
     return "-" if row is None or row.get(key) is None else format(row[key], spec)
 
 
 def _ratio(a: dict | None, b: dict | None) -> str:
-    """Tokens/s of ``a`` over ``b`` ("-" when either run is missing)."""
+    """Tokens/s of ``a`` over ``b`` ("-" when either run is missing or failed)."""
+    a, b = _measured(a), _measured(b)
     return "-" if a is None or b is None else f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}"
 
 
 def table(doc: dict[str, Any]) -> list[str]:
     """The README table: per preset and router bf16 and fp8 side by side, fp8 / bf16 and MaxScore
-    / baseline in tokens/s (each ratio within one GPU and one call)."""
+    / baseline in tokens/s (each ratio within one GPU and one call); a failed run's cells say
+    "failed" and its error follows the table."""
     lines = [
         "| preset | router | GPU | bf16 step ms | tokens/s | MFU | peak GiB | fp8 step ms | MFU "
         "| peak GiB | fp8 / bf16 | dropped | maxscore / baseline, bf16 | fp8 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    failures = []
     for preset in BASELINES:
         if preset not in doc["presets"]:
             continue
@@ -198,9 +208,14 @@ def table(doc: dict[str, Any]) -> list[str]:
         for router in routers_of(preset):
             bf16, fp8 = (_result(doc, preset, p, router) for p in PRECISIONS)
             base = {p: _result(doc, preset, p, baseline) for p in PRECISIONS}
-
-            dropped = "-" if BASELINES[preset] is None or bf16 is None else (
-                f"{bf16['dropped'] * 100:.1f}%" if bf16.get("dropped") else "0"
+            failures += [
+                f"{preset} / {router} / {precision} failed: {row['error']}"
+                for precision, row in zip(PRECISIONS, (bf16, fp8), strict=True)
+                if row is not None and "error" in row
+            ]
+            measured = _measured(bf16)
+            dropped = "-" if BASELINES[preset] is None or measured is None else (
+                f"{measured['dropped'] * 100:.1f}%" if measured.get("dropped") else "0"
             )  # fmt: skip
             mine = router == "maxscore"
             versus_bf16 = f"**{_ratio(bf16, base['bf16'])}**" if mine else ""
@@ -213,6 +228,8 @@ def table(doc: dict[str, Any]) -> list[str]:
                 f"| {_cell(fp8, 'peak_memory_gib_rank0', '.1f')} | {_ratio(fp8, bf16)} | {dropped} "
                 f"| {versus_bf16} | {versus_fp8} |"
             )
+    if failures:
+        lines += ["", *failures]
     return lines
 
 
