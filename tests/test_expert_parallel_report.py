@@ -131,7 +131,7 @@ def test_two_calls_with_tests_or_two_machine_sizes_are_refused(
 ) -> None:
     other = tmp_path / "other"
     shutil.copytree(call_folder, other)
-    with pytest.raises(SystemExit, match=r"gpu_tests\.txt is in 2 of the folders"):
+    with pytest.raises(SystemExit, match=r"gpu_tests output is in 2 of the folders"):
         report.render(call_folder, other)
     four = tmp_path / "four"
     four.mkdir()

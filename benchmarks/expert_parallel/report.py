@@ -237,11 +237,12 @@ def _check_call_folder(folder: Path) -> None:
 
 
 def _tests_folder(folders: list[Path], stem: str) -> Path | None:
-    """The one folder with ``<stem>.txt`` (a test session's output), or None."""
-    found = [f for f in folders if (f / f"{stem}.txt").is_file()]
+    """The one folder with ``<stem>.txt`` or ``<stem>.json`` (a test session's output and
+    report), or None."""
+    found = [f for f in folders if any((f / f"{stem}{x}").is_file() for x in (".txt", ".json"))]
     if len(found) > 1:
         raise SystemExit(
-            f"{stem}.txt is in {len(found)} of the folders ({', '.join(map(str, found))}): give "
+            f"{stem} output is in {len(found)} of the folders ({', '.join(map(str, found))}): give "
             "the call whose tests should be reported, and the others' benchmark folders"
         )
     return found[0] if found else None
