@@ -4,6 +4,7 @@ constructed benchmark summaries)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -36,7 +37,8 @@ def call_folder(tmp_path: Path) -> Path:
 
 
 def test_render_states_the_outcomes_and_the_measured_gaps(call_folder: Path) -> None:
-    gpus, markdown = report.render(call_folder)
+    rendered = report.render(call_folder)
+    gpus, markdown = rendered.gpus, rendered.full
     assert gpus == 2
     assert "Measured: NVIDIA H200, 143771 MiB; commit abc1234 a change." in markdown
     assert "`test_expert_parallel_gpu.py`: 1 passed, 1 failed, 1 skipped in 122.74s." in markdown
@@ -48,6 +50,10 @@ def test_render_states_the_outcomes_and_the_measured_gaps(call_folder: Path) -> 
     gshard = next(line for line in markdown.splitlines() if line.startswith("| gshard |"))
     assert "9.1e-08, 0 of 8192" in gshard and "0.94% (43)" in gshard
     assert "| DeepSpeed zero2 vs DDP, 30 steps | 0.0e+00 | 0.88% (28) | 0.093% |" in markdown
+    # The README's summary: the outcomes and where the rest is, not the tests' tables.
+    assert "`test_expert_parallel_gpu.py`: 1 passed, 1 failed" in rendered.summary
+    assert "| gshard |" not in rendered.summary
+    assert rendered.summary.rstrip().endswith("[`results/2gpu/REPORT.md`](results/2gpu/REPORT.md).")
 
 
 def test_write_replaces_only_its_own_block_and_keeps_the_raw_files(
@@ -60,15 +66,18 @@ def test_write_replaces_only_its_own_block_and_keeps_the_raw_files(
     )
     monkeypatch.setattr(report, "README", readme)
     monkeypatch.setattr(report, "HERE", tmp_path)
-    gpus, markdown = report.render(call_folder)
-    report.write([call_folder], gpus, markdown)
+    rendered = report.render(call_folder)
+    report.write([call_folder], rendered)
     text = readme.read_text()
     assert "old" not in text and text.count("<!-- report:2gpu -->") == 1
     assert text.startswith("intro\n### 2 GPUs\n\n<!-- report:2gpu -->\nMeasured:")
     assert text.endswith("<!-- /report:2gpu -->\n\nkept\n## Not run\n\nrest\n")
     assert (tmp_path / "results" / "2gpu" / "gpu_tests.json").is_file()
+    full = (tmp_path / "results" / "2gpu" / "REPORT.md").read_text()
+    assert full.startswith("# Expert parallelism on 2 GPUs") and rendered.full in full
+    assert rendered.full not in text and rendered.summary in text
     # A count without a block gets its own section before "## Not run".
-    report.write([call_folder], 8, markdown)
+    report.write([call_folder], dataclasses.replace(rendered, gpus=8))
     text = readme.read_text()
     assert "### 8 GPUs (raw files: `results/8gpu/`)\n\n<!-- report:8gpu -->" in text
     assert text.index("<!-- /report:8gpu -->") < text.index("## Not run")
@@ -107,18 +116,25 @@ def test_several_calls_make_one_block_with_each_calls_own_ratios(
     first = _bench_call(tmp_path / "b1", "base-2x64", one, two)
     one, two = {"gshard": 80.0, "maxscore": 76.0}, {"gshard": 160.0, "maxscore": 150.4}
     second = _bench_call(tmp_path / "b2", "base-8x128", one, two)
-    gpus, markdown = report.render(call_folder, first, second)
-    assert gpus == 2
+    rendered = report.render(call_folder, first, second)
+    markdown = rendered.full
+    assert rendered.gpus == 2
     assert "Measured in 3 calls:" in markdown and "3. NVIDIA H200; bench base-8x128." in markdown
     assert "* test_expert_parallel_matches_one_gpu[gshard]: passed" in markdown
     # 171 / (2 x 95) = 90.0% scaling, 171 / 190 = 0.900 of gshard; 150.4 / 152 = 98.9%, 0.940.
     assert "| base-2x64 | maxscore | 2 | 171 | 95 | 1.80 | 90.0% | 0.900 | 30.0% |" in markdown
     assert "| base-8x128 | maxscore | 2 | 150 | 76 | 1.98 | 98.9% | 0.940 | 30.0% |" in markdown
     assert "| base-8x128 | maxscore | 1 | 76 | - | - | - | 0.950 | 30.0% |" in markdown
+    # The README's table: a row per preset and router, a column per GPU count.
+    summary = rendered.summary.splitlines()
+    assert "| preset | router | 1 GPU | 2 GPUs |" in summary
+    assert "| base-2x64 | gshard | 100 | 190 (95.0%) |" in summary
+    assert "| base-2x64 | maxscore | 95 (0.950) | 171 (90.0%, 0.900) |" in summary
+    assert "| base-8x128 | maxscore | 76 (0.950) | 150 (98.9%, 0.940) |" in summary
     monkeypatch.setattr(report, "README", tmp_path / "README.md")
     monkeypatch.setattr(report, "HERE", tmp_path)
     (tmp_path / "README.md").write_text("## Not run\n")
-    report.write([call_folder, first, second], gpus, markdown)
+    report.write([call_folder, first, second], rendered)
     raw = tmp_path / "results" / "2gpu"
     merged = json.loads((raw / "expert_parallel.json").read_text())
     assert len(merged["runs"]) == 8 and len(merged["scaling"]) == 4

@@ -8,9 +8,11 @@
 ``layout_tests.{txt,json}``, ``expert_parallel_<G>gpu*.json``). Several folders (one machine
 size, e.g. a call of ``PHASES=tests`` and calls of ``PHASES=bench`` with one preset each) make one
 block: their benchmark rows are joined, each call's scaling computed within that call only.
-``--write`` copies the files to ``results/<G>gpu/`` beside this script and replaces the README's
-block between ``<!-- report:<G>gpu -->`` and ``<!-- /report:<G>gpu -->`` (added before
-"## Not run" when missing) with the tables, so a README number always has its raw file next to it.
+``--write`` copies the files to ``results/<G>gpu/`` beside this script with ``REPORT.md`` (every
+test's outcome, the tests' gaps, the whole throughput table) and replaces the README's block
+between ``<!-- report:<G>gpu -->`` and ``<!-- /report:<G>gpu -->`` (added before "## Not run"
+when missing) with a summary: the outcomes and the scaling table, one row per preset and router.
+A README number always has its raw file next to it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +234,51 @@ def throughput_table(bench: dict[str, Any]) -> list[str]:
     return out
 
 
+def scaling_summary(bench: dict[str, Any]) -> list[str]:
+    """The README's table: per preset and router, tokens/s on one GPU, and on each larger count
+    tokens/s with its scaling efficiency and its ratio to gshard on as many GPUs (all within
+    one call: ``bench.py summarize``)."""
+    runs = [r for r in bench.get("runs", []) if "error" not in r]
+    if not runs:
+        return []
+    counts = sorted({r["gpus"] for r in runs})
+    ones = {(r["preset"], r["router"]): r["tokens_per_s"] for r in runs if r["gpus"] == 1}
+    larger = {(s["preset"], s["router"], s["gpus"]): s for s in bench.get("scaling", [])}
+    meta = next(iter(bench.get("meta", {}).values()), {})
+    out = [
+        f"Tokens/s (compiled, bf16, micro-batch {runs[0].get('micro_batch_per_gpu')} x "
+        f"{meta.get('seq_len')} per GPU, steps {meta.get('warmup_steps_excluded', 0) + 1}-"
+        f"{meta.get('steps')} timed; in brackets: scaling efficiency against that many times one "
+        "GPU, and maxscore / gshard on as many GPUs):",
+        "",
+        "| preset | router | " + " | ".join(f"{c} GPU{'s' * (c > 1)}" for c in counts) + " |",
+        "|---|---|" + "---|" * len(counts),
+    ]
+    for preset, router in sorted({(r["preset"], r["router"]) for r in runs}):
+        cells = []
+        for count in counts:
+            if count == 1:
+                tps, gshard = ones.get((preset, router)), ones.get((preset, "gshard"))
+                ratio = f" ({tps / gshard:.3f})" if tps and gshard and router != "gshard" else ""
+                cells.append("-" if tps is None else f"{tps:,.0f}{ratio}")
+                continue
+            row = larger.get((preset, router, count))
+            if row is None:
+                cells.append("-")
+                continue
+            versus = row.get("vs_gshard_same_gpus")
+            brackets = [_pct(row.get("scaling_efficiency"), 1)]
+            if router != "gshard" and versus is not None:
+                brackets.append(f"{versus:.3f}")
+            cells.append(f"{row['tokens_per_s']:,.0f} ({', '.join(brackets)})")
+        out.append(f"| {preset} | {router} | " + " | ".join(cells) + " |")
+    failed = [r for r in bench.get("runs", []) if "error" in r]
+    out += [f"\n{r['preset']} / {r['router']} failed: {r['error']}" for r in failed]
+    if bench.get("skipped"):
+        out += ["", "Not run (no time left in the call): " + "; ".join(bench["skipped"]) + "."]
+    return out
+
+
 def _check_call_folder(folder: Path) -> None:
     if not (folder / "versions.txt").is_file():
         raise SystemExit(f"{folder} has no versions.txt: not the $OUT folder of a run_gpus.sh call")
@@ -275,7 +323,17 @@ def _gpu_count(folders: list[Path], tests: dict[str, Any], layouts: dict[str, An
     return counts.pop() if counts else None
 
 
-def render(*folders: Path) -> tuple[int | None, str]:
+@dataclass
+class Report:
+    """One machine size's report: ``full`` (``results/<G>gpu/REPORT.md``: every test's line,
+    the tests' gaps, the whole throughput table) and ``summary`` (the README's block)."""
+
+    gpus: int | None
+    full: str
+    summary: str
+
+
+def render(*folders: Path) -> Report:
     """The Markdown of one or more calls' files, and their GPU count (None if nothing says it)."""
     if not folders:
         raise SystemExit("give at least one run_gpus.sh $OUT folder")
@@ -293,27 +351,39 @@ def render(*folders: Path) -> tuple[int | None, str]:
         versions = (folder / "versions.txt").read_text().strip().splitlines()
         measured.append("; ".join(v for v in versions if v))
     if len(measured) == 1:
-        lines = [f"Measured: {measured[0]}.", ""]
+        head = [f"Measured: {measured[0]}.", ""]
     else:
-        lines = [f"Measured in {len(measured)} calls:", ""]
-        lines += [f"{i}. {m}." for i, m in enumerate(measured, 1)] + [""]
+        head = [f"Measured in {len(measured)} calls:", ""]
+        head += [f"{i}. {m}." for i, m in enumerate(measured, 1)] + [""]
     rows = []
     for script, folder, stem in (
         ("test_expert_parallel_gpu.py", gpu_folder, "gpu_tests"),
         ("test_expert_parallel_layouts.py", layout_folder, "layout_tests"),
     ):
         output = folder / f"{stem}.txt" if folder else None
-        lines.append(f"`{script}`: {_outcomes(output)}.")
+        head.append(f"`{script}`: {_outcomes(output)}.")
         rows += _test_rows(output) if output else []
+    full = list(head)
     if rows:
-        lines += ["", *(f"* {row}" for row in rows)]
+        full += ["", *(f"* {row}" for row in rows)]
     for table in (expert_parallel_table(tests), layout_table(layouts), throughput_table(bench)):
         if table:
-            lines += ["", *table]
-    return gpus, "\n".join(lines) + "\n"
+            full += ["", *table]
+    summary = list(head)
+    table = scaling_summary(bench)
+    if table:
+        summary += ["", *table]
+    where = f"results/{gpus}gpu/REPORT.md"
+    summary += ["", f"Every test's outcome, the tests' gaps and MFU: [`{where}`]({where})."]
+    return Report(gpus, "\n".join(full) + "\n", "\n".join(summary) + "\n")
 
 
-def write(folders: list[Path], gpus: int, markdown: str) -> None:
+def write(folders: list[Path], report: Report) -> None:
+    """Copy the calls' files to ``results/<G>gpu/`` with ``REPORT.md``, and replace the README's
+    block for G GPUs with the summary."""
+    if report.gpus is None:
+        raise SystemExit("no file in the folders says how many GPUs the calls used")
+    gpus = report.gpus
     raw = HERE / "results" / f"{gpus}gpu"
     raw.mkdir(parents=True, exist_ok=True)
     for stem in ("gpu_tests", "layout_tests"):
@@ -333,8 +403,10 @@ def write(folders: list[Path], gpus: int, markdown: str) -> None:
     bench = merged_benchmark(folders)
     if bench["runs"] or bench["skipped"]:
         (raw / "expert_parallel.json").write_text(json.dumps(bench, indent=2) + "\n")
+    title = f"# Expert parallelism on {gpus} GPUs: the tests and the throughput\n\n"
+    (raw / "REPORT.md").write_text(title + report.full)
     start, end = f"<!-- report:{gpus}gpu -->", f"<!-- /report:{gpus}gpu -->"
-    block = f"{start}\n{markdown}{end}"
+    block = f"{start}\n{report.summary}{end}"
     text = README.read_text()
     if start in text and end in text:
         text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
@@ -352,13 +424,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--write", action="store_true", help="copy the files, update README.md")
     args = parser.parse_args(argv)
-    gpus, markdown = render(*args.folders)
-    print(markdown)
+    report = render(*args.folders)
+    print(report.full)
     if args.write:
-        if gpus is None:
-            raise SystemExit("no file in the folder says how many GPUs the call used")
-        write(args.folders, int(gpus), markdown)
-        print(f"README.md updated; raw files in {HERE / 'results' / f'{gpus}gpu'}")
+        write(args.folders, report)
+        print(
+            f"README.md updated; raw files and REPORT.md in {HERE / 'results' / f'{report.gpus}gpu'}"
+        )
 
 
 if __name__ == "__main__":
