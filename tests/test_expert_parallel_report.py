@@ -157,6 +157,14 @@ def test_two_calls_with_tests_or_two_machine_sizes_are_refused(
         report.render(call_folder, four)
 
 
+def test_a_run_in_two_calls_is_refused(tmp_path: Path) -> None:
+    speeds = {"gshard": 100.0, "maxscore": 95.0}
+    first = _bench_call(tmp_path / "b1", "base-2x64", speeds, speeds)
+    again = _bench_call(tmp_path / "b2", "base-2x64", speeds, speeds)
+    with pytest.raises(SystemExit, match=r"base-2x64 / gshard on 1 GPUs is in two of the calls"):
+        report.render(first, again)
+
+
 def test_layout_table_states_each_window_and_the_chaos_past_it() -> None:
     layouts = {
         "processes": 4,

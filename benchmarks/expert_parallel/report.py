@@ -308,6 +308,15 @@ def merged_benchmark(folders: list[Path]) -> dict[str, Any]:
                 merged["meta"][prefix + tag] = meta
             for key in ("scaling", "runs", "skipped"):
                 merged[key] += data.get(key, [])
+    seen: set[tuple[Any, ...]] = set()
+    for run in merged["runs"]:
+        key = (run.get("preset"), run.get("router"), run.get("gpus"))
+        if key in seen:
+            # Its ratios would pair runs of two calls (two machines, or one at two times).
+            raise SystemExit(
+                f"{key[0]} / {key[1]} on {key[2]} GPUs is in two of the calls: give one"
+            )
+        seen.add(key)
     return merged
 
 
