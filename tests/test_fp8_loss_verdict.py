@@ -65,3 +65,30 @@ def test_report_reads_the_run_folders(tmp_path: Path) -> None:
     written = json.loads(out.read_text())
     assert written["result"]["mean_fp8"] == pytest.approx(3.565)
     assert written["runs"]["fp8-seed1"]["eval_loss"] == 3.58
+    # The written report judged again: the same result, the first date kept.
+    again = tmp_path / "again.json"
+    assert fp8_loss.main(["report", str(out), "--output", str(again)]) == 0
+    rejudged = json.loads(again.read_text())
+    assert rejudged["result"] == written["result"]
+    assert rejudged["meta"]["date"] == written["meta"]["date"] and "judged" in rejudged["meta"]
+
+
+def test_the_paired_interval_and_its_verdict() -> None:
+    """Differences -0.018, -0.0087, -0.0111: mean -0.0126, sd 0.0048280, se 0.0027875,
+    t(0.975, 2) = 4.3027, so [-0.024594, -0.000606]: below 0, fp8 lower."""
+    bf16 = {0: 4.3687, 1: 4.3696, 2: 4.3676}
+    fp8 = {0: 4.3687 - 0.018, 1: 4.3696 - 0.0087, 2: 4.3676 - 0.0111}
+    paired = fp8_loss.fp8_verdict(bf16, fp8)
+    assert paired["paired"]["low"] == pytest.approx(-0.024594, abs=2e-6)
+    assert paired["paired"]["high"] == pytest.approx(-0.000606, abs=2e-6)
+    assert paired["paired"]["verdict"] == "better"
+    assert paired["paired_verdict"].startswith("fp8 reaches a lower loss than bf16: fp8 - bf16 =")
+    # Differences 0.001, -0.001, 0.0005: [-0.0024, +0.0028], inside the 0.01 margin.
+    same = fp8_loss.fp8_verdict(bf16, {0: 4.3697, 1: 4.3686, 2: 4.3681})
+    assert same["paired"]["verdict"] == "equivalent"
+    assert same["paired_verdict"].startswith("fp8 and bf16 equivalent (within 0.01 nats)")
+
+
+def test_report_refuses_a_folder_without_runs(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"no <precision>-seed<n>/summary\.json runs"):
+        fp8_loss.main(["report", str(tmp_path), "--output", str(tmp_path / "out.json")])

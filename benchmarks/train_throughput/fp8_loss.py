@@ -12,7 +12,11 @@ embedded corpus); no checkpoint is kept.
 (:func:`fp8_verdict`): a run with seed ``s`` starts from the same initialisation and sees the
 same data in both precisions, so the difference is paired by seed; fp8 is **within the bf16
 seed spread** when its mean validation loss differs from bf16's mean by at most bf16's
-seed-to-seed standard deviation, and **outside** it otherwise.
+seed-to-seed standard deviation, and **outside** it otherwise. Beside that target the report
+states how sure the difference is: the paired fp8 - bf16 differences' Student-t interval and the
+verdict of :mod:`maxscore.training.evidence` (better / worse / equivalent within 0.01 nats /
+inconclusive), as ``maxscore compare`` judges two routers. ``report`` also takes a JSON file it
+wrote before and judges its runs again.
 
     python benchmarks/train_throughput/fp8_loss.py run --seeds 0 1 --out /tmp/fp8loss
     python benchmarks/train_throughput/fp8_loss.py report /tmp/fp8loss --output fp8_loss_h200.json
@@ -31,6 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from maxscore.training.evidence import describe, format_interval
+
 #: The Base faithful short run (``--precision`` and ``--seed`` are added per run).
 TRAIN_ARGS: tuple[str, ...] = (
     "--model", "base", "--router", "maxscore", "--recipe", "paper-shape", "--max-steps", "400",
@@ -39,6 +45,14 @@ TRAIN_ARGS: tuple[str, ...] = (
     "--save-steps", "100000", "--no-save-final",
 )  # fmt: skip
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
+#: The evidence module's verdict on fp8 - bf16, in words.
+PAIRED_VERDICTS = {
+    "better": "fp8 reaches a lower loss than bf16",
+    "worse": "fp8 reaches a higher loss than bf16",
+    "equivalent": "fp8 and bf16 equivalent (within 0.01 nats)",
+    "inconclusive": "inconclusive",
+    "too few seeds": "too few seeds for an interval",
+}
 
 
 def run_name(precision: str, seed: int) -> str:
@@ -50,7 +64,9 @@ def fp8_verdict(bf16: Mapping[int, float], fp8: Mapping[int, float]) -> dict[str
 
     Needs at least two seeds in each precision (a spread needs two) and the same seeds in both
     (the comparison is paired). ``within`` is ``|mean(fp8) - mean(bf16)| <= sd(bf16)``, ``sd``
-    the sample standard deviation of bf16's losses over seeds.
+    the sample standard deviation of bf16's losses over seeds; ``paired`` is
+    :func:`maxscore.training.evidence.describe` of the per-seed fp8 - bf16 differences (their
+    t interval and verdict), ``paired_verdict`` the same in words.
     """
     if set(bf16) != set(fp8):
         raise ValueError(
@@ -67,6 +83,7 @@ def fp8_verdict(bf16: Mapping[int, float], fp8: Mapping[int, float]) -> dict[str
     spread = statistics.stdev(bf16[s] for s in seeds)
     difference = mean_fp8 - mean_bf16
     within = abs(difference) <= spread
+    paired = describe([fp8[s] - bf16[s] for s in seeds])
     return {
         "seeds": seeds,
         "bf16": {str(s): bf16[s] for s in seeds},
@@ -78,6 +95,10 @@ def fp8_verdict(bf16: Mapping[int, float], fp8: Mapping[int, float]) -> dict[str
         "bf16_seed_sd": spread,
         "within": within,
         "verdict": "within the bf16 seed spread" if within else "outside the bf16 seed spread",
+        "fp8_seed_sd": statistics.stdev(fp8[s] for s in seeds),
+        "paired": paired,
+        "paired_verdict": f"{PAIRED_VERDICTS[paired['verdict']]}: fp8 - bf16 = "
+        f"{format_interval(paired)}",
     }
 
 
@@ -112,17 +133,25 @@ def _run(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     root = Path(args.root)
-    summaries = {
-        path.parent.name: json.loads(path.read_text())
-        for path in sorted(root.glob("*-seed*/summary.json"))
-    }
+    if root.is_file():  # a report written before: its runs judged again
+        summaries = json.loads(root.read_text())["runs"]
+    else:
+        summaries = {
+            path.parent.name: json.loads(path.read_text())
+            for path in sorted(root.glob("*-seed*/summary.json"))
+        }
+    if not summaries:
+        raise SystemExit(f"{root}: no <precision>-seed<n>/summary.json runs and not a report file")
     losses: dict[str, dict[int, float]] = {p: {} for p in PRECISIONS}
     for name, summary in summaries.items():
         precision, seed = name.split("-seed")
         losses[precision][int(seed)] = float(summary["eval_loss"])
     result = fp8_verdict(losses["bf16"], losses["fp8"])
+    meta = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "command": TRAIN_ARGS}
+    if root.is_file():
+        meta = {**json.loads(root.read_text())["meta"], "judged": meta["date"]}
     payload = {
-        "meta": {"date": datetime.now(UTC).isoformat(timespec="seconds"), "command": TRAIN_ARGS},
+        "meta": meta,
         "result": result,
         "runs": {
             name: {k: s.get(k) for k in ("eval_loss", "eval_loss_se", "tokens_per_s", "steps")}
@@ -143,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--parallel", type=int, default=4, help="trainings at once on the GPU")
     run.add_argument("--out", required=True, help="one folder per run is made here")
     report = sub.add_parser("report", help="losses and verdict from a `run` folder")
-    report.add_argument("root")
+    report.add_argument("root", help="a `run` folder, or a JSON file `report` wrote")
     report.add_argument("--output", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     return _run(args) if args.command == "run" else _report(args)
