@@ -194,3 +194,18 @@ def test_layout_table_states_each_window_and_the_chaos_past_it() -> None:
     reshard = next(line for line in lines if "resharded 4 -> 2 vs the 4-GPU run" in line)
     assert "| 11-30 | - | 9.6e-07 | 1.2e-04 (29) | 2.0e-05 | - |" in reshard
     assert not any("then 2 -> 1" in line for line in lines)  # no row without its numbers
+
+
+def test_failed_and_skipped_runs_are_stated_in_the_summary(tmp_path: Path) -> None:
+    call = tmp_path / "call"
+    call.mkdir()
+    (call / "versions.txt").write_text("NVIDIA H200\n")
+    bench = {
+        "runs": [{"preset": "base-8x128", "router": "maxscore", "gpus": 2, "error": "OOM"}],
+        "scaling": [],
+        "skipped": ["base-2x64:gshard on 2 GPUs"],
+    }
+    (call / "expert_parallel_2gpu.json").write_text(json.dumps(bench))
+    summary = report.render(call).summary
+    assert "base-8x128 / maxscore on 2 GPUs failed: OOM" in summary
+    assert "Not run (no time left in the call): base-2x64:gshard on 2 GPUs." in summary

@@ -194,7 +194,7 @@ def throughput_table(bench: dict[str, Any]) -> list[str]:
     scaling = bench.get("scaling", [])
     runs = [r for r in bench.get("runs", []) if "error" not in r]
     if not runs:
-        return []
+        return _failed_and_skipped(bench)
     meta = next(iter(bench.get("meta", {}).values()), {})
     out = [
         f"Throughput (compiled, bf16, micro-batch {runs[0].get('micro_batch_per_gpu')} x "
@@ -226,21 +226,16 @@ def throughput_table(bench: dict[str, Any]) -> list[str]:
             f"{_pct(s['scaling_efficiency'], 1)} | {fmt(s['vs_gshard_same_gpus'], '.3f')} | "
             f"{_pct(s['mfu'], 1)} |"
         )
-    failed = [r for r in bench.get("runs", []) if "error" in r]
-    for r in failed:
-        out.append(f"\n{r['preset']} / {r['router']} failed: {r['error']}")
-    if bench.get("skipped"):
-        out += ["", "Not run (no time left in the call): " + "; ".join(bench["skipped"]) + "."]
-    return out
+    return out + _failed_and_skipped(bench)
 
 
 def scaling_summary(bench: dict[str, Any]) -> list[str]:
     """The README's table: per preset and router, tokens/s on one GPU, and on each larger count
     tokens/s with its scaling efficiency and its ratio to gshard on as many GPUs (all within
-    one call: ``bench.py summarize``)."""
+    one call: ``bench.py summarize``); then the failed runs and the runs without time left."""
     runs = [r for r in bench.get("runs", []) if "error" not in r]
     if not runs:
-        return []
+        return _failed_and_skipped(bench)
     counts = sorted({r["gpus"] for r in runs})
     ones = {(r["preset"], r["router"]): r["tokens_per_s"] for r in runs if r["gpus"] == 1}
     larger = {(s["preset"], s["router"], s["gpus"]): s for s in bench.get("scaling", [])}
@@ -272,8 +267,17 @@ def scaling_summary(bench: dict[str, Any]) -> list[str]:
                 brackets.append(f"{versus:.3f}")
             cells.append(f"{row['tokens_per_s']:,.0f} ({', '.join(brackets)})")
         out.append(f"| {preset} | {router} | " + " | ".join(cells) + " |")
-    failed = [r for r in bench.get("runs", []) if "error" in r]
-    out += [f"\n{r['preset']} / {r['router']} failed: {r['error']}" for r in failed]
+    return out + _failed_and_skipped(bench)
+
+
+def _failed_and_skipped(bench: dict[str, Any]) -> list[str]:
+    out = []
+    for r in bench.get("runs", []):
+        if "error" in r:
+            out += [
+                "",
+                f"{r['preset']} / {r['router']} on {r.get('gpus', '?')} GPUs failed: {r['error']}",
+            ]
     if bench.get("skipped"):
         out += ["", "Not run (no time left in the call): " + "; ".join(bench["skipped"]) + "."]
     return out
