@@ -22,7 +22,7 @@ import json
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -194,16 +194,23 @@ def layout_table(layouts: dict[str, Any]) -> list[str]:
     return out
 
 
+def _setting(bench: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    """The benchmark's setting, from its first call's meta and its first run."""
+    meta = next(iter(bench.get("meta", {}).values()), {})
+    return (
+        f"compiled, bf16, micro-batch {runs[0].get('micro_batch_per_gpu')} x "
+        f"{meta.get('seq_len')} per GPU, steps {meta.get('warmup_steps_excluded', 0) + 1}-"
+        f"{meta.get('steps')} timed"
+    )
+
+
 def throughput_table(bench: dict[str, Any]) -> list[str]:
     scaling = bench.get("scaling", [])
     runs = [r for r in bench.get("runs", []) if "error" not in r]
     if not runs:
         return _failed_and_skipped(bench)
-    meta = next(iter(bench.get("meta", {}).values()), {})
     out = [
-        f"Throughput (compiled, bf16, micro-batch {runs[0].get('micro_batch_per_gpu')} x "
-        f"{meta.get('seq_len')} per GPU, steps {meta.get('warmup_steps_excluded', 0) + 1}-"
-        f"{meta.get('steps')} timed):",
+        f"Throughput ({_setting(bench, runs)}):",
         "",
         "| preset | router | GPUs | tokens/s | 1-GPU tokens/s | speedup | efficiency | "
         "vs gshard | MFU |",
@@ -243,12 +250,9 @@ def scaling_summary(bench: dict[str, Any]) -> list[str]:
     counts = sorted({r["gpus"] for r in runs})
     ones = {(r["preset"], r["router"]): r["tokens_per_s"] for r in runs if r["gpus"] == 1}
     larger = {(s["preset"], s["router"], s["gpus"]): s for s in bench.get("scaling", [])}
-    meta = next(iter(bench.get("meta", {}).values()), {})
     out = [
-        f"Tokens/s (compiled, bf16, micro-batch {runs[0].get('micro_batch_per_gpu')} x "
-        f"{meta.get('seq_len')} per GPU, steps {meta.get('warmup_steps_excluded', 0) + 1}-"
-        f"{meta.get('steps')} timed; in brackets: scaling efficiency against that many times one "
-        "GPU, and maxscore / gshard on as many GPUs):",
+        f"Tokens/s ({_setting(bench, runs)}; in brackets: scaling efficiency against that many "
+        "times one GPU, and maxscore / gshard on as many GPUs):",
         "",
         "| preset | router | " + " | ".join(f"{c} GPU{'s' * (c > 1)}" for c in counts) + " |",
         "|---|---|" + "---|" * len(counts),
@@ -348,6 +352,9 @@ class Report:
     gpus: int | None
     full: str
     summary: str
+    #: The joined benchmark rows and the folder each test session's files came from.
+    bench: dict[str, Any] = field(default_factory=dict)
+    tests_from: dict[str, Path | None] = field(default_factory=dict)
 
 
 def render(*folders: Path) -> Report:
@@ -392,7 +399,8 @@ def render(*folders: Path) -> Report:
         summary += ["", *table]
     where = f"results/{gpus}gpu/REPORT.md"
     summary += ["", f"Every test's outcome, the tests' gaps and MFU: [`{where}`]({where})."]
-    return Report(gpus, "\n".join(full) + "\n", "\n".join(summary) + "\n")
+    tests_from = {"gpu_tests": gpu_folder, "layout_tests": layout_folder}
+    return Report(gpus, "\n".join(full) + "\n", "\n".join(summary) + "\n", bench, tests_from)
 
 
 def write(folders: list[Path], report: Report) -> None:
@@ -403,8 +411,7 @@ def write(folders: list[Path], report: Report) -> None:
     gpus = report.gpus
     raw = HERE / "results" / f"{gpus}gpu"
     raw.mkdir(parents=True, exist_ok=True)
-    for stem in ("gpu_tests", "layout_tests"):
-        source = _tests_folder(folders, stem)
+    for stem, source in report.tests_from.items():
         for suffix in (".json", ".txt"):
             if source and (source / f"{stem}{suffix}").is_file():
                 shutil.copyfile(source / f"{stem}{suffix}", raw / f"{stem}{suffix}")
@@ -417,9 +424,8 @@ def write(folders: list[Path], report: Report) -> None:
                 for i, f in enumerate(folders, 1)
             )
         )
-    bench = merged_benchmark(folders)
-    if bench["runs"] or bench["skipped"]:
-        (raw / "expert_parallel.json").write_text(json.dumps(bench, indent=2) + "\n")
+    if report.bench.get("runs") or report.bench.get("skipped"):
+        (raw / "expert_parallel.json").write_text(json.dumps(report.bench, indent=2) + "\n")
     title = f"# Expert parallelism on {gpus} GPUs: the tests and the throughput\n\n"
     (raw / "REPORT.md").write_text(title + report.full)
     start, end = f"<!-- report:{gpus}gpu -->", f"<!-- /report:{gpus}gpu -->"
