@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,20 +49,8 @@ def load_script(path: Path, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while a class is built
     spec.loader.exec_module(module)
     return module
-
-
-def replace_marked_block(text: str, start: str, end: str, body: str) -> str | None:
-    """``text`` with what lies between the marker lines ``start`` and ``end`` replaced by
-    ``body`` (the markers kept), or None when ``text`` has no such block. READMEs quote
-    generated tables this way, so that a number cannot drift from its raw file."""
-    begin = text.find(start)
-    finish = text.find(end, begin + len(start)) if begin >= 0 else -1
-    if finish < 0:
-        return None
-    return text[: begin + len(start)] + "\n" + body + text[finish:]
 
 
 def step_timer(warmup: int, say: Callable[[str], None] | None = None) -> Any:

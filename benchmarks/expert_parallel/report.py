@@ -21,16 +21,12 @@ import argparse
 import json
 import re
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
-sys.path.insert(0, str(HERE.parent))
-
-from common import replace_marked_block  # noqa: E402
 
 
 def _json(path: Path) -> dict[str, Any]:
@@ -429,14 +425,15 @@ def write(folders: list[Path], report: Report) -> None:
     title = f"# Expert parallelism on {gpus} GPUs: the tests and the throughput\n\n"
     (raw / "REPORT.md").write_text(title + report.full)
     start, end = f"<!-- report:{gpus}gpu -->", f"<!-- /report:{gpus}gpu -->"
+    block = f"{start}\n{report.summary}{end}"
     text = README.read_text()
-    replaced = replace_marked_block(text, start, end, report.summary)
-    if replaced is None:
-        block = f"{start}\n{report.summary}{end}"
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
         heading = f"### {gpus} GPUs (raw files: `results/{gpus}gpu/`)\n\n{block}\n\n"
         anchor = "## Not run"
-        replaced = text.replace(anchor, heading + anchor, 1) if anchor in text else text + heading
-    README.write_text(replaced)
+        text = text.replace(anchor, heading + anchor, 1) if anchor in text else text + heading
+    README.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> None:

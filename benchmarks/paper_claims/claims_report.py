@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from claims_plan import ARMS_BY_NAME, STUDY_MODEL, StudyConfig
 
-from common import replace_marked_block
 from maxscore.training import evidence
 
 #: Equivalence margin (nats): differences inside ±MARGIN are negligible (1% perplexity).
@@ -548,11 +544,12 @@ def update_summary_block(path: Path, payload: dict[str, Any]) -> bool:
     """Replace the lines between :data:`BLOCK_BEGIN` and :data:`BLOCK_END` in ``path`` with the
     study's summary, so that a README quoting the study cannot drift from its raw results.
     Returns False (and writes nothing) when ``path`` has no such block."""
-    body = "\n".join([*headline_lines(payload), ""])
-    text = replace_marked_block(path.read_text(), BLOCK_BEGIN, BLOCK_END, body)
-    if text is None:
+    text = path.read_text()
+    begin, end = text.find(BLOCK_BEGIN), text.find(BLOCK_END)
+    if begin < 0 or end < begin:
         return False
-    path.write_text(text)
+    block = "\n".join([BLOCK_BEGIN, *headline_lines(payload), ""])
+    path.write_text(text[:begin] + block + text[end:])
     return True
 
 

@@ -31,9 +31,6 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent / "expert_parallel" / "bench.py"
-sys.path.insert(0, str(HERE.parent))
-
-from common import replace_marked_block  # noqa: E402
 
 #: Each preset's baseline router (None: a dense model, one run a precision).
 BASELINES: dict[str, str | None] = {
@@ -237,10 +234,12 @@ def table(doc: dict[str, Any]) -> list[str]:
 
 
 def write_readme(readme: Path, lines: list[str]) -> None:
-    text = replace_marked_block(readme.read_text(), START, END, "\n".join(lines) + "\n")
-    if text is None:
+    text = readme.read_text()
+    if START not in text or END not in text:
         raise SystemExit(f"{readme} has no {START} ... {END} block to replace")
-    readme.write_text(text)
+    head, rest = text.split(START, 1)
+    tail = rest.split(END, 1)[1]
+    readme.write_text(head + START + "\n" + "\n".join(lines) + "\n" + END + tail)
 
 
 def report(args: argparse.Namespace) -> None:
